@@ -1,0 +1,1 @@
+"""NumPy reference of MSA, one module per pipeline stage (filled in as stages land)."""

@@ -1,0 +1,3 @@
+"""Test support shared by msa's own suite and by users fuzzing their kernels: hypothesis
+strategies that draw consistent MSA problems and tolerance helpers against a float64 oracle.
+Needs the ``test`` extra (hypothesis)."""
