@@ -1,0 +1,5 @@
+"""Numba CUDA kernels of MSA: same function names and arguments as ``msa.reference``.
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` the kernels run in Numba's simulator on NumPy arrays; the
+warp operations the simulator lacks are supplied by ``msa.cuda._simwarp`` (installed here, once).
+"""

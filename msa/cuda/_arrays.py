@@ -1,0 +1,153 @@
+"""Arrays in and out of msa.cuda launchers, whatever library the caller uses.
+
+A launcher takes CuPy arrays, torch CUDA tensors, Numba device arrays or (convenience, with a
+copy each way) NumPy arrays, and returns arrays of the caller's library::
+
+    ctx = ArrayContext(q, k, v)            # decides the library from the inputs
+    dq = ctx.input("q", q)                 # what the kernel indexes
+    out = ctx.empty((T, H), np.float32)    # allocated in the caller's library
+    kernel[grid, block](dq, ..., ctx.arg(out))
+    return ctx.output(out)
+
+Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) everything is NumPy and no copy is made.
+bf16 tensors are passed to kernels as their uint16 bit patterns (Numba has no bf16 arrays);
+``is_bf16`` tells a launcher which it got.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import cuda
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def library_of(x) -> str:
+    """``'numpy' | 'cupy' | 'torch' | 'numba'`` for an array, TypeError otherwise."""
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod == "torch":
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if cuda.is_cuda_array(x) or hasattr(x, "copy_to_host"):
+        return "numba"
+    raise TypeError(f"expected a NumPy, CuPy, torch or Numba CUDA array, got {type(x).__name__}")
+
+
+def is_bf16(x) -> bool:
+    return "bfloat16" in str(getattr(x, "dtype", ""))
+
+
+class ArrayContext:
+    """The caller's array library and device, taken from the launcher's inputs."""
+
+    def __init__(self, *arrays):
+        libs = {library_of(a) for a in arrays if a is not None}
+        gpu_libs = libs - {"numpy"}
+        if len(gpu_libs) > 1:
+            raise TypeError(f"inputs mix array libraries {sorted(libs)}; pass one library's arrays")
+        if gpu_libs and "numpy" in libs:
+            raise TypeError("inputs mix NumPy (host) and GPU arrays; move them all to the GPU")
+        self.lib = gpu_libs.pop() if gpu_libs else "numpy"
+        self._torch_device = None
+        if self.lib == "torch":
+            for a in arrays:
+                if a is not None:
+                    if not a.is_cuda:
+                        raise TypeError("torch tensors must be on a CUDA device")
+                    if self._torch_device is None:
+                        self._torch_device = a.device
+                    elif a.device != self._torch_device:
+                        raise ValueError(
+                            f"tensors are on different devices ({self._torch_device} and {a.device})")
+
+    # -- inputs -------------------------------------------------------------------------------
+    def input(self, name: str, x):
+        """A kernel-ready view of ``x`` (no copy except NumPy on a real GPU)."""
+        if x is None:
+            return None
+        if self.lib == "numpy":
+            if not x.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous")
+            return x if SIMULATOR else cuda.to_device(x)
+        if self.lib == "torch":
+            if not x.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+            t = x.detach()
+            if is_bf16(t):
+                t = t.view(__import__("torch").int16)
+            return cuda.as_cuda_array(t)
+        if self.lib == "cupy":
+            if not x.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous")
+            return cuda.as_cuda_array(x)
+        arr = cuda.as_cuda_array(x) if not hasattr(x, "copy_to_host") else x
+        if not arr.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous")
+        return arr
+
+    # -- outputs ------------------------------------------------------------------------------
+    def empty(self, shape, dtype, fill=None):
+        """An output array in the caller's library (bf16 is asked for as ``'bfloat16'``)."""
+        shape = tuple(int(s) for s in shape)
+        bf16 = isinstance(dtype, str) and dtype == "bfloat16"
+        if self.lib == "torch":
+            import torch
+            tdt = torch.bfloat16 if bf16 else getattr(torch, np.dtype(dtype).name)
+            out = torch.empty(shape, dtype=tdt, device=self._torch_device)
+            if fill is not None:
+                out.fill_(fill)
+            return out
+        npdt = np.uint16 if bf16 else np.dtype(dtype)
+        if self.lib == "cupy":
+            import cupy
+            out = cupy.empty(shape, dtype=npdt)
+        elif self.lib == "numba" or (self.lib == "numpy" and not SIMULATOR):
+            out = cuda.device_array(shape, dtype=npdt)
+        else:
+            out = np.empty(shape, dtype=npdt)
+        if fill is not None:
+            self._fill(out, fill)
+        return out
+
+    @staticmethod
+    def _fill(out, value):
+        if isinstance(out, np.ndarray) or hasattr(out, "fill"):
+            out.fill(value)
+        else:  # Numba device array
+            _fill_kernel_for(out)(out.reshape(-1) if out.ndim > 1 else out, value)
+
+    def arg(self, out):
+        """The kernel argument for an array made by :meth:`empty`."""
+        if self.lib == "torch":
+            t = out.view(__import__("torch").int16) if is_bf16(out) else out
+            return cuda.as_cuda_array(t)
+        if self.lib == "cupy":
+            return cuda.as_cuda_array(out)
+        return out
+
+    def output(self, out):
+        """What the caller gets back: NumPy inputs get NumPy outputs (copied back on a GPU)."""
+        if self.lib == "numpy" and not SIMULATOR:
+            return out.copy_to_host()
+        return out
+
+
+def _fill_kernel_for(arr):
+    n = arr.size
+
+    def launch(flat, value):
+        _fill_kernel[(n + 255) // 256, 256](flat, value)
+
+    return launch
+
+
+@cuda.jit
+def _fill_kernel(flat, value):
+    i = cuda.grid(1)
+    if i < flat.size:
+        flat[i] = value
