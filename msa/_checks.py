@@ -155,3 +155,22 @@ def cu_to_host(x):
     if hasattr(x, "detach"):  # torch
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def check_offsets(name: str, cu, total: int | None = None) -> np.ndarray:
+    """One packed-batch offsets array on its own (e.g. ``cu_seqlens_k`` without queries).
+
+    ``cu``: [B+1] integer prefix sums starting at 0, non-decreasing, ending at ``total`` when
+    given. Returns an int64 NumPy host copy.
+    """
+    check_array(name, cu, ndim=1, dtypes=("int",))
+    cu = np.asarray(cu_to_host(cu), dtype=np.int64)
+    if cu.shape[0] < 2:
+        raise ValueError(f"{name} must have B+1 >= 2 entries, got shape {cu.shape}")
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+    if np.any(np.diff(cu) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
+    return cu
