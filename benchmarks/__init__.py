@@ -1,0 +1,1 @@
+"""GPU benchmarks of msa against the baselines a user would otherwise pick (DESIGN §6)."""
