@@ -70,7 +70,7 @@ def run(seq_lens=(640, 300), num_q_heads=8, num_kv_heads=2, head_dim=32, index_d
 
     t0 = time.perf_counter()
     od, lsed = R.dense_attention(p.q, p.k, p.v, cq, ck)
-    nb = R.max_blocks(ck, bk) if hasattr(R, "max_blocks") else int(m.shape[-1])
+    nb = R.max_blocks(ck, bk)
     all_idx = R.select_blocks(m, cq, ck, max(nb, 1), bk)
     oa, _ = R.sparse_attention(p.q, p.k, p.v, all_idx, cq, ck, bk)
     err_dense = float(np.abs(oa - od).max())

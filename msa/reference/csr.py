@@ -9,23 +9,28 @@ The k2q index is one CSR matrix per KV head ``h``, stored side by side:
 
 * a *row* is one (sequence, KV block) pair: block ``j`` of sequence ``b`` is row
   ``block_row_offsets(cu_seqlens_k, Bk)[b] + j``, so ``rows = sum_b ceil(Lk_b / Bk)``;
-* ``row_ptr [Hkv, rows+1]``: the queries of row ``r`` are ``q_indices[h, row_ptr[h, r]:row_ptr[h, r+1]]``;
-* ``q_indices [Hkv, Tq*K]``: packed query ids, ascending inside each row, -1 past ``row_ptr[h, -1]``;
+* ``row_ptr [Hkv, rows+1]``: the queries of row ``r`` of head ``h`` are
+  ``q_indices[h, row_ptr[h, r]:row_ptr[h, r+1]]``;
+* ``q_indices [Hkv, Tq*K]``: packed query ids, ascending inside each row, -1 past the head's
+  nnz ``row_ptr[h, -1]``;
 * ``slots [Hkv, Tq*K]``: the position ``s`` of the block in ``I[t, h, :]``, i.e. the slot of
   ``O_part [K, Tq, Hq, D]`` where K1 writes that (query, block) partial, -1 past the head's nnz.
 
 Both flat arrays are sized ``Tq*K`` (the most edges a head can have), so every buffer has a size
 known before the selection is read: a GPU launcher never needs a host round trip.
 
-The GPU builds it in three data-parallel steps, which this module spells out one function each:
+The GPU builds it in three data-parallel steps, which this module spells out one function each
+(MiniMax's builder calls them hist, row_prefix and tile_prefix_smem + scatter; its build_row_map
+is ``blocks.block_row_offsets``):
 
 1. ``csr_histogram``: one thread per edge, ``atomicAdd(counts[h, row], 1)``;
 2. ``exclusive_prefix_sum``: a scan of the counts per head gives ``row_ptr``;
 3. ``csr_scatter``: one thread per edge writes its query id at ``row_ptr[h, row] + rank``, where
    ``rank`` is the number of queries with a smaller id in the same row. Taking ``rank`` from an
-   atomic cursor instead would be correct as a set but would store each row in whatever order
-   the threads happened to run, so the GPU kernel ranks deterministically as well, and reruns
-   are bitwise identical.
+   atomic cursor instead would give the right set but store each row in whatever order the
+   threads happened to run, so the GPU kernel must rank deterministically too (a prefix over
+   query tiles plus a rank inside the tile); then reruns are bitwise identical and every row
+   is sorted, which K1's gathers and the tests rely on.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ def csr_histogram(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int) ->
     ``counts[h, row(b, j)] = #{t in sequence b : j in I[t, h, :]}``.
 
     Args:
-        block_indices: I int32 [Tq, Hkv, K], batch-local block ids, ascending, unique, -1 only
-            at the tail (checked by ``select.check_block_indices``).
+        block_indices: I int [Tq, Hkv, K], batch-local block ids of the query's own sequence,
+            unique per (t, h), -1 only at the tail (``select.check_block_indices``; the order
+            inside a row is free: ``select_blocks`` returns it ascending).
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed-batch offsets (``Lq <= Lk`` per sequence).
         block_size: Bk >= 1.
 
@@ -120,10 +126,11 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
 
     Edge ``(h, t, s)`` with row ``r = row(batch(t), I[t, h, s])`` lands at
     ``e = row_ptr[h, r] + rank``, ``rank = #{t' < t : query t' selected row r in head h}``:
-    ``q_indices[h, e] = t`` and ``slots[h, e] = s``.
+    ``q_indices[h, e] = t`` and ``slots[h, e] = s``. A query lists a block at most once, so
+    ranks inside a row are distinct and the positions fill the row exactly.
 
     Args:
-        block_indices: I int32 [Tq, Hkv, K] (see ``csr_histogram``).
+        block_indices: I int [Tq, Hkv, K] (see ``csr_histogram``).
         row_ptr: int [Hkv, rows+1], exactly ``exclusive_prefix_sum(csr_histogram(...))`` of the
             same selection.
         cu_seqlens_q, cu_seqlens_k: int [B+1].
@@ -173,8 +180,8 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int):
     """Paper §4.2: the k2q reverse index of a selection (histogram -> prefix sum -> scatter).
 
     Args:
-        block_indices: I int32 [Tq, Hkv, K], batch-local block ids, ascending, unique, -1 only
-            at the tail.
+        block_indices: I int [Tq, Hkv, K], batch-local block ids, unique per (t, h), -1 only at
+            the tail (see ``csr_histogram``).
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed-batch offsets.
         block_size: Bk >= 1.
 

@@ -152,6 +152,8 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
         sequence shorter than the longest one. Its local block ``floor(pos / Bk)`` is pooled over
         the keys ``<= pos`` only, so token causality holds inside it. With finite scores a row
         has exactly ``floor(pos / Bk) + 1`` finite entries, blocks ``0..floor(pos / Bk)``.
+        NaN scores: the max is an ``fmax`` from ``-inf`` (CUDA's ``fmaxf``), so a NaN score is
+        skipped and a block whose visible scores are all NaN is ``-inf``; the mean propagates NaN.
 
     The full ``[Hkv, Tq, Tk]`` tensor is never built: for each sequence and each chunk of its
     queries, the keys up to the chunk's last position are scored, padded with ``-inf`` to whole
@@ -189,7 +191,9 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
             S_blocks = S.reshape(hkv, t1 - t0, nb, block_size)  # [Hkv, c, nb, Bk]
             if pool == "max":
                 tail[:, hidden] = -np.inf
-                M[:, t0:t1, :nb] = S_blocks.max(axis=-1)  # [Hkv, c, nb]
+                # acc = -inf; acc = fmax(acc, s) over the block, as a kernel accumulates it
+                # (fmax is also several times faster than max in NumPy).
+                M[:, t0:t1, :nb] = np.fmax.reduce(S_blocks, axis=-1, initial=-np.inf)  # [Hkv, c, nb]
             else:
                 tail[:, hidden] = 0.0
                 first = np.arange(nb, dtype=np.int64) * block_size  # [nb]

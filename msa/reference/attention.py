@@ -1,0 +1,331 @@
+"""Paper eq 1, eq 8 and §4.2 K1: dense causal GQA attention, sparse attention, KV-outer partials.
+
+Three functions compute softmax attention over three supports, all with GQA (query head ``h``
+reads KV head ``r = h // G``, eq 3) on a packed variable-length batch with bottom-right causal
+alignment (``msa.reference.blocks.query_positions``):
+
+* ``dense_attention`` (eq 1): every key of the query's sequence at a position ``<= pos``. It is
+  the warmup branch of Algorithm 1 and the baseline sparse attention must reduce to.
+* ``sparse_attention`` (eq 8): only the causally visible keys of the blocks the indexer selected
+  for the query's group, ``I[t, r, :]``. This is the definition, written query by query
+  (Q-outer).
+* ``attention_partials`` (K1): the same edges visited block by block (KV-outer, paper §4.2): a
+  work item loads one K/V block and serves every query of its CSR chunk with it, writing one
+  locally normalised partial per (query, block). ``msa.reference.combine.combine_partials`` (K2)
+  merges them into exactly what ``sparse_attention`` returns.
+
+All three return ``lse``, the natural-log normaliser ``log sum_j exp(S_j)`` of the scaled scores
+``S_j = <q, k_j> * scale``, which K2 and the KL loss (eq 9) reuse. They compute in float64 for
+float64 input and in float32 otherwise (float16 is promoted) and return that dtype. A row with
+no visible key gets ``o = 0`` and ``lse = -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._checks import (check_array, check_gqa, check_positive_int, check_same_dtype, check_scale,
+                       cu_to_host, dtype_of)
+from .blocks import block_row_offsets, query_positions, sequence_lengths
+from .select import check_block_indices
+
+# Largest score tile one chunk of queries may build, in elements (32 MiB of float64): bounds the
+# memory of every function here at any sequence length.
+_TILE_ELEMENTS = 1 << 22
+
+
+def _check_qkv(q, k, v):
+    """Validate ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``; return ``(q, k, v, G)`` in the compute dtype."""
+    check_array("q", q, ndim=3, dtypes=("float",))
+    check_array("k", k, ndim=3, dtypes=("float",))
+    check_array("v", v, ndim=3, dtypes=("float",), shape=tuple(k.shape))
+    dt = check_same_dtype(q=q, k=k, v=v)
+    d = int(q.shape[2])
+    if d < 1:
+        raise ValueError(f"q must have head dim D >= 1, got shape {tuple(q.shape)}")
+    check_array("k", k, shape=(None, None, d))
+    g = check_gqa(int(q.shape[1]), int(k.shape[1]))
+    compute = np.float64 if dt == np.float64 else np.float32
+    return (np.asarray(q, dtype=compute), np.asarray(k, dtype=compute),
+            np.asarray(v, dtype=compute), g)
+
+
+def _softmax_attend(s, visible, v):
+    """Masked, max-subtracted ``softmax(S) V`` of a score tile, and its log-sum-exp.
+
+    Args:
+        s: float [..., C, G, N] scaled scores (overwritten with the probabilities' numerators).
+        visible: bool, broadcastable to ``s``: which keys each row may attend to.
+        v: float [..., N, D] values (the leading axes match ``s``'s or are absent).
+
+    Returns:
+        ``(o [..., C, G, D], lse [..., C, G])``; a row with no visible key gives 0 and -inf.
+    """
+    *lead, c, g, n = s.shape
+    d = v.shape[-1]
+    if n == 0:
+        return np.zeros((*lead, c, g, d), s.dtype), np.full((*lead, c, g), -np.inf, s.dtype)
+    np.copyto(s, -np.inf, where=~visible)
+    # m = rowmax(S); a row with nothing visible takes m = 0 so that S - m stays -inf, not NaN.
+    m = s.max(axis=-1, keepdims=True)  # [..., C, G, 1]
+    m[~np.isfinite(m)] = 0
+    s -= m
+    p = np.exp(s, out=s)  # [..., C, G, N], exactly 0 where not visible
+    l = p.sum(axis=-1)  # [..., C, G], >= 1 where a key is visible, 0 otherwise
+    o = (p.reshape(*lead, c * g, n) @ v).reshape(*lead, c, g, d)  # [..., C, G, D]
+    seen = l > 0  # [..., C, G]
+    np.divide(o, l[..., None], out=o, where=seen[..., None])
+    lse = np.full(l.shape, -np.inf, dtype=s.dtype)  # [..., C, G]
+    np.log(l, out=lse, where=seen)
+    lse += m[..., 0]
+    return o, lse
+
+
+def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
+    """Paper eq 1: dense causal softmax attention with GQA on a packed variable-length batch.
+
+    .. math::  o_t^{(h)} = \\sum_{i \\le t} \\mathrm{softmax}_i\\big(\\langle q_t^{(h)}, k_i^{(r)} \\rangle \\cdot s\\big)\\, v_i^{(r)}, \\qquad r = h // G
+
+    Query ``t`` of sequence ``b`` sits at key position ``pos[t] = Lk - Lq + i`` and sees the keys
+    ``0 .. pos[t]`` of its own sequence. Queries are processed in chunks whose score tile holds at
+    most ``2**22`` elements, so memory stays bounded at any length.
+
+    Args:
+        q: float [Tq, Hq, D]; k, v: [Tk, Hkv, D], same dtype as ``q``, ``Hkv`` dividing ``Hq``.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        scale: softmax scale ``s``; ``None`` gives ``1/sqrt(D)``.
+
+    Returns:
+        ``(o [Tq, Hq, D], lse [Tq, Hq])``, float64 for float64 input, float32 otherwise; ``lse``
+        is ``log sum_i exp(S_i)`` in natural log. A query with no visible key (impossible when
+        ``Lq <= Lk``, guarded anyway) gets ``o = 0``, ``lse = -inf``.
+
+    Raises:
+        TypeError: non-float or mixed dtypes, non-integer offsets. ValueError: wrong ranks,
+        ``k``/``v``/``q`` shapes that disagree (``Tk``, ``Hkv``, ``D``), ``Hkv`` not dividing
+        ``Hq``, bad ``cu_seqlens``, a non-positive ``scale``.
+    """
+    q, k, v, g = _check_qkv(q, k, v)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
+    lse = np.full((tq, hq), -np.inf, dtype=q.dtype)  # [Tq, Hq]
+    for b in range(lq.size):
+        chunk = max(1, _TILE_ELEMENTS // (hq * max(int(lk[b]), 1)))
+        for i0 in range(0, int(lq[b]), chunk):
+            i1 = min(i0 + chunk, int(lq[b]))
+            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
+            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
+            n = int(pos[-1]) + 1  # the last query of the chunk sees the most keys
+            k_b = k[cu_k[b]:cu_k[b] + n].transpose(1, 2, 0)  # [Hkv, D, n]
+            v_b = v[cu_k[b]:cu_k[b] + n].transpose(1, 0, 2)  # [Hkv, n, D]
+            q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, C, G, D]
+            s = (q_c.reshape(hkv, c * g, d) @ k_b).reshape(hkv, c, g, n)  # [Hkv, C, G, n]
+            visible = np.arange(n)[None, :] <= pos[:, None]  # [C, n], token-level causal mask
+            o_c, lse_c = _softmax_attend(s, visible[:, None, :], v_b)  # [Hkv, C, G, D], [Hkv, C, G]
+            o[t0:t1] = o_c.transpose(1, 0, 2, 3).reshape(c, hq, d)
+            lse[t0:t1] = lse_c.transpose(1, 0, 2).reshape(c, hq)
+    return o, lse
+
+
+def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
+    """Paper eq 8: softmax attention restricted to the causally visible keys of the selected blocks.
+
+    .. math::  O_t^{(h)} = \\mathrm{softmax}\\big(Q_t^{(h)} K^{(r)}[\\mathcal{I}_t^{(r)}]^\\top s\\big)\\, V^{(r)}[\\mathcal{I}_t^{(r)}]
+
+    The support of query ``t``, head ``h`` (group ``r = h // G``) is the set of keys at positions
+    ``j*Bk .. (j+1)*Bk - 1`` (within its sequence) for every block ``j`` of ``I[t, r, :]``
+    (``-1`` entries ignored), keeping only positions ``<= pos[t]``: the local block is cut at
+    the query itself, and a block lying wholly in the future contributes nothing. All G heads of
+    a group share the support, each with its own query.
+
+    This is the Q-outer definition. To vectorise it, a chunk of neighbouring queries gathers the
+    union of its selected blocks once and each query masks that union down to its own support
+    (neighbours share their local and sink blocks, so the union is small); the result is the
+    per-query softmax, only the K/V reads are shared. Cost is at most that of dense attention.
+
+    Args:
+        q: float [Tq, Hq, D]; k, v: [Tk, Hkv, D], same dtype as ``q``.
+        block_indices: I int [Tq, Hkv, K], batch-local block ids, unique per row, -1 only at the
+            tail (validated by ``msa.reference.select.check_block_indices``; order is free).
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        block_size: Bk >= 1.
+        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+
+    Returns:
+        ``(o [Tq, Hq, D], lse [Tq, Hq])``: float64 for float64 input, float32 otherwise (float16
+        is promoted); ``lse`` in natural log over the support. A query whose support is empty
+        (a row of only -1, or only future blocks) gets ``o = 0`` and ``lse = -inf``.
+
+    Raises:
+        TypeError/ValueError as ``dense_attention``, plus ``block_indices`` with a wrong shape
+        (``Tq``, ``Hkv``), an out-of-range or repeated block, or -1 before a real block.
+    """
+    q, k, v, g = _check_qkv(q, k, v)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    block_size = check_positive_int("block_size", block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
+    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+    topk = I.shape[2]
+    o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
+    lse = np.full((tq, hq), -np.inf, dtype=q.dtype)  # [Tq, Hq]
+    offsets = np.arange(block_size)  # [Bk]
+    for b in range(lq.size):
+        nb = -(-int(lk[b]) // block_size)  # blocks of this sequence
+        # The union of a chunk's blocks has at most min(NB, C*K) blocks; either bound keeps the
+        # [C, G, union*Bk] tile under _TILE_ELEMENTS.
+        per_block = g * block_size
+        chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
+                    math.isqrt(_TILE_ELEMENTS // (per_block * topk)))
+        for i0 in range(0, int(lq[b]), chunk):
+            i1 = min(i0 + chunk, int(lq[b]))
+            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
+            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
+            q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d)  # [C, Hkv, G, D]
+            for r in range(hkv):
+                I_r = I[t0:t1, r]  # [C, K]
+                chosen = np.zeros((c, nb), dtype=bool)  # [C, NB]: block j is in I[t, r, :]
+                rows, cols = np.nonzero(I_r >= 0)
+                chosen[rows, I_r[rows, cols]] = True
+                union = np.flatnonzero(chosen.any(axis=0))  # [U]
+                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
+                # Support = chosen block and causally visible; key_pos <= pos < Lk also drops
+                # the padding past the end of a partial last block.
+                visible = chosen[:, union, None] & (key_pos[None] <= pos[:, None, None])  # [C, U, Bk]
+                keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [U*Bk], clamped
+                s = (q_c[:, r].reshape(c * g, d) @ k[keys, r].T).reshape(c, g, keys.size)  # [C, G, U*Bk]
+                o_c, lse_c = _softmax_attend(s, visible.reshape(c, 1, -1), v[keys, r])
+                o[t0:t1, r * g:(r + 1) * g] = o_c  # [C, G, D]
+                lse[t0:t1, r * g:(r + 1) * g] = lse_c  # [C, G]
+    return o, lse
+
+
+def _check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_size):
+    """Validate K1's schedule against the problem; return host int64 copies of the three arrays.
+
+    Every item must name a real (head, sequence, block) whose ``row`` is consistent, a CSR range
+    inside ``q_indices``, queries of that sequence and slots ``< topk``; no two entries may
+    write the same (head, slot, query) partial or serve the same (head, query, row) twice.
+    """
+    check_array("work", work, ndim=2, dtypes=("int",), shape=(None, 6))
+    check_array("q_indices", q_indices, ndim=2, dtypes=("int",), shape=(hkv, None))
+    check_array("partial_slots", partial_slots, ndim=2, dtypes=("int",),
+                shape=tuple(q_indices.shape))
+    work = np.asarray(cu_to_host(work), dtype=np.int64)  # [W, 6]
+    q_indices = np.asarray(cu_to_host(q_indices), dtype=np.int64)  # [Hkv, nnz]
+    partial_slots = np.asarray(cu_to_host(partial_slots), dtype=np.int64)  # [Hkv, nnz]
+    nnz = q_indices.shape[1]
+    tq = q_batch.size
+    num_seqs = cu_k.size - 1
+    lk = np.diff(cu_k)  # [B]
+    nb = -(-lk // block_size)  # [B]
+    row_offsets = block_row_offsets(cu_k, block_size)  # [B+1]
+    h, row, q_begin, q_count, batch, kv_block = work.T  # [W] each
+    batch_ok = (batch >= 0) & (batch < num_seqs)  # [W]
+    b_safe = np.where(batch_ok, batch, 0)  # [W]
+    problems = [
+        ((h < 0) | (h >= hkv), f"kv_head must be in [0, {hkv})"),
+        (~batch_ok, f"batch must be in [0, {num_seqs})"),
+        ((kv_block < 0) | (kv_block >= nb[b_safe]), "kv_block must be a block of its sequence"),
+        (row != row_offsets[b_safe] + kv_block, "row must be block_row_offsets[batch] + kv_block"),
+        ((q_begin < 0) | (q_count < 0) | (q_begin + q_count > nnz),
+         f"q_begin, q_count must give a range inside q_indices' {nnz} columns"),
+    ]
+    for bad, why in problems:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"work[{i}] = {work[i].tolist()} is invalid: {why}")
+    # One entry per (item, CSR position): the queries and slots the items will touch.
+    item = np.repeat(np.arange(work.shape[0]), q_count)  # [E]
+    first = np.cumsum(q_count) - q_count  # [W]
+    e = q_begin[item] + np.arange(item.size) - first[item]  # [E]
+    t = q_indices[h[item], e]  # [E]
+    slot = partial_slots[h[item], e]  # [E]
+    bad_t = (t < 0) | (t >= tq)  # [E]
+    wrong_seq = ~bad_t & (q_batch[np.where(bad_t, 0, t)] != batch[item])  # [E]
+    for bad, what, arr, why in (
+            (bad_t, "q_indices", t, f"must be a query in [0, {tq})"),
+            (wrong_seq, "q_indices", t, "must be a query of the work item's sequence"),
+            ((slot < 0) | (slot >= topk), "partial_slots", slot, f"must be in [0, topk={topk})")):
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{what}[{int(h[item[j]])}, {int(e[j])}] = {int(arr[j])} "
+                             f"(work[{int(item[j])}]) {why}")
+    for key, why in (((h[item] * topk + slot) * tq + t, "write the same (kv_head, slot, query) partial"),
+                     ((h[item] * tq + t) * max(int(row_offsets[-1]), 1) + row[item],
+                      "serve the same (kv_head, query, row) twice")):
+        if np.unique(key).size != key.size:
+            raise ValueError(f"work, q_indices and partial_slots: two entries {why}")
+    return work, q_indices, partial_slots
+
+
+def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
+                       block_size, topk, scale=None):
+    """Paper §4.2 K1 (eq 13-16 context): KV-outer partial attention, one partial per (query, block).
+
+    .. math::  L_s = \\log \\sum_{j \\in J_s} e^{S_j}, \\qquad O_s = \\sum_{j \\in J_s} e^{S_j - L_s} V_j
+
+    The loop is the GPU kernel's: one iteration per work item ``[kv_head, row, q_begin,
+    q_count, batch, kv_block]`` (one CTA). It loads block ``kv_block`` of sequence ``batch`` of
+    KV head ``r = kv_head`` once, gathers the ``q_count`` queries
+    ``q_indices[r, q_begin:q_begin+q_count]`` with their G heads into one ``(q_count*G) x D``
+    matrix (the paper's query concatenation), scores it against the block under the token-level
+    causal mask (only the local block is cut), takes the softmax local to the block and writes
+    ``O_s``, ``L_s`` into slot ``partial_slots[r, e]`` of each query ``t``: ``o_part[slot, t,
+    r*G:(r+1)*G]``. Nothing is accumulated, so the result does not depend on the item order.
+
+    Args:
+        q: float [Tq, Hq, D]; k, v: [Tk, Hkv, D], same dtype as ``q``.
+        work: int [W, 6] work items (``msa.reference.schedule.build_schedule``).
+        q_indices, partial_slots: int [Hkv, nnz] k2q CSR entries and their slots
+            (``msa.reference.csr.build_csr``); only the ranges named by ``work`` are read.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        block_size: Bk >= 1. topk: K >= 1, the number of slots.
+        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+
+    Returns:
+        ``(o_part [K, Tq, Hq, D], lse_part [K, Tq, Hq])``, float64 for float64 input, float32
+        otherwise. Slot ``s`` of query ``t`` holds the partial of its ``s``-th selected block.
+        A slot no item writes keeps ``o = 0``, ``lse = -inf``; so does a partial whose block has
+        no key visible to the query (a block wholly after it).
+
+    Raises:
+        TypeError/ValueError as ``dense_attention``; ValueError for a work item naming a bad
+        head, sequence, block or row, a CSR range outside ``q_indices``, a query outside the
+        item's sequence, a slot outside ``[0, topk)``, or two entries writing one partial.
+    """
+    q, k, v, g = _check_qkv(q, k, v)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    block_size = check_positive_int("block_size", block_size)
+    topk = check_positive_int("topk", topk)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    q_batch, q_pos = query_positions(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])  # [Tq] each
+    _, cu_k, _, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    work, q_indices, partial_slots = _check_work(work, q_indices, partial_slots, hkv, topk,
+                                                 q_batch, cu_k, block_size)
+    o_part = np.zeros((topk, tq, hq, d), dtype=q.dtype)  # [K, Tq, Hq, D]
+    lse_part = np.full((topk, tq, hq), -np.inf, dtype=q.dtype)  # [K, Tq, Hq]
+    for r, _, q_begin, q_count, b, j in work.tolist():
+        # Load the K/V block once: key positions [j*Bk, min((j+1)*Bk, Lk)) of sequence b.
+        key_pos = np.arange(j * block_size, min((j + 1) * block_size, int(lk[b])))  # [n]
+        keys = slice(int(cu_k[b]) + key_pos[0], int(cu_k[b]) + key_pos[-1] + 1)
+        k_j, v_j = k[keys, r], v[keys, r]  # [n, D] each
+        # Gather the chunk's queries and concatenate their G heads: one (q_count*G) x D tile.
+        t = q_indices[r, q_begin:q_begin + q_count]  # [q_count]
+        slot = partial_slots[r, q_begin:q_begin + q_count]  # [q_count]
+        heads = np.arange(r * g, (r + 1) * g)  # [G]
+        q_cat = (q[t[:, None], heads] * scale).reshape(q_count * g, d)  # [q_count*G, D]
+        s = (q_cat @ k_j.T).reshape(q_count, g, key_pos.size)  # [q_count, G, n]
+        visible = key_pos[None, :] <= q_pos[t][:, None]  # [q_count, n]
+        o_s, lse_s = _softmax_attend(s, visible[:, None, :], v_j)  # [q_count, G, D], [q_count, G]
+        o_part[slot[:, None], t[:, None], heads] = o_s
+        lse_part[slot[:, None], t[:, None], heads] = lse_s
+    return o_part, lse_part
