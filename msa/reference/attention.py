@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from .._checks import (check_array, check_gqa, check_positive_int, check_same_dtype, check_scale,
-                       cu_to_host, dtype_of)
+                       cu_to_host)
 from .blocks import block_row_offsets, query_positions, sequence_lengths
 from .select import check_block_indices
 
@@ -37,7 +37,7 @@ _TILE_ELEMENTS = 1 << 22
 
 
 def _check_qkv(q, k, v):
-    """Validate ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``; return ``(q, k, v, G)`` in the compute dtype."""
+    """Validate ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``; return ``(q, k, v, G)``, compute dtype."""
     check_array("q", q, ndim=3, dtypes=("float",))
     check_array("k", k, ndim=3, dtypes=("float",))
     check_array("v", v, ndim=3, dtypes=("float",), shape=tuple(k.shape))
@@ -84,9 +84,10 @@ def _softmax_attend(s, visible, v):
 
 
 def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
-    """Paper eq 1: dense causal softmax attention with GQA on a packed variable-length batch.
+    r"""Paper eq 1: dense causal softmax attention with GQA on a packed variable-length batch.
 
-    .. math::  o_t^{(h)} = \\sum_{i \\le t} \\mathrm{softmax}_i\\big(\\langle q_t^{(h)}, k_i^{(r)} \\rangle \\cdot s\\big)\\, v_i^{(r)}, \\qquad r = h // G
+    .. math::  o_t^{(h)} = \sum_{i \le t} \mathrm{softmax}_i(s \langle q_t^{(h)}, k_i^{(r)} \rangle)
+               \, v_i^{(r)}, \qquad r = \lfloor h / G \rfloor
 
     Query ``t`` of sequence ``b`` sits at key position ``pos[t] = Lk - Lq + i`` and sees the keys
     ``0 .. pos[t]`` of its own sequence. Queries are processed in chunks whose score tile holds at
@@ -133,9 +134,10 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
 
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
-    """Paper eq 8: softmax attention restricted to the causally visible keys of the selected blocks.
+    r"""Paper eq 8: softmax attention on the causally visible keys of the selected blocks.
 
-    .. math::  O_t^{(h)} = \\mathrm{softmax}\\big(Q_t^{(h)} K^{(r)}[\\mathcal{I}_t^{(r)}]^\\top s\\big)\\, V^{(r)}[\\mathcal{I}_t^{(r)}]
+    .. math::  O_t^{(h)} = \mathrm{softmax}(s\, Q_t^{(h)} K^{(r)}[\mathcal{I}_t^{(r)}]^\top)
+               \, V^{(r)}[\mathcal{I}_t^{(r)}]
 
     The support of query ``t``, head ``h`` (group ``r = h // G``) is the set of keys at positions
     ``j*Bk .. (j+1)*Bk - 1`` (within its sequence) for every block ``j`` of ``I[t, r, :]``
@@ -198,9 +200,10 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
                 key_pos = union[:, None] * block_size + offsets  # [U, Bk]
                 # Support = chosen block and causally visible; key_pos <= pos < Lk also drops
                 # the padding past the end of a partial last block.
-                visible = chosen[:, union, None] & (key_pos[None] <= pos[:, None, None])  # [C, U, Bk]
+                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
                 keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [U*Bk], clamped
-                s = (q_c[:, r].reshape(c * g, d) @ k[keys, r].T).reshape(c, g, keys.size)  # [C, G, U*Bk]
+                s = q_c[:, r].reshape(c * g, d) @ k[keys, r].T  # [C*G, U*Bk]
+                s = s.reshape(c, g, keys.size)  # [C, G, U*Bk]
                 o_c, lse_c = _softmax_attend(s, visible.reshape(c, 1, -1), v[keys, r])
                 o[t0:t1, r * g:(r + 1) * g] = o_c  # [C, G, D]
                 lse[t0:t1, r * g:(r + 1) * g] = lse_c  # [C, G]
@@ -258,9 +261,9 @@ def _check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_
             j = int(np.flatnonzero(bad)[0])
             raise ValueError(f"{what}[{int(h[item[j]])}, {int(e[j])}] = {int(arr[j])} "
                              f"(work[{int(item[j])}]) {why}")
-    for key, why in (((h[item] * topk + slot) * tq + t, "write the same (kv_head, slot, query) partial"),
-                     ((h[item] * tq + t) * max(int(row_offsets[-1]), 1) + row[item],
-                      "serve the same (kv_head, query, row) twice")):
+    rows = max(int(row_offsets[-1]), 1)
+    for key, why in (((h[item] * topk + slot) * tq + t, "write one (kv_head, slot, query) partial"),
+                     ((h[item] * tq + t) * rows + row[item], "serve one (kv_head, query, row)")):
         if np.unique(key).size != key.size:
             raise ValueError(f"work, q_indices and partial_slots: two entries {why}")
     return work, q_indices, partial_slots
@@ -268,9 +271,9 @@ def _check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_
 
 def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
                        block_size, topk, scale=None):
-    """Paper §4.2 K1 (eq 13-16 context): KV-outer partial attention, one partial per (query, block).
+    r"""Paper §4.2 K1 (eq 13-16 context): KV-outer partial attention, one per (query, block).
 
-    .. math::  L_s = \\log \\sum_{j \\in J_s} e^{S_j}, \\qquad O_s = \\sum_{j \\in J_s} e^{S_j - L_s} V_j
+    .. math::  L_s = \log \sum_{j \in J_s} e^{S_j}, \qquad O_s = \sum_{j \in J_s} e^{S_j - L_s} V_j
 
     The loop is the GPU kernel's: one iteration per work item ``[kv_head, row, q_begin,
     q_count, batch, kv_block]`` (one CTA). It loads block ``kv_block`` of sequence ``batch`` of

@@ -1,15 +1,15 @@
-"""Paper §4.2, K2: exact log-sum-exp combine of the KV-outer partial attentions.
+r"""Paper §4.2, K2: exact log-sum-exp combine of the KV-outer partial attentions.
 
 K1 (``msa.reference.attention.attention_partials``) leaves, for every query ``t`` and head
 ``h``, up to ``K`` partials, one per selected block ``s`` (token set ``J_s``), each normalised
 over its own block only:
 
-.. math::  L_s = \\log \\sum_{j \\in J_s} \\exp S_j, \\qquad O_s = \\sum_{j \\in J_s} \\exp(S_j - L_s) V_j
+.. math::  L_s = \log \sum_{j \in J_s} e^{S_j}, \qquad O_s = \sum_{j \in J_s} e^{S_j - L_s} V_j
 
 No CTA of K1 sees all of a query's blocks, so none can finish the softmax. K2 does, exactly:
 
-.. math::  L = \\log \\sum_s \\exp L_s, \\qquad O = \\sum_s \\exp(L_s - L)\\, O_s
-           = \\sum_s \\sum_{j \\in J_s} \\exp(S_j - L) V_j
+.. math::  L = \log \sum_s \exp L_s, \qquad O = \sum_s \exp(L_s - L)\, O_s
+           = \sum_s \sum_{j \in J_s} \exp(S_j - L) V_j
 
 which is one softmax over the union of the blocks, i.e. eq 8. The split changes the order of
 the work, not the result.
@@ -23,9 +23,9 @@ from .._checks import check_array, dtype_of
 
 
 def combine_partials(o_part, lse_part, out_dtype=None):
-    """Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
+    r"""Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
 
-    .. math::  L = \\log \\sum_s e^{L_s}, \\qquad O = \\sum_s e^{L_s - L} O_s
+    .. math::  L = \log \sum_s e^{L_s}, \qquad O = \sum_s e^{L_s - L} O_s
 
     Args:
         o_part: float [K, Tq, Hq, D], ``O_s`` (locally normalised partial outputs), K >= 1.
@@ -50,7 +50,7 @@ def combine_partials(o_part, lse_part, out_dtype=None):
     check_array("o_part", o_part, ndim=4, dtypes=("float",))
     num_slots, tq, hq, _ = (int(s) for s in o_part.shape)
     if num_slots < 1:
-        raise ValueError(f"o_part must have K >= 1 slots on axis 0, got shape {tuple(o_part.shape)}")
+        raise ValueError(f"o_part must have K >= 1 slots (axis 0), got shape {tuple(o_part.shape)}")
     check_array("lse_part", lse_part, ndim=3, dtypes=("float",), shape=(num_slots, tq, hq))
     if out_dtype is None:
         out_dtype = dtype_of(o_part)
@@ -69,7 +69,7 @@ def combine_partials(o_part, lse_part, out_dtype=None):
     a = L_s.max(axis=0)  # [Tq, Hq]
     a = np.where(np.isfinite(a), a, 0)  # [Tq, Hq]
     used = np.isfinite(L_s)  # [K, Tq, Hq]
-    w = np.exp(L_s - a)  # [K, Tq, Hq], exp(L_s - a) in (0, 1], 0 for unused slots
+    w = np.exp(L_s - a)  # [K, Tq, Hq] in [0, 1], 0 for unused slots
     total = w.sum(axis=0)  # [Tq, Hq], >= 1 where any slot is used, 0 otherwise
     some = total > 0  # [Tq, Hq]
     lse = np.full((tq, hq), -np.inf, dtype=compute)  # [Tq, Hq]

@@ -1,4 +1,4 @@
-"""msa.testing: the tolerance rule, exact comparison, poison, backends and strategies can all fail."""
+"""msa.testing: the tolerance rule, exact comparison, poison, backends and strategies."""
 
 import numpy as np
 import pytest
@@ -41,7 +41,8 @@ def test_float16_result_fails_against_a_float32_baseline():
     x = _rows()
     oracle, baseline = oracle_and_baseline(_logsumexp, x)
     actual = _logsumexp(x.astype(np.float16)).astype(np.float32)
-    with pytest.raises(AssertionError, match=r"lse: max \|actual - oracle\| = .* exceeds the bound"):
+    with pytest.raises(AssertionError,
+                       match=r"lse: max \|actual - oracle\| = .* exceeds the bound"):
         assert_close_to_oracle(actual, oracle, baseline, name="lse", dtype=np.float32)
 
 
@@ -51,7 +52,8 @@ def test_one_perturbed_element_fails_exactly_past_the_bound(scale, index):
     oracle = np.random.default_rng(1).standard_normal((5, 50))
     baseline = (oracle + np.random.default_rng(2).standard_normal(oracle.shape) * 1e-6)
     baseline = baseline.astype(np.float32)
-    bound = 2 * np.abs(baseline - oracle).max() + 4 * np.finfo(np.float32).eps * np.abs(oracle).max()
+    eps = np.finfo(np.float32).eps
+    bound = 2 * np.abs(baseline - oracle).max() + 4 * eps * np.abs(oracle).max()
     where = np.unravel_index(index, oracle.shape)
     ok = oracle.copy()
     ok[where] += scale * bound
@@ -66,7 +68,7 @@ def test_floor_covers_a_few_ulps_when_the_baseline_is_exact():
     oracle = np.array([1.0, -2.0, 0.5])
     baseline = oracle.astype(np.float32)  # exact: error 0
     eps = np.finfo(np.float32).eps
-    assert_close_to_oracle(oracle + 2 * eps * 2.0, oracle, baseline)  # floor = 4 eps * max|o| = 8 eps
+    assert_close_to_oracle(oracle + 4 * eps, oracle, baseline)  # floor: 4 eps * max|o| = 8 eps
     with pytest.raises(AssertionError, match="floor"):
         assert_close_to_oracle(oracle + 20 * eps, oracle, baseline)
     # all-zero oracle (O of an empty row): zero floor, only exact zeros pass
@@ -118,8 +120,9 @@ def test_assert_exact_names_the_row():
     assert_exact(a, a.astype(np.int64))
     b = a.copy()
     b[1, 0, 2] = 4
-    with pytest.raises(AssertionError, match=r"I: 1 of 6 elements differ, first at index \(1, 0, 2\): "
-                                             r"actual 5, expected 4; row \(1, 0\): actual \[1, 2, 5\]"):
+    with pytest.raises(AssertionError,
+                       match=r"I: 1 of 6 elements differ, first at index \(1, 0, 2\): actual 5, "
+                             r"expected 4; row \(1, 0\): actual \[1, 2, 5\]"):
         assert_exact(a, b, name="I")
     with pytest.raises(AssertionError, match="shapes differ"):
         assert_exact(a, a[:1])
@@ -127,7 +130,8 @@ def test_assert_exact_names_the_row():
         assert_exact(a.astype(np.float32), a)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64,
+                                   np.uint32])
 def test_poison(dtype):
     x = np.zeros(5, dtype)
     assert poison(x) is x
@@ -152,9 +156,11 @@ def test_backend_finds_reference_functions_and_skips_missing_cuda_ones():
     from msa.reference.blocks import query_positions
 
     assert Backend("reference").blocks.query_positions is query_positions
-    with pytest.raises(pytest.skip.Exception, match="msa.cuda.no_such_stage is not implemented yet"):
+    with pytest.raises(pytest.skip.Exception,
+                       match="msa.cuda.no_such_stage is not implemented yet"):
         Backend("cuda").no_such_stage
-    with pytest.raises(pytest.skip.Exception, match=r"msa.cuda._arrays.no_such_fn is not implemented"):
+    with pytest.raises(pytest.skip.Exception,
+                       match=r"msa.cuda._arrays.no_such_fn is not implemented"):
         Backend("cuda").stage("_arrays").no_such_fn
     with pytest.raises(ModuleNotFoundError):
         Backend("reference").no_such_stage
@@ -212,7 +218,8 @@ def test_full_selections_have_min_k_and_visible_blocks(pattern, data):
     bk, topk = data.draw(st.sampled_from([4, 16])), data.draw(st.integers(1, 6))
     I = data.draw(mst.block_indices_for(cu_q, cu_k, 2, topk, bk, fill=True, pattern=pattern))
     local = _local(cu_q, cu_k, bk)
-    np.testing.assert_array_equal((I >= 0).sum(-1), np.minimum(topk, local + 1)[:, None].repeat(2, 1))
+    want = np.minimum(topk, local + 1)[:, None].repeat(2, axis=1)  # [Tq, Hkv]
+    np.testing.assert_array_equal((I >= 0).sum(-1), want)
 
 
 @given(data=st.data())
