@@ -3,3 +3,7 @@
 Under ``NUMBA_ENABLE_CUDASIM=1`` the kernels run in Numba's simulator on NumPy arrays; the
 warp operations the simulator lacks are supplied by ``msa.cuda._simwarp`` (installed here, once).
 """
+
+from . import _simwarp
+
+_simwarp.install()  # warp operations for Numba's simulator; a no-op on a real GPU

@@ -131,7 +131,10 @@ def poison_value(dtype):
 def poison(x):
     """Fill ``x`` (NumPy, CuPy, torch or Numba array) with ``poison_value`` in place; return it."""
     if type(x).__module__.split(".")[0] == "torch":
-        x.fill_(float("nan") if x.is_floating_point() else int(np.iinfo(str(x.dtype).split(".")[-1]).min))
+        if x.is_floating_point():
+            x.fill_(float("nan"))
+        else:
+            x.fill_(int(np.iinfo(str(x.dtype).split(".")[-1]).min))
         return x
     value = poison_value(x.dtype)
     if hasattr(x, "fill"):  # NumPy, CuPy

@@ -126,8 +126,8 @@ def assert_close_to_oracle(actual, oracle, baseline, *, factor: float = 2.0, nam
         if nan.any():
             i = _first(nan)
             raise AssertionError(
-                f"{name}: {label} has NaN at {int(nan.sum())} of {x.size} positions, first at index "
-                f"{i} ({_values(i, actual=a, oracle=o, baseline=b)})"
+                f"{name}: {label} has NaN at {int(nan.sum())} of {x.size} positions, first at "
+                f"index {i} ({_values(i, actual=a, oracle=o, baseline=b)})"
                 + ("; a NaN left where a kernel did not write (outputs are poisoned with NaN)?"
                    if label == "actual" else ""))
         wrong = (finite & ~np.isfinite(x)) | (~finite & (x != o))
@@ -170,7 +170,8 @@ def assert_exact(actual, expected, *, name: str = "output"):
         raise AssertionError(f"{name}: shapes differ: actual {a.shape}, expected {e.shape}")
     for label, x in (("actual", a), ("expected", e)):
         if x.dtype.kind not in "iub":
-            raise AssertionError(f"{name}: assert_exact compares integers; {label} has dtype {x.dtype}")
+            raise AssertionError(
+                f"{name}: assert_exact compares integers; {label} has dtype {x.dtype}")
     diff = a != e
     if diff.any():
         i = _first(diff)
