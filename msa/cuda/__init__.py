@@ -7,3 +7,8 @@ warp operations the simulator lacks are supplied by ``msa.cuda._simwarp`` (insta
 from . import _simwarp
 
 _simwarp.install()  # warp operations for Numba's simulator; a no-op on a real GPU
+
+from .index import block_scores
+from .select import select_blocks, select_blocks_fused
+
+__all__ = ["block_scores", "select_blocks", "select_blocks_fused"]

@@ -55,6 +55,7 @@ import numpy as np
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
+_STUCK_GRACE_S = 5.0  # how long a lane must stay in syncthreads to count as a deadlock
 _POLL_S = 0.02  # how often a waiting lane re-checks for exits, syncthreads and aborts
 
 _settings = {
@@ -238,8 +239,13 @@ def _try_complete(warp, lane) -> bool:
     return True
 
 
-def _check_deadlock(t, warp, lane):
-    """Raise if a lane this operation needs waits in syncthreads, which cannot finish first."""
+def _check_deadlock(t, warp, lane, stuck_since):
+    """Raise if a lane this operation needs waits in syncthreads, which cannot finish first.
+
+    The simulator releases a syncthreads barrier one thread at a time, so a sibling can still look
+    blocked for a moment after this lane left the same barrier: only a state that lasts
+    ``_STUCK_GRACE_S`` counts. Returns the time the current stuck state was first seen (or None).
+    """
     kind, name, mask, _ = warp.pending[lane]
     needed = mask & warp.existing & ~warp.exited
     stuck = 0
@@ -248,6 +254,11 @@ def _check_deadlock(t, warp, lane):
         if needed >> other & 1 and warp.pending[other] is None and th is not None \
                 and th.syncthreads_blocked:
             stuck |= 1 << other
+    if not stuck:
+        return None
+    now = time.monotonic()
+    if stuck_since is None or now - stuck_since < _STUCK_GRACE_S:
+        return stuck_since if stuck_since is not None else now
     if stuck:
         missing = needed & ~sum(1 << o for o in range(WARP_SIZE) if warp.pending[o] is not None
                                 and warp.pending[o][0] == kind)
@@ -267,6 +278,7 @@ def _collective(kind: str, name: str, mask: int, payload, where=None):
             f"cuda.{name}(mask={mask:#010x}) called by lane {lane}, whose own bit is not in the "
             f"mask (undefined on the GPU)")
     deadline = time.monotonic() + _settings["timeout"]
+    stuck_since = None
     with warp.cond:
         warp.pending[lane] = (kind, name, mask, payload)
         # On an error the entry stays: the block is aborted, and later messages still count
@@ -277,7 +289,7 @@ def _collective(kind: str, name: str, mask: int, payload, where=None):
             if _try_complete(warp, lane):
                 break
             if kind != "activemask":
-                _check_deadlock(t, warp, lane)
+                stuck_since = _check_deadlock(t, warp, lane, stuck_since)
             if time.monotonic() > deadline:
                 needed = mask & warp.existing & ~warp.exited
                 arrived = sum(1 << o for o in range(WARP_SIZE)

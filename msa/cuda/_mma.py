@@ -1,0 +1,381 @@
+"""Tensor-core and bit-level device helpers for msa's kernels, each with a pure-Numba twin.
+
+Numba has no tensor-core intrinsic and no bf16 arrays. This module gives kernels the few
+instructions they need, chosen **here and only here** between two backends with one contract:
+
+* ``"ptx"`` (default on a GPU): inline PTX through ``numba.cuda.extending.intrinsic`` and
+  ``llvmlite.ir.InlineAsm`` (``mma.sync.aligned.m16n8k16``, ``cvt.rn.bf16x2.f32``,
+  ``ex2.approx``) and plain LLVM bit casts.
+* ``"twin"`` (always under ``NUMBA_ENABLE_CUDASIM=1``): Python/Numba code with the same inputs,
+  outputs and fragment layout. In the simulator the bit casts go through NumPy; on a GPU
+  (``MSA_MMA=twin``) the twin ``mma`` runs as ordinary Numba code, which is slow but lets a
+  failing tensor-core kernel be bisected: if the twin passes and ``ptx`` fails, the fault is in
+  the shim, not in the kernel's fragment bookkeeping.
+
+``MMA_BACKEND`` says which one is active; set ``MSA_MMA=ptx|twin`` before importing msa to choose.
+
+Fragment layout of ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32``
+(PTX ISA, "Matrix fragments for mma.m16n8k16"), for lane ``l`` with ``g = l // 4``,
+``t = l % 4``; every ``a``/``b`` register is a uint32 holding two 16-bit values, the lower
+column (A) or row (B) index in the low half:
+
+=========  =========================================  ===========================
+register   A (16 x 16, row-major)                      B (16 x 8, "col": stored as Bᵀ)
+=========  =========================================  ===========================
+a0 / b0    A[g,   2t:2t+2]                             B[2t:2t+2,   g]
+a1 / b1    A[g+8, 2t:2t+2]                             B[2t+8:2t+10, g]
+a2         A[g,   2t+8:2t+10]
+a3         A[g+8, 2t+8:2t+10]
+=========  =========================================  ===========================
+
+C and D (16 x 8 float32): ``c0, c1 = C[g, 2t], C[g, 2t+1]``; ``c2, c3 = C[g+8, 2t], C[g+8, 2t+1]``.
+
+``load_a_frag`` / ``load_b_frag`` read these registers from a uint32 view of shared memory
+(tiles stored row-major with a row stride ``ld`` in 32-bit words; B stored as Bᵀ, i.e. ``n``
+rows of ``k`` values), and are the same code for both backends.
+
+The twin ``mma`` needs every lane's registers, so it exchanges them through a small static
+shared array and calls ``cuda.syncthreads()`` twice: a kernel that uses it must be launched
+with a 1D block of at most ``MAX_WARPS`` warps and call it the same number of times in every
+thread (block-uniform control flow), which msa's kernels do anyway (mma.sync needs a converged
+warp).
+
+``launch`` wraps the one driver call needed for more than 48 KB of dynamic shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from ._arrays import SIMULATOR
+
+MAX_WARPS = 8
+STATIC_SMEM_LIMIT = 48 * 1024
+# Hopper (sm_90) allows 227 KB of dynamic shared memory per block (opt-in).
+DEVICE_SMEM_LIMIT = 227 * 1024
+
+_requested = os.environ.get("MSA_MMA", "").strip().lower()
+if _requested not in ("", "ptx", "twin"):
+    raise ValueError(f"MSA_MMA must be 'ptx' or 'twin', got {_requested!r}")
+if SIMULATOR and _requested == "ptx":
+    raise ValueError("MSA_MMA=ptx needs a GPU: the simulator cannot run inline PTX")
+MMA_BACKEND = "twin" if SIMULATOR else (_requested or "ptx")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU implementations: LLVM bit casts and inline PTX. Only built off the simulator.
+# ---------------------------------------------------------------------------------------------
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    _F32 = ir.FloatType()
+    _I16 = ir.IntType(16)
+    _I32 = ir.IntType(32)
+
+    def _as_i32(builder, value, ty):
+        """Truncate or extend an integer argument to i32 (zero extension: these are bit patterns)."""
+        width = ty.bitwidth
+        if width == 32:
+            return value
+        if width > 32:
+            return builder.trunc(value, _I32)
+        return builder.zext(value, _I32)
+
+    @intrinsic
+    def _bf16_to_f32_ir(typingctx, bits):
+        """float32 whose top 16 bits are ``bits`` (bf16 -> fp32 is exact)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            word = builder.shl(_as_i32(builder, args[0], sig.args[0]), ir.Constant(_I32, 16))
+            return builder.bitcast(word, _F32)
+
+        return float32(bits), codegen
+
+    @intrinsic
+    def _f16_to_f32_ir(typingctx, bits):
+        """float32 value of the IEEE half whose bits are the low 16 bits of ``bits``."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            h16 = builder.trunc(_as_i32(builder, args[0], sig.args[0]), _I16)
+            return builder.fpext(builder.bitcast(h16, ir.HalfType()), _F32)
+
+        return float32(bits), codegen
+
+    @intrinsic
+    def _f32_to_bf16_ir(typingctx, x):
+        """bf16 bits of ``x``, round to nearest even (``cvt.rn.bf16.f32``)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_I16, [_F32])
+            asm = ir.InlineAsm(fnty, "cvt.rn.bf16.f32 $0, $1;", "=h,f", side_effect=False)
+            return builder.call(asm, args)
+
+        return uint16(x), codegen
+
+    @intrinsic
+    def _f32_to_f16_ir(typingctx, x):
+        """IEEE half bits of ``x``, round to nearest even."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+        return uint16(x), codegen
+
+    def _make_pack(ptx_type):
+        @intrinsic
+        def _pack(typingctx, lo, hi):
+            if lo != types.float32 or hi != types.float32:
+                return None
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(_I32, [_F32, _F32])
+                # cvt.rn.{bf16x2,f16x2}.f32 d, a, b puts a in the upper half, b in the lower.
+                asm = ir.InlineAsm(fnty, f"cvt.rn.{ptx_type}.f32 $0, $1, $2;", "=r,f,f",
+                                   side_effect=False)
+                return builder.call(asm, [args[1], args[0]])
+
+            return uint32(lo, hi), codegen
+
+        return _pack
+
+    _pack_bf16x2_ir = _make_pack("bf16x2")
+    _pack_f16x2_ir = _make_pack("f16x2")
+
+    @intrinsic
+    def _exp2_ir(typingctx, x):
+        """``2**x`` by ``ex2.approx.ftz.f32`` (2 ulp; ``-inf`` gives +0)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_F32, [_F32])
+            asm = ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
+            return builder.call(asm, args)
+
+        return float32(x), codegen
+
+    def _make_mma(ab_type):
+        @intrinsic
+        def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            ret = types.UniTuple(float32, 4)
+            sig = ret(uint32, uint32, uint32, uint32, uint32, uint32,
+                      float32, float32, float32, float32)
+
+            def codegen(context, builder, signature, args):
+                regs = [builder.zext(a, _I32) if a.type.width < 32 else a for a in args[:6]]
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+                asm = ir.InlineAsm(
+                    fnty,
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 "
+                    "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                    side_effect=True)  # like CUDA's asm volatile: never moved into divergent code
+                res = builder.call(asm, regs + list(args[6:]))
+                outs = [builder.extract_value(res, i) for i in range(4)]
+                return context.make_tuple(builder, signature.return_type, outs)
+
+            return sig, codegen
+
+        return _mma
+
+    _mma_bf16_ptx = _make_mma("bf16")
+    _mma_f16_ptx = _make_mma("f16")
+
+    bf16_to_f32 = _bf16_to_f32_ir
+    f16_bits_to_f32 = _f16_to_f32_ir
+    f32_to_bf16 = _f32_to_bf16_ir
+    f32_to_f16_bits = _f32_to_f16_ir
+    pack_bf16x2 = _pack_bf16x2_ir
+    pack_f16x2 = _pack_f16x2_ir
+    exp2 = _exp2_ir
+
+# ---------------------------------------------------------------------------------------------
+# Simulator twins of the bit-level helpers (NumPy does the bit casts).
+# ---------------------------------------------------------------------------------------------
+else:
+
+    @cuda.jit(device=True)
+    def bf16_to_f32(bits):
+        return np.uint32((int(bits) & 0xFFFF) << 16).view(np.float32)
+
+    @cuda.jit(device=True)
+    def f16_bits_to_f32(bits):
+        return np.float32(np.uint16(int(bits) & 0xFFFF).view(np.float16))
+
+    @cuda.jit(device=True)
+    def f32_to_bf16(x):
+        u = int(np.float32(x).view(np.uint32))
+        if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN stays a (quiet) NaN
+            return np.uint16((u >> 16) | 0x40)
+        return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+    @cuda.jit(device=True)
+    def f32_to_f16_bits(x):
+        with np.errstate(over="ignore"):
+            return np.float16(np.float32(x)).view(np.uint16)
+
+    @cuda.jit(device=True)
+    def pack_bf16x2(lo, hi):
+        return np.uint32(int(f32_to_bf16(lo)) | (int(f32_to_bf16(hi)) << 16))
+
+    @cuda.jit(device=True)
+    def pack_f16x2(lo, hi):
+        return np.uint32(int(f32_to_f16_bits(lo)) | (int(f32_to_f16_bits(hi)) << 16))
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        x = float(x)
+        if x == -math.inf:
+            return np.float32(0.0)
+        return np.float32(2.0 ** x) if x < 128.0 else np.float32(math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The twin mma: same registers in, same registers out, computed from every lane's operands.
+# ---------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _half_of(word, k):
+    """The 16-bit element of ``word`` for fragment index ``k`` (even k: low half)."""
+    return (word >> (16 * (k % 2))) & 0xFFFF
+
+
+def _make_mma_twin(is_bf16):
+    to_f32 = bf16_to_f32 if is_bf16 else f16_bits_to_f32
+
+    @cuda.jit(device=True)
+    def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs = cuda.shared.array((MAX_WARPS, 32, 6), uint32)
+        tid = cuda.threadIdx.x
+        w = tid // 32
+        lane = tid % 32
+        regs[w, lane, 0] = a0
+        regs[w, lane, 1] = a1
+        regs[w, lane, 2] = a2
+        regs[w, lane, 3] = a3
+        regs[w, lane, 4] = b0
+        regs[w, lane, 5] = b1
+        cuda.syncthreads()
+        g = lane // 4
+        t = lane % 4
+        d0 = float32(c0)
+        d1 = float32(c1)
+        d2 = float32(c2)
+        d3 = float32(c3)
+        for k in range(16):
+            # A[g, k] and A[g+8, k] live in lane 4g + (k % 8) // 2, registers a0/a1 (k < 8) or a2/a3.
+            src = 4 * g + (k % 8) // 2
+            reg = 0 if k < 8 else 2
+            a_top = to_f32(_half_of(regs[w, src, reg], k))
+            a_bot = to_f32(_half_of(regs[w, src, reg + 1], k))
+            # B[k, n] lives in lane 4n + (k % 8) // 2, register b0 (k < 8) or b1.
+            breg = 4 if k < 8 else 5
+            b_n0 = to_f32(_half_of(regs[w, 4 * (2 * t) + (k % 8) // 2, breg], k))
+            b_n1 = to_f32(_half_of(regs[w, 4 * (2 * t + 1) + (k % 8) // 2, breg], k))
+            d0 = float32(d0 + a_top * b_n0)
+            d1 = float32(d1 + a_top * b_n1)
+            d2 = float32(d2 + a_bot * b_n0)
+            d3 = float32(d3 + a_bot * b_n1)
+        cuda.syncthreads()  # nobody overwrites regs before every lane has read them
+        return d0, d1, d2, d3
+
+    return _mma_twin
+
+
+_mma_bf16_twin = _make_mma_twin(True)
+_mma_f16_twin = _make_mma_twin(False)
+
+if MMA_BACKEND == "ptx":
+    mma_bf16_m16n8k16 = _mma_bf16_ptx
+    mma_f16_m16n8k16 = _mma_f16_ptx
+else:
+    mma_bf16_m16n8k16 = _mma_bf16_twin
+    mma_f16_m16n8k16 = _mma_f16_twin
+
+
+# ---------------------------------------------------------------------------------------------
+# Fragment loads from shared memory (plain Numba, shared by both backends).
+# ---------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def load_a_frag(smem, base, ld):
+    """A fragment of a 16x16 tile at word ``base`` of ``smem`` (uint32), row stride ``ld`` words.
+
+    Returns ``(a0, a1, a2, a3)`` of this lane (see the module's layout table).
+    """
+    lane = cuda.threadIdx.x % 32
+    g = lane // 4
+    t = lane % 4
+    top = base + g * ld + t
+    bot = top + 8 * ld
+    return smem[top], smem[bot], smem[top + 4], smem[bot + 4]
+
+
+@cuda.jit(device=True)
+def load_b_frag(smem, base, ld):
+    """B fragment of a 16(k) x 8(n) tile stored as Bᵀ (8 rows of 16 k) at word ``base``.
+
+    Returns ``(b0, b1)`` of this lane.
+    """
+    lane = cuda.threadIdx.x % 32
+    at = base + (lane // 4) * ld + lane % 4
+    return smem[at], smem[at + 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch with more than 48 KB of dynamic shared memory.
+# ---------------------------------------------------------------------------------------------
+_raised: dict = {}
+
+
+def launch(kernel, grid, block, smem_bytes, *args):
+    """``kernel[grid, block, 0, smem_bytes](*args)``, raising the kernel's shared-memory limit first.
+
+    Above 48 KB, a launch fails with CUDA_ERROR_INVALID_VALUE until the kernel's
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` is raised; that needs the compiled
+    ``CUkernel``, so the dispatcher is first specialised for the argument types. The attribute
+    call goes through Numba's driver wrapper (the one ``set_shared_memory_carveout`` uses).
+    Raises ValueError beyond ``DEVICE_SMEM_LIMIT``.
+    """
+    smem_bytes = int(smem_bytes)
+    if smem_bytes > DEVICE_SMEM_LIMIT:
+        raise ValueError(
+            f"kernel {getattr(kernel, '__name__', kernel)} needs {smem_bytes} bytes of shared "
+            f"memory, more than the {DEVICE_SMEM_LIMIT} a block may have")
+    if SIMULATOR or smem_bytes <= STATIC_SMEM_LIMIT:
+        kernel[grid, block, 0, smem_bytes](*args)
+        return
+    spec = kernel.specialize(*args)
+    compiled = next(iter(spec.overloads.values()))
+    cufunc = compiled._codelibrary.get_cufunc()
+    key = (id(spec), cufunc.device.id)
+    if _raised.get(key, 0) < smem_bytes:
+        _set_max_dynamic_smem(cufunc, smem_bytes)
+        _raised[key] = smem_bytes
+    spec[grid, block, 0, smem_bytes](*args)
+
+
+def _set_max_dynamic_smem(cufunc, smem_bytes):
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    attr = binding.CUfunction_attribute
+    try:
+        driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    smem_bytes, cufunc.handle, cufunc.device.id)
+        driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                    100, cufunc.handle, cufunc.device.id)
+    except Exception as exc:  # a private API: say exactly what failed
+        raise RuntimeError(
+            f"raising the dynamic shared memory limit of {cufunc!r} to {smem_bytes} bytes "
+            f"failed ({type(exc).__name__}: {exc}); see msa/cuda/_mma.py::launch") from exc

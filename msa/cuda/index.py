@@ -1,0 +1,530 @@
+"""Paper §3.1, eq 6 on the GPU: causal block-pooled index scores ``M [Hkv, Tq, NB]``.
+
+``block_scores`` is ``msa.reference.index.block_scores`` on a GPU: ``M[r, t, b]`` is the maximum
+(or, with ``pool="mean"``, the mean) over the keys ``j`` of block ``b`` with ``j <= pos_t`` of
+``scale * (q_idx[t, r] . k_idx[j])``, ``-inf`` where no key of the block is visible. Dot
+products accumulate in float32 (float64 for float64 inputs); the scale multiplies the pooled
+value, which for the max gives exactly the max of the scaled scores (``x -> x * scale`` is
+monotone, also after rounding).
+
+Versions (every one tested against the reference; the default is the fastest that applies):
+
+=====  =============================  ==========================================================
+v1     ``_block_scores_kernel_v1``    one thread per ``M[r, t, b]``: the block's visible keys,
+                                      dot products read from global memory. Any dtype and size.
+tc     ``_block_scores_kernel_tc``    tensor cores (``mma.sync.m16n8k16``, fp32 accumulation),
+                                      bf16/fp16 with ``Didx % 16 == 0`` and ``Bk % 8 == 0``. A
+                                      CTA owns a tile of (query, group) rows of one sequence
+                                      (all ``Hkv`` groups of ``128 // Hkv`` queries), keeps its
+                                      index queries in registers as mma fragments, and streams
+                                      the sequence's KV blocks through shared memory: each key
+                                      chunk is loaded once for every group. The causal mask is
+                                      applied only to chunks that reach past the tile's first
+                                      position. Each lane keeps its partial maxima of two rows;
+                                      they are staged in shared memory and combined when 8
+                                      blocks at a time are stored (32-byte rows of ``M``), so
+                                      the kernel needs no shuffle and no extra barrier. With a
+                                      top-k epilogue instead of the store, the same kernel is
+                                      ``msa.cuda.select.select_blocks_fused(version="heap")``.
+=====  =============================  ==========================================================
+
+Tensor cores are reached through ``msa.cuda._mma`` (inline PTX ``mma.sync``; under the
+simulator, or with ``MSA_MMA=twin``, its pure-Numba twin with the same per-lane contract).
+
+Sequence positions follow ``msa.reference.blocks``: query ``t`` of sequence ``s`` sits at key
+position ``Lk - Lq + (t - cu_seqlens_q[s])`` and sees the keys ``0..pos`` of its sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, float32, float64, int32, types, uint32
+
+from .._checks import (FLOAT_DTYPES, check_array, check_cu_seqlens, check_positive_int,
+                       check_scale, dtype_of)
+from ..reference.blocks import max_blocks
+from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
+
+VERSIONS = ("v1", "tc")
+POOLS = ("max", "mean")
+_THREADS_V1 = 128
+# Warps per CTA of the tensor-core kernel (16 (query, group) rows each). The simulator runs
+# every thread as a Python thread, so it uses the smallest tile; the kernel body is the same.
+_TC_WARPS = 2 if SIMULATOR else 8
+_TC_FLUSH = 8  # blocks of M staged in shared memory per store (8 floats: one 32-byte sector)
+# Two CTAs of 8 warps per SM need <= 128 registers a thread (65536 per SM); ptxas, left alone,
+# takes 130. The simulator's jit has no such option.
+_TC_JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}
+# Kernel outputs are filled with poison (NaN, -2**31) before a launch under the simulator, or on
+# a GPU when MSA_POISON_OUTPUTS=1, so that an element a kernel forgets to write fails the tests.
+_POISON = SIMULATOR or os.environ.get("MSA_POISON_OUTPUTS", "0") == "1"
+
+
+# -- positions ----------------------------------------------------------------------------------
+
+@cuda.jit(device=True, inline=True)
+def _query_position(cu_q, cu_k, t):
+    """``(sequence, pos)`` of packed query ``t``: binary search of ``cu_q`` (empty sequences
+    repeat an offset; the last ``s`` with ``cu_q[s] <= t`` is the one that holds ``t``)."""
+    lo = 0
+    hi = cu_q.shape[0] - 1  # invariant: cu_q[lo] <= t < cu_q[hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if cu_q[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    lq = cu_q[lo + 1] - cu_q[lo]
+    lk = cu_k[lo + 1] - cu_k[lo]
+    return lo, lk - lq + (t - cu_q[lo])
+
+
+# -- element loads: bf16 bits, fp16, fp32, fp64 -> the compute type -----------------------------
+
+if SIMULATOR:
+    def _as_float(x):
+        """An element of q_idx/k_idx in the compute type: bf16 bits (int16/uint16) and fp16 to
+        float32; float32 and float64 unchanged."""
+        if isinstance(x, (np.uint16, np.int16)):
+            return bf16_to_f32(x)
+        if isinstance(x, np.float16):
+            return np.float32(x)
+        return x
+else:
+    from numba.cuda.extending import overload
+
+    def _as_float(x):
+        """An element of q_idx/k_idx in the compute type (see the simulator twin above)."""
+
+    @overload(_as_float, target="cuda")
+    def _as_float_overload(x):
+        if isinstance(x, types.Integer):  # bf16 bits: the high half of a float32
+            return lambda x: bf16_to_f32(x)
+        if x == types.float16:
+            return lambda x: float32(x)
+        return lambda x: x
+
+
+@cuda.jit(device=True, inline=True)
+def _fmax(m, s):
+    """``max(m, s)`` that keeps ``m`` when ``s`` is NaN (the reference's fmax from -inf)."""
+    return s if s > m else m
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _block_scores_kernel_v1(wide: bool, mean: bool):
+    """v1: one thread per M[r, i, b] (query t_begin + i); ``wide``: float64 compute."""
+    F = float64 if wide else float32
+
+    @cuda.jit
+    def kernel(q, k, cu_q, cu_k, t_begin, block_size, scale, M):
+        idx = cuda.grid(1)
+        hkv = M.shape[0]
+        c = M.shape[1]
+        nb = M.shape[2]
+        if idx >= hkv * c * nb:
+            return
+        b = idx % nb
+        rest = idx // nb
+        i = rest % c
+        r = rest // c
+        t = t_begin + i
+        seq, pos = _query_position(cu_q, cu_k, t)
+        k0 = cu_k[seq]
+        j_lo = b * block_size
+        j_hi = min(j_lo + block_size - 1, pos)  # keys past pos (and past Lk > pos) are hidden
+        best = F(-math.inf)
+        total = F(0.0)
+        for j in range(j_lo, j_hi + 1):
+            # s = q_idx[t, r] . k_idx[j]
+            s = F(0.0)
+            for d in range(q.shape[2]):
+                s += F(_as_float(q[t, r, d])) * F(_as_float(k[k0 + j, d]))
+            if s > best:  # fmax from -inf: a NaN score is skipped, as in the reference
+                best = s
+            total += s
+        if j_hi < j_lo:
+            M[r, i, b] = F(-math.inf)
+        elif mean:
+            M[r, i, b] = total * scale / F(j_hi - j_lo + 1)
+        else:
+            M[r, i, b] = best * scale
+
+    return kernel
+
+
+def _key_chunk(block_size: int) -> int:
+    """Keys per shared-memory stage of the tc kernel: 64, or the largest of 32/16/8 dividing Bk."""
+    for kc in (64, 32, 16, 8):
+        if block_size % kc == 0:
+            return kc
+    raise ValueError(f"the tc kernel needs block_size % 8 == 0, got {block_size}")
+
+
+@functools.lru_cache(maxsize=None)
+def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool, mean: bool,
+                            cap: int = 0):
+    """Tensor-core block scores for one (Didx, Bk, warps, bf16/fp16, pool) configuration.
+
+    ``cap = 0``: write ``M[r, t - m_t0, b]`` (``out`` unused). ``cap >= 1``: the fused index +
+    top-k of ``msa.cuda.select.select_blocks_fused`` (max pool only; ``M`` unused): thread ``i <
+    16 * warps`` owns row ``i`` of the tile and offers each block score ``b < L`` of its row to a
+    min-heap of ``topk - 1 <= cap`` entries (the §4.1 heap, root cached in registers) as soon as
+    the block is staged, then writes ``out[t, r]`` ascending, the local block ``L`` and -1. Only
+    blocks before the tile's last local block are scored and no key needs a causal mask: every
+    key of a block ``b < L`` is visible to the row. M is never written.
+    """
+    from .select import _offer  # here, not at the top: msa.cuda.select imports this module
+
+    fused = cap > 0
+    D2 = d_idx // 2  # uint32 words per row (two 16-bit values each)
+    KS = d_idx // 16  # k-steps of 16 features
+    KC = _key_chunk(block_size)
+    NT = KC // 8  # n-tiles of 8 keys per chunk
+    R = 16 * warps  # (query, group) rows per CTA
+    SK = D2 + 4  # padded shared row: rows g = 0..7 of a fragment load hit 8 different banks
+    FB = _TC_FLUSH
+    # Staged partials: 4 per (row, block), one per lane of a quad; the row stride 4 * FB + 4
+    # words puts the 32 lanes of a warp (rows g, lanes t) in 32 different banks.
+    SMW = 4 * FB + 4
+    NTHREADS = 32 * warps
+    mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
+
+    HCAP = max(cap, 1)
+
+    @cuda.jit(**_TC_JIT_OPTIONS)
+    def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
+        sk = cuda.shared.array((KC, SK), uint32)
+        sm = cuda.shared.array((R, SMW), float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        tq = lane & 3
+        hkv = q32.shape[1]
+        neg = float32(-math.inf)
+
+        # The tile: queries [ta, tb) of sequence seq, all Hkv groups; row = (t - ta) * Hkv + r.
+        seq = tiles[cuda.blockIdx.x, 0]
+        ta = tiles[cuda.blockIdx.x, 1]
+        tb = tiles[cuda.blockIdx.x, 2]
+        k_base = cu_k[seq]
+        lk = cu_k[seq + 1] - k_base
+        shift = lk - (cu_q[seq + 1] - cu_q[seq]) - cu_q[seq]  # pos = t + shift
+        p_first = ta + shift
+        p_last = tb - 1 + shift
+        b_last = p_last // block_size
+        if fused:  # only candidates: blocks before the last row's local block
+            b_last -= 1
+
+        # This lane's two rows (g and g + 8 of its warp's 16) and their positions; rows past the
+        # tile get position -1, so that every key is masked for them.
+        row_a = warp * 16 + g
+        row_b = row_a + 8
+        t_a = ta + row_a // hkv
+        t_b = ta + row_b // hkv
+        r_a = row_a % hkv
+        r_b = row_b % hkv
+        pos_a = t_a + shift if t_a < tb else -1
+        pos_b = t_b + shift if t_b < tb else -1
+
+        # A fragments (index queries) for every k-step, kept in registers for the whole tile.
+        aq = cuda.local.array((KS, 4), uint32)
+        for ks in range(KS):
+            w = ks * 8 + tq
+            aq[ks, 0] = q32[t_a, r_a, w] if t_a < tb else uint32(0)
+            aq[ks, 1] = q32[t_b, r_b, w] if t_b < tb else uint32(0)
+            aq[ks, 2] = q32[t_a, r_a, w + 4] if t_a < tb else uint32(0)
+            aq[ks, 3] = q32[t_b, r_b, w + 4] if t_b < tb else uint32(0)
+        acc = cuda.local.array((NT, 4), float32)
+
+        # Fused top-k: thread tid < R owns row tid's heap.
+        hs = cuda.local.array(HCAP, float32)
+        hi = cuda.local.array(HCAP, int32)
+        h_n = 0
+        h_rs = neg
+        h_ri = int32(0x7FFFFFFF)
+        kmax = topk - 1
+        own_t = ta + tid // hkv
+        own_loc = (own_t + shift) // block_size
+
+        for bg in range(0, nb_total, FB):
+            if fused and bg > b_last:  # the same for the whole CTA
+                break
+            for bl in range(FB):
+                b = bg + bl
+                if b > b_last:  # the same for the whole CTA
+                    break
+                m_a = float32(0.0) if mean else neg
+                m_b = float32(0.0) if mean else neg
+                for kc0 in range(0, block_size, KC):
+                    j0 = b * block_size + kc0  # position of the chunk's first key
+                    if j0 > p_last:  # past every row's position (the same for the whole CTA)
+                        break
+                    cuda.syncthreads()  # the previous chunk's fragments are consumed
+                    e = tid
+                    while e < KC * D2:
+                        kr = e // D2
+                        kw = e - kr * D2
+                        sk[kr, kw] = k32[k_base + j0 + kr, kw] if j0 + kr < lk else uint32(0)
+                        e += NTHREADS
+                    cuda.syncthreads()
+                    for nt in range(NT):
+                        for e4 in range(4):
+                            acc[nt, e4] = float32(0.0)
+                    # S[rows, keys] = Q_idx . K_idx^T for the chunk
+                    for ks in range(KS):
+                        for nt in range(NT):
+                            b0 = sk[nt * 8 + g, ks * 8 + tq]
+                            b1 = sk[nt * 8 + g, ks * 8 + tq + 4]
+                            d0, d1, d2, d3 = mma(aq[ks, 0], aq[ks, 1], aq[ks, 2], aq[ks, 3], b0, b1,
+                                                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                            acc[nt, 0] = d0
+                            acc[nt, 1] = d1
+                            acc[nt, 2] = d2
+                            acc[nt, 3] = d3
+                    # m = max over the visible keys (j <= pos); only chunks that reach past the
+                    # tile's first position can hide a key from one of its rows.
+                    masked = not fused and j0 + KC - 1 > p_first
+                    for nt in range(NT):
+                        j = j0 + nt * 8 + 2 * tq
+                        if mean:  # m is the sum of the visible scores
+                            if not masked or j <= pos_a:
+                                m_a += acc[nt, 0]
+                            if not masked or j + 1 <= pos_a:
+                                m_a += acc[nt, 1]
+                            if not masked or j <= pos_b:
+                                m_b += acc[nt, 2]
+                            if not masked or j + 1 <= pos_b:
+                                m_b += acc[nt, 3]
+                        else:
+                            if not masked or j <= pos_a:
+                                m_a = _fmax(m_a, acc[nt, 0])
+                            if not masked or j + 1 <= pos_a:
+                                m_a = _fmax(m_a, acc[nt, 1])
+                            if not masked or j <= pos_b:
+                                m_b = _fmax(m_b, acc[nt, 2])
+                            if not masked or j + 1 <= pos_b:
+                                m_b = _fmax(m_b, acc[nt, 3])
+                # The 4 lanes of a quad hold partial results of the same two rows; they are
+                # combined when the staged blocks are stored (no shuffle, no extra barrier).
+                sm[row_a, bl * 4 + tq] = m_a
+                sm[row_b, bl * 4 + tq] = m_b
+            cuda.syncthreads()
+            if fused:
+                # each row's block scores straight into its heap: candidates b < L only
+                if tid < R and own_t < tb and kmax > 0:
+                    for c in range(FB):
+                        b = bg + c
+                        if b < own_loc:
+                            m = _fmax(_fmax(sm[tid, 4 * c], sm[tid, 4 * c + 1]),
+                                      _fmax(sm[tid, 4 * c + 2], sm[tid, 4 * c + 3]))
+                            h_n, h_rs, h_ri = _offer(hs, hi, h_n, kmax, h_rs, h_ri, m * scale, b)
+            else:
+                # M[r, t, bg:bg+FB]: consecutive threads write consecutive blocks of one row
+                e = tid
+                while e < R * FB:
+                    row = e // FB
+                    c = e - row * FB
+                    t = ta + row // hkv
+                    b = bg + c
+                    if t < tb and b < nb_total:
+                        value = neg
+                        if b <= b_last:
+                            if mean:
+                                n = min(block_size, t + shift - b * block_size + 1)  # visible keys
+                                if n > 0:
+                                    total = (sm[row, 4 * c] + sm[row, 4 * c + 1]) + (
+                                        sm[row, 4 * c + 2] + sm[row, 4 * c + 3])
+                                    value = total * scale / float32(n)
+                            else:
+                                m = _fmax(_fmax(sm[row, 4 * c], sm[row, 4 * c + 1]),
+                                          _fmax(sm[row, 4 * c + 2], sm[row, 4 * c + 3]))
+                                value = m * scale
+                        M[row % hkv, t - m_t0, b] = value
+                    e += NTHREADS
+            cuda.syncthreads()
+
+        if fused and tid < R and own_t < tb:
+            # I[t, r] = the kept ids ascending (all < L), then L, then -1
+            for a in range(1, h_n):
+                v = hi[a]
+                j = a
+                while j > 0 and hi[j - 1] > v:
+                    hi[j] = hi[j - 1]
+                    j -= 1
+                hi[j] = v
+            r = tid % hkv
+            for j in range(topk):
+                if j < h_n:
+                    out[own_t, r, j] = hi[j]
+                elif j == h_n:
+                    out[own_t, r, j] = own_loc
+                else:
+                    out[own_t, r, j] = -1
+
+    return kernel
+
+
+# -- launchers ----------------------------------------------------------------------------------
+
+def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, t0: int, t1: int, tile_queries: int, block_size):
+    """int32 [n, 3] rows ``(sequence, ta, tb)``: queries ``[t0, t1)`` cut into tiles of at most
+    ``tile_queries`` that never cross a sequence, the tiles with the most blocks first."""
+    lo = np.maximum(cu_q[:-1], t0)
+    hi = np.minimum(cu_q[1:], t1)
+    seqs = np.nonzero(hi > lo)[0]
+    parts = []
+    for s in seqs:
+        starts = np.arange(lo[s], hi[s], tile_queries, dtype=np.int64)
+        ends = np.minimum(starts + tile_queries, hi[s])
+        parts.append(np.stack([np.full_like(starts, s), starts, ends], axis=1))
+    if not parts:
+        return np.zeros((0, 3), np.int32)
+    tiles = np.concatenate(parts)
+    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1]) - cu_q[:-1]  # [B] pos = t + shift
+    last_block = (tiles[:, 2] - 1 + shift[tiles[:, 0]]) // block_size
+    order = np.argsort(-last_block, kind="stable")
+    return np.ascontiguousarray(tiles[order].astype(np.int32))
+
+
+def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, *,
+             version=None, bf16_bits=False):
+    """Validate eq 6 inputs and pick a kernel; returns a namespace the launchers share.
+
+    ``bf16_bits``: integer (uint16/int16) q_idx/k_idx hold bf16 bit patterns (tests use it under
+    the simulator, where NumPy has no bf16); torch bf16 tensors are recognised by their dtype.
+    """
+    block_size = check_positive_int("block_size", block_size)
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+    bits = ("int16", "uint16") if bf16_bits else ()
+    kinds = []
+    for name, x, ndim in (("q_idx", q_idx, 3), ("k_idx", k_idx, 2)):
+        check_array(name, x, ndim=ndim)
+        if is_bf16(x) or (bf16_bits and dtype_of(x).name in bits):
+            kinds.append("bf16")
+        elif dtype_of(x) in FLOAT_DTYPES:
+            kinds.append(dtype_of(x).name)
+        else:
+            raise TypeError(f"{name} must have dtype bfloat16, float16, float32 or float64, got "
+                            f"{getattr(x, 'dtype', None)}")
+    if kinds[0] != kinds[1]:
+        raise TypeError(f"k_idx must have the dtype of q_idx ({kinds[0]}), got {kinds[1]}")
+    kind = kinds[0]
+    tq, hkv, d_idx = (int(s) for s in q_idx.shape)
+    if hkv < 1 or d_idx < 1:
+        raise ValueError(f"q_idx must have shape [Tq, Hkv >= 1, Didx >= 1], got {tuple(q_idx.shape)}")
+    check_array("k_idx", k_idx, shape=(None, d_idx))
+    tk = int(k_idx.shape[0])
+    cu_q_host, cu_k_host = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
+    nb = max_blocks(cu_k_host, block_size)
+    ctx = ArrayContext(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k)
+    wide = kind == "float64"
+    tc_ok = (kind in ("bf16", "float16") and d_idx % 16 == 0 and block_size % 8 == 0
+             and hkv <= 16 * _TC_WARPS)
+    if version is None:
+        version = "tc" if tc_ok else "v1"
+    elif version == "tc" and not tc_ok:
+        raise ValueError(
+            f"version 'tc' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 8 == 0 and "
+            f"Hkv <= {16 * _TC_WARPS}; got {kind}, Didx={d_idx}, block_size={block_size}, Hkv={hkv}")
+    q = ctx.input("q_idx", q_idx)
+    k = ctx.input("k_idx", k_idx)
+    if version == "tc":
+        q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
+        k = k.view(np.uint32)  # [Tk, Didx/2]
+    return SimpleNamespace(
+        ctx=ctx, q=q, k=k, cu_q=ctx.input("cu_seqlens_q", cu_seqlens_q),
+        cu_k=ctx.input("cu_seqlens_k", cu_seqlens_k), cu_q_host=cu_q_host, cu_k_host=cu_k_host,
+        tq=tq, tk=tk, hkv=hkv, d_idx=d_idx, nb=nb, block_size=block_size, kind=kind,
+        scale=np.float64(scale) if wide else np.float32(scale),
+        out_dtype=np.float64 if wide else np.float32, mean=pool == "mean", version=version,
+        tile_queries=max(1, 16 * _TC_WARPS // hkv))
+
+
+def _launch_block_scores(p, M, t0: int, t1: int):
+    """Fill ``M`` [Hkv, t1 - t0, NB] (a kernel argument) with the block scores of queries [t0, t1)."""
+    if (t1 - t0) * p.hkv * p.nb == 0:
+        return
+    if p.version == "v1":
+        kernel = _block_scores_kernel_v1(p.out_dtype == np.float64, p.mean)
+        n = p.hkv * (t1 - t0) * p.nb
+        kernel[(n + _THREADS_V1 - 1) // _THREADS_V1, _THREADS_V1](
+            p.q, p.k, p.cu_q, p.cu_k, t0, p.block_size, p.scale, M)
+        return
+    _launch_tc(p, t0, t1, 0, M, 0, _dummy(p, np.int32, 3))
+
+
+def _dummy(p, dtype, ndim):
+    """A one-element stand-in for the output a tc kernel variant does not write."""
+    return p.ctx.arg(p.ctx.empty((1,) * ndim, dtype))
+
+
+def _launch_tc(p, t0, t1, cap, M, topk, out):
+    """The tensor-core kernel over the tiles of queries [t0, t1): M (cap = 0) or fused top-k."""
+    tiles = _tiles(p.cu_q_host, p.cu_k_host, t0, t1, p.tile_queries, p.block_size)
+    if tiles.shape[0] == 0:
+        return
+    kernel = _block_scores_kernel_tc(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16", p.mean,
+                                     cap)
+    tiles_dev = tiles if SIMULATOR else cuda.to_device(tiles)
+    kernel[tiles.shape[0], 32 * _TC_WARPS](p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb,
+                                           p.scale, M, topk, out)
+
+
+def _launch_fused_heap(p, topk: int, cap: int, out):
+    """Fused index + top-k of every query into ``out`` [Tq, Hkv, K] (a kernel argument)."""
+    _launch_tc(p, 0, p.tq, cap, _dummy(p, np.float32, 3), topk, out)
+
+
+def _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale=None, *,
+                  pool="max", version=None, bf16_bits=False):
+    p = _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool,
+                 version=version, bf16_bits=bf16_bits)
+    fill = np.nan if _POISON else None
+    out = p.ctx.empty((p.hkv, p.tq, p.nb), p.out_dtype, fill=fill)
+    _launch_block_scores(p, p.ctx.arg(out), 0, p.tq)
+    return p.ctx.output(out)
+
+
+def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scale=None, *,
+                 pool="max", version=None):
+    """Paper eq 6 (right): causal block pooling ``M[r, t, b] = max_{j in block b, j <= pos_t} S``.
+
+    Args:
+        q_idx: [Tq, Hkv, Didx] bf16 (torch), float16, float32 or float64 index queries,
+            C-contiguous, on the GPU (CuPy, torch, Numba; NumPy under the simulator or with a
+            copy each way).
+        k_idx: [Tk, Didx], same dtype and library: the shared index key head.
+        cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums, same library (``Lq <= Lk``;
+            bottom-right alignment). Copied to the host for validation and tile planning.
+        block_size: ``Bk`` >= 1; block ``b`` holds key positions ``[b*Bk, min((b+1)*Bk, Lk))``.
+        scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
+        pool: ``"max"`` (the paper) or ``"mean"`` (mean over the visible keys of the block).
+        version: a kernel of ``VERSIONS``; default the fastest that applies (``tc`` for
+            bf16/fp16 with ``Didx % 16 == 0`` and ``Bk % 8 == 0``, else ``v1``).
+
+    Returns:
+        M [Hkv, Tq, NB] float32 (float64 for float64 inputs) in the caller's library,
+        ``NB = ceil(max Lk / Bk)``: ``-inf`` where no key of block ``b`` is visible to query
+        ``t`` (blocks after its position, blocks past its sequence's end). Dot products
+        accumulate in float32 (float64 for float64), on tensor cores for bf16/fp16.
+
+    Raises:
+        ValueError/TypeError before any launch: wrong rank, dtype or Didx, mixed dtypes or
+        libraries, non-contiguous arrays, bad ``cu_seqlens``, ``block_size < 1``, a bad scale.
+    """
+    return _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale,
+                         pool=pool, version=version)

@@ -1,0 +1,256 @@
+"""Paper eq 6 on the GPU: ``msa.cuda.index.block_scores`` against ``msa.reference.index``.
+
+Two kinds of comparison, for every kernel version and input dtype it supports:
+
+* exact: small-integer inputs make every product and partial sum exact in float32 whatever the
+  order (tensor cores included), and the max picks one of them, so the kernel must equal the
+  reference bit for bit (the mean too, with a power-of-two scale);
+* float: Gaussian inputs rounded to the kernel's dtype, the error against a float64 oracle at
+  most twice the float32 reference's (``msa.testing.tolerance``).
+
+bf16 has no NumPy dtype: the simulator tests pass bf16 bit patterns (uint16) through the private
+``_block_scores(..., bf16_bits=True)``; on a GPU the public function takes torch bf16 tensors.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import msa.cuda.index as cuda_index
+import msa.reference.index as ref_index
+from msa.problems import make_problem
+from msa.testing.backends import to_numpy
+from msa.testing.strategies import KERNEL_SHAPES, problem_shapes
+from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
+
+DTYPES = ("float32", "float64", "float16", "bf16")
+
+
+def _cu(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _bf16_round(x):
+    """float32 values rounded to the nearest bf16 (ties to even) and their uint16 bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return (bits.astype(np.uint32) << 16).view(np.float32), bits
+
+
+def _inputs(q64, k64, dtype):
+    """``(values, kernel_args)``: the inputs rounded to ``dtype`` as float arrays the reference
+    takes (float32 for bf16), and the arrays the kernel gets (bf16 as uint16 bits)."""
+    if dtype == "bf16":
+        (qv, qb), (kv, kb) = _bf16_round(q64), _bf16_round(k64)
+        return (qv, kv), (qb, kb)
+    q, k = q64.astype(dtype), k64.astype(dtype)
+    return (q, k), (q, k)
+
+
+def _versions(dtype, d_idx, block_size):
+    tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
+    return ["v1", "tc"] if tc else ["v1"]
+
+
+def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype):
+    q, k = args
+    M = cuda_index._block_scores(q, k, cu_q, cu_k, block_size, scale, pool=pool, version=version,
+                                 bf16_bits=dtype == "bf16")
+    M = to_numpy(M)
+    assert M.dtype == (np.float64 if dtype == "float64" else np.float32)
+    return M
+
+
+def _problem(lq, lk, hkv, d_idx, block_size, seed, integer):
+    p = make_problem(seq_lens_k=lk, seq_lens_q=lq, num_q_heads=hkv, num_kv_heads=hkv,
+                     index_dim=d_idx, block_size=block_size, dtype=np.float64, seed=seed)
+    q, k = p.q_idx, p.k_idx
+    if integer:  # small integers: exact in every dtype, exact products and sums
+        q, k = np.rint(2 * q), np.rint(2 * k)
+    return q, k, p.cu_seqlens_q, p.cu_seqlens_k
+
+
+def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
+    q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, block_size, seed, integer=True)
+    scale = None if pool == "max" else 0.25  # a mean stays exact with a power-of-two scale
+    (qv, kv), args = _inputs(q64, k64, dtype)
+    # The reference in the kernel's compute precision: exact dot products, then the same
+    # rounding of `dot * scale` (float32 unless the inputs are float64).
+    want = ref_index.block_scores(qv, kv, cu_q, cu_k, block_size, scale, pool=pool)
+    for version in _versions(dtype, d_idx, block_size):
+        got = _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype)
+        assert got.shape == want.shape
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want, err_msg=f"{version} {dtype}")
+
+
+# Error allowed, in units of the float32 reference's error against float64. Tensor cores sum the
+# exact products of an mma in fp32 but align and truncate instead of rounding each addition, so
+# their error may be a few times that of round-to-nearest float32 sums.
+_FACTOR = {"v1": 2.0, "tc": 4.0}
+
+
+def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
+    q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, block_size, seed, integer=False)
+    (qv, kv), args = _inputs(q64, k64, dtype)
+    if dtype == "float64":  # float32-representable inputs, so that float32 gives the yardstick
+        qv, kv = q64.astype(np.float32), k64.astype(np.float32)
+        args = (qv.astype(np.float64), kv.astype(np.float64))
+    oracle, baseline = oracle_and_baseline(ref_index.block_scores, qv, kv, cu_q, cu_k, block_size,
+                                           pool=pool)
+    for version in _versions(dtype, d_idx, block_size):
+        got = _run(args, cu_q, cu_k, block_size, None, pool, version, dtype)
+        assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR[version],
+                               name=f"M[{version}, {dtype}]")
+
+
+# (seq_lens_q, seq_lens_k, Hkv, Didx, block_size): hostile sizes, tiny for the simulator.
+CASES = {
+    "T=1": ([1], [1], 2, 16, 16),
+    "T-not-multiple-of-Bk": ([37], [37], 1, 16, 16),
+    "one-partial-block": ([5], [5], 2, 16, 8),
+    "varlen-empty-seqs": ([0, 9, 0, 20], [0, 9, 3, 20], 2, 16, 8),
+    "Lq<Lk-decode": ([1, 3], [50, 40], 2, 16, 16),
+    "no-queries-in-a-seq": ([0, 6], [20, 30], 1, 16, 8),
+    "Hkv=3-rows-not-a-multiple": ([11], [30], 3, 16, 8),
+    "Didx=32-Bk=32": ([8], [70], 1, 32, 32),
+    "Didx=8-Bk=4-v1-only": ([9], [21], 2, 8, 4),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk,hkv,d_idx,block_size", CASES.values(), ids=CASES.keys())
+def test_block_scores_exact_on_integer_inputs(lq, lk, hkv, d_idx, block_size, dtype):
+    _check_exact(lq, lk, hkv, d_idx, block_size, dtype, "max")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bf16"])
+@pytest.mark.parametrize("case", ["varlen-empty-seqs", "Lq<Lk-decode"])
+def test_block_scores_mean_pool_exact_on_integer_inputs(case, dtype):
+    _check_exact(*CASES[case], dtype, "mean")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["T-not-multiple-of-Bk", "varlen-empty-seqs", "Lq<Lk-decode",
+                                  "Didx=32-Bk=32"])
+def test_block_scores_within_float32_tolerance(case, dtype):
+    _check_float(*CASES[case], dtype, "max", seed=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_block_scores_mean_pool_within_float32_tolerance(dtype):
+    _check_float(*CASES["varlen-empty-seqs"], dtype, "mean", seed=2)
+
+
+def _shapes_args(shapes):
+    return (shapes["seq_lens_q"], shapes["seq_lens_k"], shapes["num_kv_heads"],
+            shapes["index_dim"], shapes["block_size"])
+
+
+@given(shapes=problem_shapes(**KERNEL_SHAPES), dtype=st.sampled_from(DTYPES))
+@example(shapes=dict(seq_lens_q=[1], seq_lens_k=[1], num_q_heads=1, num_kv_heads=1, head_dim=16,
+                     index_dim=16, block_size=16, topk=1, seed=0), dtype="bf16")
+def test_block_scores_exact_fuzz(shapes, dtype):
+    _check_exact(*_shapes_args(shapes), dtype, "max", seed=shapes["seed"])
+
+
+@given(shapes=problem_shapes(**KERNEL_SHAPES), dtype=st.sampled_from(DTYPES))
+def test_block_scores_float_fuzz(shapes, dtype):
+    _check_float(*_shapes_args(shapes), dtype, "max", seed=shapes["seed"])
+
+
+def test_nan_scores_are_skipped_by_the_max_pool():
+    # The reference's NaN contract (fmax from -inf): keys 1 and 4..7 are NaN.
+    k_idx = np.array([0.0, np.nan, 2.0, 1.0] + [np.nan] * 4 + [3.0], np.float32)[:, None]
+    q_idx = np.ones((9, 1, 1), np.float32)
+    cu = _cu([9])
+    M = to_numpy(cuda_index.block_scores(q_idx, k_idx, cu, cu, 4, scale=1.0))
+    np.testing.assert_array_equal(M, ref_index.block_scores(q_idx, k_idx, cu, cu, 4, scale=1.0))
+
+
+def test_block_scores_empty_batch():
+    cu = _cu([0, 0])
+    M = to_numpy(cuda_index.block_scores(np.zeros((0, 2, 16), np.float16),
+                                         np.zeros((0, 16), np.float16), cu, cu, 8))
+    assert M.shape == (2, 0, 0) and M.dtype == np.float32
+    M = to_numpy(cuda_index.block_scores(np.zeros((0, 2, 16), np.float16),
+                                         np.ones((9, 16), np.float16), _cu([0]), _cu([9]), 8))
+    assert M.shape == (2, 0, 2)
+
+
+# -- bad inputs ---------------------------------------------------------------------------------
+
+def _good():
+    q64, k64, cu_q, cu_k = _problem([10, 6], [10, 6], 2, 16, 8, 0, integer=False)
+    return dict(q_idx=q64.astype(np.float16), k_idx=k64.astype(np.float16), cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, block_size=8)
+
+
+BAD = {
+    "q_idx-rank": (lambda a: dict(q_idx=a["q_idx"][:, 0]), ValueError, "q_idx"),
+    "q_idx-int": (lambda a: dict(q_idx=a["q_idx"].astype(np.int32)), TypeError, "q_idx"),
+    "q_idx-no-heads": (lambda a: dict(q_idx=a["q_idx"][:, :0]), ValueError, "q_idx"),
+    "k_idx-rank": (lambda a: dict(k_idx=a["k_idx"][:, None]), ValueError, "k_idx"),
+    "k_idx-Didx": (lambda a: dict(k_idx=np.ascontiguousarray(a["k_idx"][:, :8])), ValueError, "k_idx"),
+    "k_idx-dtype": (lambda a: dict(k_idx=a["k_idx"].astype(np.float32)), TypeError, "k_idx"),
+    "q_idx-not-contiguous": (lambda a: dict(q_idx=np.zeros((16, 16, 2), np.float16).transpose(0, 2, 1)),
+                             ValueError, "contiguous"),
+    "Tq-vs-cu_q": (lambda a: dict(q_idx=a["q_idx"][:-1]), ValueError, "cu_seqlens_q"),
+    "Tk-vs-cu_k": (lambda a: dict(k_idx=a["k_idx"][:-1]), ValueError, "cu_seqlens_k"),
+    "cu-float": (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].astype(float)), TypeError,
+                 "cu_seqlens_q"),
+    "Lq>Lk": (lambda a: dict(cu_seqlens_q=_cu([12, 4]), cu_seqlens_k=_cu([10, 6])), ValueError,
+              "more queries"),
+    "block_size=0": (lambda a: dict(block_size=0), ValueError, "block_size"),
+    "block_size-float": (lambda a: dict(block_size=8.0), TypeError, "block_size"),
+    "scale-negative": (lambda a: dict(scale=-1.0), ValueError, "scale"),
+    "scale-nan": (lambda a: dict(scale=float("nan")), ValueError, "scale"),
+    "pool": (lambda a: dict(pool="median"), ValueError, "pool"),
+    "version-unknown": (lambda a: dict(version="v7"), ValueError, "version"),
+    "version-tc-fp32": (lambda a: dict(q_idx=a["q_idx"].astype(np.float32),
+                                       k_idx=a["k_idx"].astype(np.float32), version="tc"),
+                        ValueError, "version 'tc'"),
+    "version-tc-Bk=4": (lambda a: dict(block_size=4, version="tc"), ValueError, "version 'tc'"),
+}
+
+
+@pytest.mark.parametrize("change,error,match", BAD.values(), ids=BAD.keys())
+def test_block_scores_rejects_bad_input(change, error, match):
+    kwargs = _good()
+    kwargs.update(change(kwargs))
+    with pytest.raises(error, match=match):
+        cuda_index.block_scores(**kwargs)
+
+
+# -- production sizes (real GPU only) -----------------------------------------------------------
+
+@pytest.mark.big
+@pytest.mark.parametrize("dtype", ["bf16", "float16"])
+def test_block_scores_production_sizes(dtype):
+    torch = pytest.importorskip("torch")
+    q64, k64, cu_q, cu_k = _problem([1000, 3096], [3000, 5000], 4, 128, 128, 4, integer=False)
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q = torch.tensor(q64, dtype=tdt, device="cuda")
+    k = torch.tensor(k64, dtype=tdt, device="cuda")
+    cq, ck = (torch.tensor(c, device="cuda") for c in (cu_q, cu_k))
+    got = cuda_index.block_scores(q, k, cq, ck, 128)
+    assert got.dtype == torch.float32 and got.is_cuda
+    qv, kv = q.float().cpu().numpy(), k.float().cpu().numpy()
+    oracle, baseline = oracle_and_baseline(ref_index.block_scores, qv, kv, cu_q, cu_k, 128)
+    assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR["tc"], name=f"M[{dtype}]")
+
+
+def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
+    # The simulator runs the tc kernels with 2 warps a CTA for speed; the GPU uses 8 (128 rows:
+    # 32 queries x 4 groups). Same kernel body, so run that geometry once here too.
+    monkeypatch.setattr(cuda_index, "_TC_WARPS", 8)
+    _check_exact([40], [45], 4, 16, 16, "bf16", "max", seed=5)
+    import msa.cuda.select as cuda_select
+    import msa.reference.select as ref_select
+
+    q64, k64, cu_q, cu_k = _problem([40], [45], 4, 16, 16, 5, integer=False)
+    q, k = q64.astype(np.float16), k64.astype(np.float16)
+    M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
+    got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version="heap")
+    np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))
