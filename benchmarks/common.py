@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import time
@@ -50,11 +51,15 @@ def header() -> dict:
     """GPU, library versions and commit, for the top of every results JSON."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version()}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        check=False).stdout.strip() or "unknown"
-    except OSError:
-        info["commit"] = "unknown"
+    # The GPU machine gets a copy of the working tree without history: pass MSA_COMMIT there.
+    info["commit"] = os.environ.get("MSA_COMMIT", "")
+    if not info["commit"]:
+        try:
+            out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True,
+                                 text=True, check=False).stdout.strip()
+        except OSError:
+            out = ""
+        info["commit"] = out or "unknown"
     for mod in ("numpy", "numba", "numba.cuda", "torch", "cupy"):
         try:
             m = __import__(mod, fromlist=["x"])
