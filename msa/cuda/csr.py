@@ -1,0 +1,718 @@
+"""Paper §4.2 on the GPU: the reverse sparse index, q2k ``block_indices`` -> k2q CSR.
+
+Same functions and arguments as ``msa.reference.csr`` (read its docstring for the layout), plus
+keywords: ``validate`` (below) and, where there are two kernels, ``version``. Every step runs on
+the device; the launchers read only ``cu_seqlens`` (small metadata) on the host, plus whatever
+``validate=True`` asks for.
+
+Versions (the default is the last of each line; every one is tested against the reference):
+
+=============  ===  ==========================================================================
+step           v    idea
+=============  ===  ==========================================================================
+histogram      v1   one thread per (t, h) adds its K edges: ``atomicAdd(counts[h, row], 1)``
+prefix sum     v1   one thread per head walks its rows (simple, serial)
+               v2   reduce-then-scan: per-block sums, one CTA per head scans them, add back
+scatter        v1   one thread per ``(h, row)`` walks its sequence's queries in order
+               v2   tiled stable counting sort (below), one CTA per (query tile, head)
+=============  ===  ==========================================================================
+
+Scatter v2, or how to rank without letting atomics choose the order. An edge ``(t, h, s)`` with
+row ``r`` goes to ``row_ptr[h, r] + #{t' < t : t' chose r}``. The queries are cut into tiles of
+``TQ`` consecutive ids:
+
+1. *count*: every edge adds 1 to ``tile_counts[t // TQ, h, r]`` (integer atomics: the
+   totals do not depend on the order);
+2. *tile scan*: one thread per ``(h, r)`` turns its column into an exclusive scan over tiles (the
+   start of each tile inside the row) and writes the row total, ``counts[h, r]``, which the
+   prefix sum turns into ``row_ptr``;
+3. *rank*: CTA ``(tile, h)`` walks its tile in chunks of ``C <= 32`` queries, one thread per
+   (query, slot). Each edge inserts its row into a shared hash table and ORs its query's bit
+   into the row's 32-bit mask. After a barrier the mask says which queries of the chunk chose
+   the row, so the edge's rank in the chunk is ``popc(mask & lanes_below)``; the row's last
+   query of the chunk then advances the row's cursor (``tile_counts``, now the tile's write
+   position in the row) by ``popc(mask)``. Where a row lands in the hash table depends on the
+   atomics, the masks and cursors do not: the output is bitwise reproducible. Two tables
+   alternate between chunks, so a chunk costs two barriers.
+
+Memory: ``tile_counts`` is int32 ``[ceil(Tq/TQ), Hkv, rows]``. ``TQ`` is the smallest ``C * 2**k``
+(at most 8192) with ``TQ >= 8 * rows / K``, i.e. at least 8 edges per (tile, row) on average, so
+the tile counts take about 1/16 of the bytes of ``q_indices`` + ``slots``. At N = 1M keys, Bk=128
+(rows = 8192 per head), K = 16, Hkv = 4: TQ = 4096, 256 tiles, 32 MiB of tile counts next to
+512 MiB of output; at Hkv = 16, K = 64: TQ = 1024, 1024 tiles, 512 MiB next to 8 GiB.
+
+Bad input: with ``validate=True`` (the default) the launchers check the selection on a host copy
+(``msa.reference.select.check_block_indices``: a device-to-host copy of ``I`` and a NumPy pass,
+about as slow as the reference) and raise ``ValueError``. ``validate=False`` skips that for speed;
+the kernels then still never read or write out of bounds: entries that are not a block of the
+query's own sequence are skipped, every write is clamped to ``[0, Tq*K)``, and the result for an
+invalid selection (duplicates, holes) is unspecified but memory safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, int32, int64, uint32
+
+from .._checks import (check_array, check_cu_seqlens, check_offsets, check_positive_int,
+                       cu_to_host)
+from ..reference.blocks import block_row_offsets
+from ._arrays import SIMULATOR, ArrayContext
+
+INT32_MAX = np.iinfo(np.int32).max
+MAX_TOPK = 1024  # one thread per slot of a chunk's query: a CTA holds at most 1024 threads
+
+_THREADS = 128 if SIMULATOR else 256  # 1-D grid-stride kernels
+_MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
+_SCAN_ITEMS = 4  # counts per thread in the block scans
+_SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a power of two)
+_CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C = min(32, this // K)
+_TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
+_MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
+
+
+# --- device helpers ---------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _last_le(offsets, x):
+    """The last ``b`` with ``offsets[b] <= x < offsets[b+1]`` (empty segments are skipped)."""
+    lo = 0
+    hi = offsets.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if offsets[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True)
+def _block_row(j, cu_q, row_offsets, t):
+    """CSR row of block ``j`` chosen by query ``t``, or -1 for padding and for blocks outside
+    t's sequence."""
+    if j < 0:
+        return int64(-1)
+    b = _last_le(cu_q, t)  # query t's sequence
+    first = int64(row_offsets[b])
+    if j >= row_offsets[b + 1] - first:
+        return int64(-1)  # not a block of this sequence: skipped, never an out-of-bounds row
+    return first + j
+
+
+@cuda.jit(device=True)
+def _edge_row(block_indices, cu_q, row_offsets, t, h, s):
+    """CSR row of edge ``(t, h, s)`` (see ``_block_row``)."""
+    return _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
+
+
+@cuda.jit(device=True)
+def _block_inclusive_scan(sh, tid, nt):
+    """In-place inclusive scan of ``sh[0:nt]`` by the ``nt`` threads of a CTA (Hillis-Steele)."""
+    d = 1
+    while d < nt:
+        x = int64(0)
+        if tid >= d:
+            x = sh[tid - d]
+        cuda.syncthreads()
+        sh[tid] += x
+        cuda.syncthreads()
+        d *= 2
+
+
+@cuda.jit(device=True)
+def _clamp_i32(x):
+    return int32(min(x, INT32_MAX))
+
+
+# --- histogram / tile counts -------------------------------------------------------------------
+
+@cuda.jit
+def _csr_kernel_count(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
+    """``tile_counts[t // tile_queries, h, row] += 1`` for every edge; one thread per (t, h)."""
+    tq, hkv, topk = block_indices.shape
+    n = int64(tq) * hkv
+    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+    while i < n:
+        h = i % hkv
+        t = i // hkv
+        tile = t // tile_queries
+        for s in range(topk):
+            r = _edge_row(block_indices, cu_q, row_offsets, t, h, s)
+            if r >= 0:
+                cuda.atomic.add(tile_counts, (tile, h, r), 1)
+        i += stride
+
+
+@cuda.jit
+def _csr_kernel_tile_scan(tile_counts, counts):
+    """Per (h, r): exclusive scan of ``tile_counts[:, h, r]`` in place; the total to counts."""
+    ntiles, hkv, rows = tile_counts.shape
+    n = int64(hkv) * rows
+    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+    while i < n:
+        h = i // rows
+        r = i % rows
+        acc = int32(0)
+        k = 0
+        # Four loads in flight before their stores: the column walk is latency bound.
+        while k + 4 <= ntiles:
+            c0 = tile_counts[k, h, r]
+            c1 = tile_counts[k + 1, h, r]
+            c2 = tile_counts[k + 2, h, r]
+            c3 = tile_counts[k + 3, h, r]
+            tile_counts[k, h, r] = acc
+            acc += c0
+            tile_counts[k + 1, h, r] = acc
+            acc += c1
+            tile_counts[k + 2, h, r] = acc
+            acc += c2
+            tile_counts[k + 3, h, r] = acc
+            acc += c3
+            k += 4
+        while k < ntiles:
+            c0 = tile_counts[k, h, r]
+            tile_counts[k, h, r] = acc
+            acc += c0
+            k += 1
+        counts[h, r] = acc
+        i += stride
+
+
+# --- exclusive prefix sum ----------------------------------------------------------------------
+
+@cuda.jit
+def _scan_kernel_serial(src, dst, flag):
+    """v1: thread s walks segment s: ``dst[s, i+1] = dst[s, i] + src[s, i]``."""
+    s = cuda.grid(1)
+    if s < src.shape[0]:
+        acc = int64(0)
+        for i in range(src.shape[1]):
+            v = int64(src[s, i])
+            if v < 0:
+                cuda.atomic.or_(flag, 0, 1)
+            dst[s, i] = _clamp_i32(acc)
+            acc += v
+        if acc > INT32_MAX:
+            cuda.atomic.or_(flag, 0, 2)
+        dst[s, src.shape[1]] = _clamp_i32(acc)
+
+
+@cuda.jit
+def _scan_kernel_reduce(src, block_sums, flag):
+    """v2 step 1: CTA (b, s) sums ``src[s, b*tile : (b+1)*tile]`` into ``block_sums[s, b]``."""
+    sh = cuda.shared.array(1024, int64)
+    b = cuda.blockIdx.x
+    s = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = src.shape[1]
+    first = int64(b) * nt * _SCAN_ITEMS + tid * _SCAN_ITEMS
+    acc = int64(0)
+    for k in range(_SCAN_ITEMS):
+        i = first + k
+        if i < n:
+            v = int64(src[s, i])
+            if v < 0:
+                cuda.atomic.or_(flag, 0, 1)
+            acc += v
+    sh[tid] = acc
+    cuda.syncthreads()
+    half = nt // 2
+    while half > 0:
+        if tid < half:
+            sh[tid] += sh[tid + half]
+        cuda.syncthreads()
+        half //= 2
+    if tid == 0:
+        block_sums[s, b] = sh[0]
+
+
+@cuda.jit
+def _scan_kernel_block_sums(block_sums, block_offsets, dst, flag):
+    """v2 step 2: CTA s scans ``block_sums[s]`` (exclusive); the total goes to ``dst[s, -1]``."""
+    sh = cuda.shared.array(1024, int64)
+    s = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    nb = block_sums.shape[1]
+    carry = int64(0)
+    for start in range(0, nb, nt):
+        i = start + tid
+        v = int64(0)
+        if i < nb:
+            v = block_sums[s, i]
+        sh[tid] = v
+        cuda.syncthreads()
+        _block_inclusive_scan(sh, tid, nt)
+        if i < nb:
+            block_offsets[s, i] = carry + sh[tid] - v
+        carry += sh[nt - 1]
+        cuda.syncthreads()  # everyone has read sh[nt-1] before the next round overwrites it
+    if tid == 0:
+        if carry > INT32_MAX:
+            cuda.atomic.or_(flag, 0, 2)
+        dst[s, dst.shape[1] - 1] = _clamp_i32(carry)
+
+
+@cuda.jit
+def _scan_kernel_add_back(src, block_offsets, dst):
+    """v2 step 3: CTA (b, s) scans its tile again, adds ``block_offsets[s, b]``, writes ``dst``."""
+    sh = cuda.shared.array(1024, int64)
+    b = cuda.blockIdx.x
+    s = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = src.shape[1]
+    first = int64(b) * nt * _SCAN_ITEMS + tid * _SCAN_ITEMS
+    mine = int64(0)
+    for k in range(_SCAN_ITEMS):
+        if first + k < n:
+            mine += src[s, first + k]
+    sh[tid] = mine
+    cuda.syncthreads()
+    _block_inclusive_scan(sh, tid, nt)
+    run = block_offsets[s, b] + sh[tid] - mine  # exclusive prefix of this thread's first item
+    for k in range(_SCAN_ITEMS):
+        i = first + k
+        if i < n:
+            dst[s, i] = _clamp_i32(run)
+            run += src[s, i]
+
+
+def _launch_scan(ctx, src, dst, flag, version, threads=None):
+    """Exclusive scan of every row of ``src [S, n]`` into ``dst [S, n+1]`` (kernel arguments).
+
+    ``flag[0]`` gets bit 1 for a negative entry and bit 2 for a total above int32.
+    """
+    segments, n = src.shape
+    if segments == 0:
+        return
+    if version == 1:
+        _scan_kernel_serial[(segments + _THREADS - 1) // _THREADS, _THREADS](src, dst, flag)
+        return
+    nt = threads or _SCAN_THREADS
+    nb = -(-n // (nt * _SCAN_ITEMS))
+    block_sums = ctx.empty((segments, max(nb, 1)), np.int64)
+    block_offsets = ctx.empty((segments, max(nb, 1)), np.int64)
+    if nb:
+        _scan_kernel_reduce[(nb, segments), nt](src, ctx.arg(block_sums), flag)
+    _scan_kernel_block_sums[segments, nt](ctx.arg(block_sums)[:, :nb], ctx.arg(block_offsets),
+                                          dst, flag)
+    if nb:
+        _scan_kernel_add_back[(nb, segments), nt](src, ctx.arg(block_offsets), dst)
+
+
+# --- scatter ---------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _table_insert(keys, buf, r, table_size):
+    """Slot of key ``r`` in the shared open-addressing table ``keys[buf]`` (inserted if absent)."""
+    p = ((r * 2654435761) >> 13) & (table_size - 1)  # Fibonacci hashing spreads strided rows
+    while True:
+        old = cuda.atomic.cas(keys, (buf, p), int32(-1), int32(r))
+        if old == -1 or old == r:
+            return p
+        p = (p + 1) & (table_size - 1)
+
+
+@cuda.jit
+def _csr_kernel_scatter_tiled(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
+                              chunk_queries, table_size, q_indices, slots):
+    """v2: CTA (tile, h) writes the edges of queries ``[tile*TQ, (tile+1)*TQ)`` of head h.
+
+    ``cursors[tile, h, r]``: where (relative to ``row_ptr[h, r]``) the tile's next edge of row r
+    goes; advanced by each chunk. Threads: ``chunk_queries * K``, thread = (query c, slot s).
+    Two hash tables alternate between chunks, so that one chunk's inserts and the clearing of
+    the previous chunk's table share a phase: two barriers per chunk. Also writes the -1 tail
+    ``[nnz_h, Tq*K)``, split between the tiles.
+    """
+    keys = cuda.shared.array((2, _TABLE), int32)
+    masks = cuda.shared.array((2, _TABLE), uint32)
+    tile = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    tq, hkv, topk = block_indices.shape
+    rows = row_ptr.shape[1] - 1
+    width = q_indices.shape[1]
+    ntiles = cuda.gridDim.x
+    # 1-D views of this CTA's head and tile: fewer live strides, fewer registers.
+    q_out = q_indices[h]
+    s_out = slots[h]
+    ptr = row_ptr[h]
+    cursor = cursors[tile, h]
+
+    # The -1 tail: tile k fills its share of [nnz, width).
+    nnz = min(max(int64(ptr[rows]), int64(0)), int64(width))
+    share = (width - nnz + ntiles - 1) // ntiles
+    tail_end = min(int64(width), nnz + (tile + 1) * share)
+    e = nnz + tile * share + tid
+    while e < tail_end:
+        q_out[e] = -1
+        s_out[e] = -1
+        e += nt
+
+    for p in range(tid, table_size, nt):
+        keys[0, p] = -1
+        masks[0, p] = 0
+        keys[1, p] = -1
+        masks[1, p] = 0
+    cuda.syncthreads()
+
+    c = tid // topk  # query of the chunk
+    s = tid % topk  # slot of that query's selection
+    bit = uint32(1) << uint32(c)
+    t_begin = int64(tile) * tile_queries
+    t_end = min(int64(tq), t_begin + tile_queries)
+    # The previous chunk's edge of this thread: its row, cursor and the row's mask.
+    r_prev = int64(-1)
+    base = int32(0)
+    m = uint32(0)
+    buf = 0
+    j = -1  # this thread's entry of I for the coming chunk, loaded one chunk ahead
+    if t_begin + c < t_end:
+        j = block_indices[t_begin + c, h, s]
+    for chunk in range(t_begin, t_end, chunk_queries):
+        # Phase 1: the previous chunk's last query of each row advances the row's cursor past
+        # the chunk's entries; the previous table is cleared; this chunk's rows are inserted.
+        if r_prev >= 0 and (m >> uint32(c)) == uint32(1):
+            cursor[r_prev] = base + cuda.popc(m)
+        for p in range(tid, table_size, nt):
+            keys[1 - buf, p] = -1
+            masks[1 - buf, p] = 0
+        t = chunk + c
+        r = int64(-1)
+        if t < t_end:
+            r = _block_row(j, cu_q, row_offsets, t)
+        slot = 0
+        if r >= 0:
+            slot = _table_insert(keys, buf, r, table_size)
+            cuda.atomic.or_(masks, (buf, slot), bit)
+        cuda.syncthreads()
+        # Phase 2: mask = the chunk's queries that chose row r; rank = those before query c.
+        if t + chunk_queries < t_end:  # prefetch: the load flies during this phase
+            j = block_indices[t + chunk_queries, h, s]
+        if r >= 0:
+            m = masks[buf, slot]
+            base = cursor[r]
+            e = int64(ptr[r]) + base + cuda.popc(m & (bit - uint32(1)))
+            if e >= 0 and e < width:
+                q_out[e] = t
+                s_out[e] = s
+        r_prev = r
+        buf = 1 - buf
+        cuda.syncthreads()
+
+
+@cuda.jit
+def _csr_kernel_scatter_rowwise(block_indices, cu_q, row_offsets, row_ptr, q_indices, slots):
+    """v1: thread (h, r) walks the queries of row r's sequence in order and appends matches."""
+    tq, hkv, topk = block_indices.shape
+    rows = row_ptr.shape[1] - 1
+    width = q_indices.shape[1]
+    i = cuda.grid(1)
+    if i < hkv * rows:
+        h = i // rows
+        r = i % rows
+        b = _last_le(row_offsets, r)  # row r is block j of sequence b
+        j = r - row_offsets[b]
+        e = int64(row_ptr[h, r])
+        end = int64(row_ptr[h, r + 1])
+        for t in range(cu_q[b], cu_q[b + 1]):
+            for s in range(topk):
+                if block_indices[t, h, s] == j:
+                    if e >= 0 and e < end and e < width:
+                        q_indices[h, e] = t
+                        slots[h, e] = s
+                    e += 1
+
+
+@cuda.jit
+def _csr_kernel_fill_tail(row_ptr, q_indices, slots):
+    """-1 in ``q_indices[h, e]`` and ``slots[h, e]`` for every ``e >= row_ptr[h, -1]``."""
+    hkv, width = q_indices.shape
+    rows = row_ptr.shape[1] - 1
+    n = int64(hkv) * width
+    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+    while i < n:
+        h = i // width
+        e = i % width
+        if e >= row_ptr[h, rows]:
+            q_indices[h, e] = -1
+            slots[h, e] = -1
+        i += stride
+
+
+# --- launchers ---------------------------------------------------------------------------------
+
+def _grid(n: int) -> int:
+    return max(1, min(_MAX_GRID, -(-n // _THREADS)))
+
+
+def _device_copy(host):
+    """A small int32 host array on the device (the simulator indexes NumPy directly).
+
+    Memoised by content (and device): launchers are called again and again with the same
+    ``cu_seqlens``, and each fresh upload would be a synchronous copy that stalls the host.
+    """
+    host = np.ascontiguousarray(host, dtype=np.int32)
+    if SIMULATOR:
+        return host
+    return _cached_upload(host.tobytes(), cuda.get_current_device().id)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_upload(data: bytes, device_id: int):
+    return cuda.to_device(np.frombuffer(data, dtype=np.int32))
+
+
+class _Plan:
+    """Validated shapes and device metadata of one selection ``I [Tq, Hkv, K]``."""
+
+    def __init__(self, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate):
+        self.block_size = check_positive_int("block_size", block_size)
+        check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
+        self.tq, self.hkv, self.topk = (int(x) for x in block_indices.shape)
+        if self.topk < 1 or self.hkv < 1:
+            raise ValueError(f"block_indices must have shape [Tq, Hkv >= 1, K >= 1], "
+                             f"got {(self.tq, self.hkv, self.topk)}")
+        if self.topk > MAX_TOPK:
+            raise ValueError(f"block_indices has K={self.topk} slots; the GPU scatter supports "
+                             f"K <= {MAX_TOPK}")
+        if self.tq * self.topk > INT32_MAX:
+            raise ValueError(
+                f"block_indices has Tq*K = {self.tq}*{self.topk} = {self.tq * self.topk} possible "
+                f"edges per head, more than int32 CSR offsets hold (2**31-1); split the batch")
+        cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)
+        self.cu_q, self.cu_k = check_cu_seqlens(cu_seqlens_q, cu_k, self.tq, int(cu_k[-1]))
+        self.row_offsets = block_row_offsets(self.cu_k, self.block_size)  # [B+1]
+        self.rows = int(self.row_offsets[-1])
+        if self.rows > INT32_MAX:
+            raise ValueError(f"cu_seqlens_k gives {self.rows} CSR rows, more than int32 holds")
+        if validate:
+            from ..reference.select import check_block_indices
+            check_block_indices(cu_to_host(block_indices), self.cu_q, self.cu_k, self.block_size)
+        self.ctx = ArrayContext(block_indices)
+        self.I = self.ctx.input("block_indices", block_indices)
+        self.d_cu_q = _device_copy(self.cu_q)
+        self.d_row_offsets = _device_copy(self.row_offsets)
+        self.width = self.tq * self.topk
+        self.edges = self.tq * self.hkv * self.topk
+
+    def zeros(self, shape):
+        # (ArrayContext's fill cannot launch on an empty Numba array)
+        return self.ctx.empty(shape, np.int32, fill=0 if int(np.prod(shape)) else None)
+
+    def chunk_queries(self) -> int:
+        return max(1, min(32, _CHUNK_THREADS // self.topk))
+
+    def tile_queries(self) -> int:
+        """TQ: at least 8 edges per (tile, row) on average (see the module docstring)."""
+        tile = self.chunk_queries()
+        while tile < _MAX_TILE and tile * self.topk < 8 * self.rows:
+            tile *= 2
+        return tile
+
+    def count(self, tile_queries):
+        """Tile counts int32 [ceil(Tq/TQ), Hkv, rows] (kernel argument)."""
+        ntiles = max(1, -(-self.tq // tile_queries))
+        tile_counts = self.zeros((ntiles, self.hkv, self.rows))
+        if self.edges and self.rows:
+            _csr_kernel_count[_grid(self.tq * self.hkv), _THREADS](
+                self.I, self.d_cu_q, self.d_row_offsets, tile_queries, self.ctx.arg(tile_counts))
+        return tile_counts
+
+    def tile_scan(self, tile_counts):
+        """Scan tile counts over tiles in place; returns counts int32 [Hkv, rows]."""
+        counts = self.ctx.empty((self.hkv, self.rows), np.int32)
+        if self.rows:
+            _csr_kernel_tile_scan[_grid(self.hkv * self.rows), _THREADS](
+                self.ctx.arg(tile_counts), self.ctx.arg(counts))
+        return counts
+
+    def scatter(self, row_ptr_arg, version, tile_queries=None):
+        """``(q_indices, slots)`` int32 [Hkv, Tq*K] (caller's arrays)."""
+        q_indices = self.ctx.empty((self.hkv, self.width), np.int32)
+        slots = self.ctx.empty((self.hkv, self.width), np.int32)
+        dq, ds = self.ctx.arg(q_indices), self.ctx.arg(slots)
+        if version == 1:
+            if self.hkv * self.rows:
+                n = self.hkv * self.rows
+                _csr_kernel_scatter_rowwise[-(-n // _THREADS), _THREADS](
+                    self.I, self.d_cu_q, self.d_row_offsets, row_ptr_arg, dq, ds)
+            if self.hkv * self.width:
+                _csr_kernel_fill_tail[_grid(self.hkv * self.width), _THREADS](row_ptr_arg, dq, ds)
+        else:
+            tq_tile = tile_queries or self.tile_queries()
+            cursors = self.count(tq_tile)
+            self.tile_scan(cursors)
+            self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
+        return q_indices, slots
+
+    def _scatter_tiled(self, row_ptr_arg, cursors, tile_queries, dq, ds):
+        if not self.hkv * self.width:
+            return
+        chunk = self.chunk_queries()
+        table = 1
+        while table < 2 * chunk * self.topk:
+            table *= 2
+        ntiles = cursors.shape[0]
+        _csr_kernel_scatter_tiled[(ntiles, self.hkv), chunk * self.topk](
+            self.I, self.d_cu_q, self.d_row_offsets, row_ptr_arg, self.ctx.arg(cursors),
+            tile_queries, chunk, table, dq, ds)
+
+
+def _prefix_sum(ctx, counts_arg, version, validate, host_counts=None, threads=None):
+    """``row_ptr`` int32 [S, n+1] (caller's array) from kernel-ready counts [S, n]."""
+    segments, n = counts_arg.shape
+    row_ptr = ctx.empty((segments, n + 1), np.int32)
+    # The kernels only OR error bits into the flag; unread, it needs no clearing launch.
+    flag = ctx.empty((1,), np.int32, fill=0 if validate else None)
+    _launch_scan(ctx, counts_arg, ctx.arg(row_ptr), ctx.arg(flag), version, threads)
+    if validate:
+        bad = int(cu_to_host(flag)[0])
+        if bad & 1:
+            c = np.asarray(cu_to_host(host_counts))
+            raise ValueError(f"counts must be >= 0, got min {int(c.min())}")
+        if bad & 2:
+            c = np.asarray(cu_to_host(host_counts), dtype=np.int64)
+            raise ValueError(
+                f"counts sum to {int(c.sum(axis=1).max())} edges in one head, more than int32 "
+                f"row_ptr can hold (2**31-1); split the batch")
+    return row_ptr
+
+
+def csr_histogram(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
+                  validate: bool = True):
+    """Paper §4.2, step 1 of the reverse index: how many queries selected each (head, row).
+
+    ``counts[h, row(b, j)] = #{t in sequence b : j in I[t, h, :]}``: one GPU thread per (t, h)
+    adds its K edges with integer ``atomicAdd`` (integer sums commute: deterministic counts).
+
+    Args:
+        block_indices: I int [Tq, Hkv, K] on the GPU (or NumPy), batch-local block ids, unique
+            per (t, h), -1 only at the tail; ``1 <= K <= 1024``, ``Tq*K < 2**31``.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed-batch offsets (read on the host).
+        block_size: Bk >= 1.
+        validate: check ``I`` on a host copy first (``select.check_block_indices``); ``False``
+            skips it for speed, and invalid entries are then skipped, never read out of bounds.
+
+    Returns:
+        counts int32 [Hkv, rows] in the caller's array library; ``rows =
+        block_row_offsets(cu_seqlens_k, Bk)[-1]``. -1 entries count nowhere.
+    """
+    plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
+    counts = plan.count(max(plan.tq, 1))  # a single tile: the plain histogram
+    return plan.ctx.output(counts)[0]
+
+
+def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
+    """Paper §4.2, step 2 of the reverse index: ``row_ptr`` from the per-row counts, on the GPU.
+
+    ``row_ptr[h, 0] = 0``, ``row_ptr[h, r+1] = row_ptr[h, r] + counts[h, r]``: a multi-block
+    reduce-then-scan per head, accumulated in int64.
+
+    Args:
+        counts: int [Hkv, rows], non-negative, on the GPU (or NumPy).
+        validate: read back one flag (a device sync) and raise on a negative count or a head
+            whose nnz exceeds 2**31-1. With ``False`` nothing is read back; such heads then hold
+            offsets clamped to 2**31-1 and negative counts give unspecified offsets.
+        version: 1 (serial, one thread per head) or 2 (default, multi-block scan).
+
+    Returns:
+        row_ptr int32 [Hkv, rows+1], non-decreasing; ``row_ptr[h, -1]`` is head h's nnz.
+    """
+    check_array("counts", counts, ndim=2, dtypes=("int",))
+    ctx = ArrayContext(counts)
+    dcounts = ctx.input("counts", counts)
+    row_ptr = _prefix_sum(ctx, dcounts, version, validate, host_counts=counts)
+    return ctx.output(row_ptr)
+
+
+def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
+                validate: bool = True, version: int = 2):
+    """Paper §4.2, step 3 of the reverse index: every edge's query id into its CSR row.
+
+    Edge ``(h, t, s)`` of row ``r`` lands at ``e = row_ptr[h, r] + #{t' < t : t' chose r}``:
+    ``q_indices[h, e] = t``, ``slots[h, e] = s``. Ranks come from a tiled stable counting sort
+    (module docstring), never from the order of atomics: reruns are bitwise identical.
+
+    Args:
+        block_indices: I int [Tq, Hkv, K] (see ``csr_histogram``).
+        row_ptr: int32 [Hkv, rows+1], ``exclusive_prefix_sum(csr_histogram(...))`` of the same
+            selection, on the same device.
+        cu_seqlens_q, cu_seqlens_k: int [B+1]. block_size: Bk >= 1.
+        validate: check ``I`` (host copy) and that ``row_ptr`` belongs to it (a copy of the
+            counts and of ``row_ptr``). With ``False`` a foreign ``row_ptr`` gives unspecified
+            entries but every write stays inside ``[0, Tq*K)``.
+        version: 1 (one thread per row, slow) or 2 (default, tiled).
+
+    Returns:
+        ``(q_indices, slots)``, int32 [Hkv, Tq*K] each, in the caller's array library. Queries
+        ascend inside a row; entries past ``row_ptr[h, -1]`` are -1.
+    """
+    plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
+    check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(plan.hkv, plan.rows + 1))
+    ArrayContext(block_indices, row_ptr)  # TypeError if they come from different libraries
+    drow_ptr = plan.ctx.input("row_ptr", row_ptr)
+    if validate:
+        counts = plan.tile_scan(plan.count(max(plan.tq, 1)))
+        got = np.asarray(cu_to_host(row_ptr), dtype=np.int64)  # [Hkv, rows+1]
+        want = np.asarray(cu_to_host(counts), dtype=np.int64)  # [Hkv, rows]
+        if not np.array_equal(np.diff(got, axis=1), want) or np.any(got[:, 0] != 0):
+            raise ValueError(
+                "row_ptr must be exclusive_prefix_sum(csr_histogram(block_indices, ...)) of the "
+                "same block_indices, cu_seqlens and block_size")
+    q_indices, slots = plan.scatter(drow_ptr, version)
+    return plan.ctx.output(q_indices), plan.ctx.output(slots)
+
+
+def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
+              validate: bool = True):
+    """Paper §4.2: the k2q reverse index of a selection, built on the GPU.
+
+    Histogram (per query tile) -> tile scan -> multi-block prefix sum -> tiled deterministic
+    scatter: seven launches, no host round trip besides ``cu_seqlens`` (and ``validate``).
+
+    Args:
+        block_indices: I int [Tq, Hkv, K] on the GPU (or NumPy), batch-local block ids, unique
+            per (t, h), -1 only at the tail; ``1 <= K <= 1024``, ``Tq*K < 2**31``.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed-batch offsets (read on the host).
+        block_size: Bk >= 1.
+        validate: check ``I`` on a host copy first (``select.check_block_indices``, as slow as the
+            reference); ``False`` for speed, with bad entries skipped in the kernels.
+
+    Returns:
+        ``(row_ptr, q_indices, slots)``: int32 [Hkv, rows+1], [Hkv, Tq*K], [Hkv, Tq*K] in the
+        caller's array library, equal to ``msa.reference.csr.build_csr``: queries ascending
+        inside each row, slots = position of the block in ``I[t, h, :]``, -1 past the head's nnz.
+    """
+    return _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate=validate)
+
+
+def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validate=True,
+               scatter_version=2, scan_version=2, tile_queries=None, scan_threads=None):
+    """``build_csr`` with its knobs exposed to the tests (small tiles exercise many of them)."""
+    plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
+    ctx = plan.ctx
+    if scatter_version == 1:
+        counts = plan.count(max(plan.tq, 1))[0]
+        row_ptr = _prefix_sum(ctx, ctx.arg(counts), scan_version, False, threads=scan_threads)
+        q_indices, slots = plan.scatter(ctx.arg(row_ptr), 1)
+    else:
+        tq_tile = tile_queries or plan.tile_queries()
+        cursors = plan.count(tq_tile)
+        counts = plan.tile_scan(cursors)
+        # Tq*K < 2**31 was checked, so no head can overflow: nothing to read back.
+        row_ptr = _prefix_sum(ctx, ctx.arg(counts), scan_version, False, threads=scan_threads)
+        q_indices = ctx.empty((plan.hkv, plan.width), np.int32)
+        slots = ctx.empty((plan.hkv, plan.width), np.int32)
+        plan._scatter_tiled(ctx.arg(row_ptr), cursors, tq_tile, ctx.arg(q_indices),
+                            ctx.arg(slots))
+    return ctx.output(row_ptr), ctx.output(q_indices), ctx.output(slots)
