@@ -10,6 +10,8 @@ copy each way) NumPy arrays, and returns arrays of the caller's library::
     return ctx.output(out)
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) everything is NumPy and no copy is made.
+Imported arrays are not synchronised (``sync=False``): msa launches on the legacy default stream,
+which orders its kernels after the caller's work on the same stream (torch's and CuPy's default).
 bf16 tensors are passed to kernels as their uint16 bit patterns (Numba has no bf16 arrays);
 ``is_bf16`` tells a launcher which it got.
 """
@@ -80,12 +82,12 @@ class ArrayContext:
             t = x.detach()
             if is_bf16(t):
                 t = t.view(__import__("torch").int16)
-            return cuda.as_cuda_array(t)
+            return cuda.as_cuda_array(t, sync=False)
         if self.lib == "cupy":
             if not x.flags.c_contiguous:
                 raise ValueError(f"{name} must be C-contiguous")
-            return cuda.as_cuda_array(x)
-        arr = cuda.as_cuda_array(x) if not hasattr(x, "copy_to_host") else x
+            return cuda.as_cuda_array(x, sync=False)
+        arr = cuda.as_cuda_array(x, sync=False) if not hasattr(x, "copy_to_host") else x
         if not arr.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous")
         return arr
@@ -125,9 +127,9 @@ class ArrayContext:
         """The kernel argument for an array made by :meth:`empty`."""
         if self.lib == "torch":
             t = out.view(__import__("torch").int16) if is_bf16(out) else out
-            return cuda.as_cuda_array(t)
+            return cuda.as_cuda_array(t, sync=False)
         if self.lib == "cupy":
-            return cuda.as_cuda_array(out)
+            return cuda.as_cuda_array(out, sync=False)
         return out
 
     def output(self, out):

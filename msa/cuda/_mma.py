@@ -49,14 +49,16 @@ import math
 import os
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint16, uint32
+from numba import cuda, float32, types, uint16, uint32
 
 from ._arrays import SIMULATOR
 
 MAX_WARPS = 8
 STATIC_SMEM_LIMIT = 48 * 1024
-# Hopper (sm_90) allows 227 KB of dynamic shared memory per block (opt-in).
+# Hopper (sm_90) allows 227 KB of shared memory per block (opt-in), static + dynamic; kernels
+# keep STATIC_RESERVE of it for their static arrays (row tables, the twin's register exchange).
 DEVICE_SMEM_LIMIT = 227 * 1024
+STATIC_RESERVE = 16 * 1024
 
 _requested = os.environ.get("MSA_MMA", "").strip().lower()
 if _requested not in ("", "ptx", "twin"):
@@ -66,9 +68,7 @@ if SIMULATOR and _requested == "ptx":
 MMA_BACKEND = "twin" if SIMULATOR else (_requested or "ptx")
 
 
-# ---------------------------------------------------------------------------------------------
 # GPU implementations: LLVM bit casts and inline PTX. Only built off the simulator.
-# ---------------------------------------------------------------------------------------------
 if not SIMULATOR:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
@@ -194,17 +194,35 @@ if not SIMULATOR:
     _mma_bf16_ptx = _make_mma("bf16")
     _mma_f16_ptx = _make_mma("f16")
 
+    @intrinsic
+    def _prefetch_l1_ir(typingctx, arr, i, j, w):
+        """``prefetch.L1`` of the line holding ``arr[i, j, w]`` (a hint: no register, no fault)."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 3):
+            return None
+        from numba.cuda import cgutils
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], sig.args[1:])]
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.L1 [$0];",
+                               "l", side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return types.void(arr, i, j, w), codegen
+
     bf16_to_f32 = _bf16_to_f32_ir
     f16_bits_to_f32 = _f16_to_f32_ir
+    prefetch_l1 = _prefetch_l1_ir
     f32_to_bf16 = _f32_to_bf16_ir
     f32_to_f16_bits = _f32_to_f16_ir
     pack_bf16x2 = _pack_bf16x2_ir
     pack_f16x2 = _pack_f16x2_ir
     exp2 = _exp2_ir
 
-# ---------------------------------------------------------------------------------------------
 # Simulator twins of the bit-level helpers (NumPy does the bit casts).
-# ---------------------------------------------------------------------------------------------
 else:
 
     @cuda.jit(device=True)
@@ -236,6 +254,11 @@ else:
         return np.uint32(int(f32_to_f16_bits(lo)) | (int(f32_to_f16_bits(hi)) << 16))
 
     @cuda.jit(device=True)
+    def prefetch_l1(arr, i, j, w):
+        """A cache hint: nothing to do in the simulator (the index is still bounds-checked)."""
+        arr[i, j, w]
+
+    @cuda.jit(device=True)
     def exp2(x):
         x = float(x)
         if x == -math.inf:
@@ -243,9 +266,7 @@ else:
         return np.float32(2.0 ** x) if x < 128.0 else np.float32(math.inf)
 
 
-# ---------------------------------------------------------------------------------------------
 # The twin mma: same registers in, same registers out, computed from every lane's operands.
-# ---------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
 def _half_of(word, k):
     """The 16-bit element of ``word`` for fragment index ``k`` (even k: low half)."""
@@ -305,9 +326,7 @@ else:
     mma_f16_m16n8k16 = _mma_f16_twin
 
 
-# ---------------------------------------------------------------------------------------------
 # Fragment loads from shared memory (plain Numba, shared by both backends).
-# ---------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
 def load_a_frag(smem, base, ld):
     """A fragment of a 16x16 tile at word ``base`` of ``smem`` (uint32), row stride ``ld`` words.
@@ -333,9 +352,7 @@ def load_b_frag(smem, base, ld):
     return smem[at], smem[at + 4]
 
 
-# ---------------------------------------------------------------------------------------------
 # Launch with more than 48 KB of dynamic shared memory.
-# ---------------------------------------------------------------------------------------------
 _raised: dict = {}
 
 

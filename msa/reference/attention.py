@@ -210,7 +210,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     return o, lse
 
 
-def _check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_size):
+def check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_size):
     """Validate K1's schedule against the problem; return host int64 copies of the three arrays.
 
     Every item must name a real (head, sequence, block) whose ``row`` is consistent, a CSR range
@@ -312,7 +312,7 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
     q_batch, q_pos = query_positions(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])  # [Tq] each
     _, cu_k, _, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
-    work, q_indices, partial_slots = _check_work(work, q_indices, partial_slots, hkv, topk,
+    work, q_indices, partial_slots = check_work(work, q_indices, partial_slots, hkv, topk,
                                                  q_batch, cu_k, block_size)
     o_part = np.zeros((topk, tq, hq, d), dtype=q.dtype)  # [K, Tq, Hq, D]
     lse_part = np.full((topk, tq, hq), -np.inf, dtype=q.dtype)  # [K, Tq, Hq]

@@ -1,0 +1,956 @@
+"""Paper eq 8 and §4.2 on the GPU: KV-outer sparse attention (K1), combined by K2, and the prefill.
+
+Same functions and arguments as ``msa.reference.attention`` (read its docstring for the
+semantics), plus keyword-only knobs. ``attention_partials`` is K1; ``sparse_attention`` runs the
+whole main branch in one call (CSR -> schedule -> K1 -> K2, ``msa.cuda.csr``/``schedule``/
+``combine``); ``msa_prefill`` adds the index branch in front (``msa.cuda.select``, Algorithm 1
+lines 3-5).
+
+K1, one CTA per work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``: load block
+``kv_block`` of sequence ``batch``, KV head ``r``, into shared memory once; walk the item's CSR
+entries in tiles of ``P = ceil(T/G)`` query positions x ``G`` heads (the paper's query
+concatenation: ``T = 128`` rows = 8 positions x 16 heads at G = 16); per tile ``S = Q Kᵀ * scale``
+under the token-level causal mask (key position <= query position: only the local block is
+cut), the block-local softmax, ``O = P V``; write ``O_s`` and ``L_s`` into the slot the CSR
+assigned. Items with ``q_count <= 0`` (the padding of a device-built schedule) do nothing. No
+float atomics: every partial has its own slot, so reruns are bitwise identical.
+
+Versions (``version=None`` picks the fastest that supports the inputs):
+
+===  =========================================================================================
+v    idea
+===  =========================================================================================
+1    CUDA cores, fp32 everywhere: K/V/Q tiles converted to fp32 in shared memory, one thread
+     per score, then per row (softmax), then per output element. Any dtype (fp32/fp16/bf16),
+     any ``D <= 256`` and ``Bk`` that fit shared memory. The tested fallback.
+2    tensor cores: ``mma.sync.m16n8k16`` (bf16/fp16 in, fp32 accumulate, ``msa.cuda._mma``)
+     on 16-row warp tiles: ``R = P*G`` rows (a multiple of 16, at most 128; 8 warps at
+     R = 128) x ``Bk`` keys. K row-major and V transposed in shared memory (loaded once per
+     item), S (fp32) and P (16-bit, unnormalised ``2**(S - m)``) through shared memory, softmax
+     in base 2 (``ex2.approx``) by two threads per row, ``1/l`` applied to the fp32 accumulators.
+     Pipelined across tiles: the CSR entries of tile i+2 load into registers and the query rows
+     of tile i+1 are prefetched into L1 while tile i computes. fp16/bf16 only, ``D`` and ``Bk``
+     multiples of 16 (up to 256). About 168 KB of dynamic shared memory at D = Bk = 128,
+     R = 128 (one CTA of 8 warps per SM); 168 registers, no spills (sm_90, offline ptxas).
+===  =========================================================================================
+
+Memory: ``O_part`` is ``K*Tq*Hq*D`` values (fp32: 16 GiB at 32K tokens, 64 GiB at 128K in the
+paper configuration). ``sparse_attention`` therefore processes the queries in chunks whose
+partials fit ``max_partial_bytes`` (default 4 GiB): each chunk is a smaller problem of the same
+kind (its queries against all the keys they can see, the ``Lq < Lk`` path), with its own CSR,
+schedule, K1 and K2 writing straight into its rows of the output. With bf16 inputs the partials
+are bf16 by default (``partial_dtype``), which halves both that memory and the bytes K1 writes
+and K2 reads (at 128K: 34 GB instead of 69 GB each way); the LSEs stay fp32.
+
+Bad input raises before any launch (shapes, dtypes, devices, G, D, indices). With
+``validate=False`` the host checks of big index arrays are skipped; the kernels still never
+read or write out of bounds (work items, CSR entries and slots are range-checked in the kernel,
+and bad ones are skipped), but the result of an invalid selection is then unspecified.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
+                       check_positive_int, check_scale, cu_to_host, dtype_of)
+from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from . import _mma
+from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
+                   mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
+from .combine import launch_combine
+
+VERSIONS = (1, 2)
+MAX_HEAD_DIM = 256
+MAX_BLOCK_SIZE_V2 = 256
+# Default budget for one query chunk's partials in sparse_attention (bytes).
+MAX_PARTIAL_BYTES = 4 << 30
+# Tile rows T (query positions x G heads per tile): the paper's 128 on a GPU; the simulator runs
+# every thread as a Python thread, so its tiles are as small as the kernels allow.
+DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128}
+_THREADS_V1 = 32 if SIMULATOR else 128
+_NEG_INF = float32(-math.inf)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+DTYPE_KINDS = ("float32", "float16", "bfloat16")
+
+
+
+@cuda.jit(device=True)
+def _item_fields(work, item, q_indices, cu_k, num_kv_heads, block_size):
+    """Read and range-check work item ``item``; ``q_count = 0`` when it is padding or invalid.
+
+    Returns ``(h, q_begin, q_count, b, j, key0, nk)``: KV head, CSR range, sequence, block, the
+    block's first packed key and its number of keys.
+    """
+    h = int(work[item, 0])
+    q_begin = int(work[item, 2])
+    q_count = int(work[item, 3])
+    b = int(work[item, 4])
+    j = int(work[item, 5])
+    key0 = 0
+    nk = 0
+    ok = q_count > 0 and 0 <= h < num_kv_heads and 0 <= b < cu_k.shape[0] - 1 and j >= 0
+    ok = ok and q_begin >= 0 and q_begin + q_count <= q_indices.shape[1]
+    if ok:
+        lk = int(cu_k[b + 1]) - int(cu_k[b])
+        key0 = int(cu_k[b]) + j * block_size
+        nk = min(block_size, lk - j * block_size)
+        ok = nk > 0
+    if not ok:
+        q_count = 0
+    return h, q_begin, q_count, b, j, key0, nk
+
+
+@cuda.jit(device=True)
+def _row_query(q_indices, slots, cu_q, cu_k, h, b, e, topk):
+    """``(t, slot, pos)`` of CSR entry ``e`` of head ``h``; ``t = -1`` if it is not a valid query
+    of sequence ``b`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
+    t = int(q_indices[h, e])
+    s = int(slots[h, e])
+    q_lo = int(cu_q[b])
+    q_hi = int(cu_q[b + 1])
+    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+        return -1, 0, -1
+    # bottom-right alignment: query i of the sequence sits at key position Lk - Lq + i
+    pos = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
+    return t, s, pos
+
+
+@cuda.jit(device=True)
+def _load_entry(q_indices, slots, h, q_begin, q_count, tile, positions, group, tid, rows):
+    """Raw ``(t, slot)`` of the CSR entry behind row ``tid`` of ``tile`` (-1 past the chunk).
+
+    Only loads: the checks that need the values are in ``_check_entry``, so the loads can be
+    issued early and consumed a tile later.
+    """
+    p = tid // group
+    t = -1
+    s = -1
+    if tid < rows and tile * positions + p < q_count:
+        e = q_begin + tile * positions + p
+        t = int(q_indices[h, e])
+        s = int(slots[h, e])
+    return t, s
+
+
+@cuda.jit(device=True)
+def _check_entry(t, s, q_lo, q_hi, pos0, topk):
+    """``(t, slot, pos)`` of a raw entry; ``t = -1`` if it is not a query of the item's sequence
+    ``[q_lo, q_hi)`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
+    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+        return -1, 0, -1
+    return t, s, pos0 + (t - q_lo)
+
+
+# K1 v1: CUDA cores, fp32 tiles
+
+def _identity_f32(x):
+    return float32(x)
+
+
+def _v1_layout(block_size, head_dim, rows):
+    """Float offsets of sK [Bk, D+1], sV [Bk, D], sQ [R, D], sS [R, Bk+1]; total bytes."""
+    off_v = block_size * (head_dim + 1)
+    off_q = off_v + block_size * head_dim
+    off_s = off_q + rows * head_dim
+    total = off_s + rows * (block_size + 1)
+    return off_v, off_q, off_s, 4 * total
+
+
+@functools.lru_cache(maxsize=None)
+def _k1_kernel_simple(block_size: int, head_dim: int, group: int, positions: int, threads: int,
+                      bf16_in: bool, bf16_partials: bool = False):
+    """K1 v1 specialised for (Bk, D, G, P, threads, input kind); see the module docstring."""
+    Bk, D, G, P, NT = block_size, head_dim, group, positions, threads
+    R = P * G
+    LDK = D + 1  # odd stride: threads reading consecutive keys hit different banks
+    LDS = Bk + 1
+    OFF_V, OFF_Q, OFF_S, _ = _v1_layout(Bk, D, R)
+    to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
+    store = f32_to_bf16 if bf16_partials else cuda.jit(device=True)(_identity_f32)
+
+    @cuda.jit
+    def _k1_kernel_v1(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
+        smem = cuda.shared.array(0, float32)
+        row_t = cuda.shared.array(R, int32)
+        row_slot = cuda.shared.array(R, int32)
+        row_pos = cuda.shared.array(R, int32)
+        row_m = cuda.shared.array(R, float32)
+        row_l = cuda.shared.array(R, float32)
+        tid = cuda.threadIdx.x
+        topk = o_part.shape[0]
+        h, q_begin, q_count, b, j, key0, nk = _item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        if q_count <= 0:
+            return  # the whole CTA: padding item
+        key_pos0 = j * Bk
+
+        # Load the K/V block once (fp32; keys past the end of the sequence are zero).
+        for i in range(tid, Bk * D, NT):
+            c = i // D
+            d = i % D
+            kv_k = float32(0.0)
+            kv_v = float32(0.0)
+            if c < nk:
+                kv_k = to_f32(k[key0 + c, h, d])
+                kv_v = to_f32(v[key0 + c, h, d])
+            smem[c * LDK + d] = kv_k
+            smem[OFF_V + c * D + d] = kv_v
+
+        for tile in range((q_count + P - 1) // P):
+            cuda.syncthreads()  # the previous tile is done with sQ, sS and the row table
+            # Gather: row r = (position p, head g) of the tile.
+            for r in range(tid, R, NT):
+                p = r // G
+                t = -1
+                s = 0
+                pos = -1
+                if tile * P + p < q_count:
+                    t, s, pos = _row_query(q_indices, slots, cu_q, cu_k, h, b,
+                                           q_begin + tile * P + p, topk)
+                row_t[r] = t
+                row_slot[r] = s
+                row_pos[r] = pos
+            cuda.syncthreads()
+            for i in range(tid, R * D, NT):
+                r = i // D
+                d = i % D
+                t = row_t[r]
+                x = float32(0.0)
+                if t >= 0:
+                    x = to_f32(q[t, h * G + r % G, d]) * scale
+                smem[OFF_Q + i] = x
+            cuda.syncthreads()
+            # S = (Q * scale) Kᵀ, -inf where the key is past the query (or past the sequence)
+            for i in range(tid, R * Bk, NT):
+                r = i // Bk
+                c = i % Bk
+                s_rc = _NEG_INF
+                if c < nk and key_pos0 + c <= row_pos[r]:
+                    acc = float32(0.0)
+                    for d in range(D):
+                        acc += smem[OFF_Q + r * D + d] * smem[c * LDK + d]
+                    s_rc = acc
+                smem[OFF_S + r * LDS + c] = s_rc
+            cuda.syncthreads()
+            # Block-local softmax: m = rowmax(S), P = exp(S - m), l = rowsum(P)
+            for r in range(tid, R, NT):
+                m = _NEG_INF
+                for c in range(nk):
+                    m = max(m, smem[OFF_S + r * LDS + c])
+                l = float32(0.0)
+                if m > _NEG_INF:
+                    for c in range(nk):
+                        e_rc = smem[OFF_S + r * LDS + c]
+                        p_rc = float32(0.0)
+                        if e_rc > _NEG_INF:
+                            p_rc = math.exp(e_rc - m)
+                        smem[OFF_S + r * LDS + c] = p_rc
+                        l += p_rc
+                row_m[r] = m
+                row_l[r] = l
+            cuda.syncthreads()
+            # O_s = P V / l, L_s = m + log l (0 and -inf when nothing is visible)
+            for i in range(tid, R * D, NT):
+                r = i // D
+                d = i % D
+                t = row_t[r]
+                if t >= 0:
+                    l = row_l[r]
+                    acc = float32(0.0)
+                    if l > float32(0.0):
+                        for c in range(nk):
+                            acc += smem[OFF_S + r * LDS + c] * smem[OFF_V + c * D + d]
+                        acc = acc / l
+                    o_part[row_slot[r], t, h * G + r % G, d] = store(acc)
+            for r in range(tid, R, NT):
+                t = row_t[r]
+                if t >= 0:
+                    l = row_l[r]
+                    lse = _NEG_INF
+                    if l > float32(0.0):
+                        lse = row_m[r] + math.log(l)
+                    lse_part[row_slot[r], t, h * G + r % G] = lse
+
+    return _k1_kernel_v1
+
+
+# K1 v2: tensor cores (mma.sync m16n8k16), S and P through shared memory
+
+def _v2_layout(block_size, head_dim, rows):
+    """Word offsets and row strides (32-bit words) of sK, sVt, sQ/P, sS; total bytes.
+
+    sK [Bk rows of D/2 words] (row-major K: the B operand of S = Q Kᵀ, stored as Bᵀ),
+    sVt [D rows of Bk/2 words] (V transposed: the B operand of O = P V stored as Bᵀ),
+    sQP [R rows]: Q for the score mma, then P (16-bit) for the value mma,
+    sS [R rows of Bk fp32 scores].
+    Strides of ``n/2 + 4`` words make the 8 rows x 4 words of a fragment load hit 32 banks.
+    """
+    ld_k = head_dim // 2 + 4
+    ld_v = block_size // 2 + 4
+    ld_qp = max(head_dim, block_size) // 2 + 4
+    ld_s = block_size + 4
+    off_v = block_size * ld_k
+    off_qp = off_v + head_dim * ld_v
+    off_s = off_qp + rows * ld_qp
+    total = off_s + rows * ld_s
+    return (ld_k, ld_v, ld_qp, ld_s), (off_v, off_qp, off_s), 4 * total
+
+
+@functools.lru_cache(maxsize=None)
+def _k1_kernel_mma(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
+                   bf16_partials: bool = False):
+    """K1 v2 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out).
+
+    With ``bf16_partials`` ``o_part`` is a uint32 view ``[K, Tq, Hq, D/2]`` of bf16 partials
+    (a lane's two neighbouring outputs are one word)."""
+    Bk, D, G, P = block_size, head_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    R2 = 2 * R  # softmax: two threads per row
+    assert R % 16 == 0 and NW <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
+    (LDK, LDV, LDQP, LDS), (OFF_V, OFF_QP, OFF_S), _ = _v2_layout(Bk, D, R)
+    DW = D // 2  # words per row of Q/K/V
+    NG_S = 4 if Bk % 32 == 0 else 2  # n-tiles (8 keys each) per A-fragment load in S = Q Kᵀ
+    NG_O = 4 if D % 32 == 0 else 2  # n-tiles (8 dims each) per A-fragment load in O = P V
+    ACC_S = 4 * NG_S  # accumulator registers per lane
+    ACC_O = 4 * NG_O
+    QW = D // 4  # Q words per thread and tile: R rows x D/2 words over 2R threads
+    Q_BATCH = 4 if QW % 8 else 8
+    KV_BATCH = 8
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    BF16_PARTIALS = bf16_partials
+
+    @cuda.jit
+    def _k1_kernel_v2(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part,
+                      keys_rt, dw_rt):
+        """q, k, v: uint32 views [T, H, D/2] of the 16-bit inputs. ``keys_rt = Bk`` and
+        ``dw_rt = D/2`` repeat two constants as run-time values: as loop bounds they stop the
+        compiler from unrolling the outer mma loops completely (which spills registers)."""
+        smem = cuda.shared.array(0, uint32)
+        sf = cuda.shared.array(0, float32)  # the same bytes, as float32 (for sS)
+        sh = cuda.shared.array(0, uint16)  # the same bytes, as 16-bit halves (for sVt)
+        # Row tables of two consecutive tiles (tile parity picks the half).
+        row_t = cuda.shared.array(R2, int32)
+        row_slot = cuda.shared.array(R2, int32)
+        row_pos = cuda.shared.array(R2, int32)
+        row_m = cuda.shared.array(R, float32)
+        half_m = cuda.shared.array(R2, float32)
+        half_l = cuda.shared.array(R2, float32)
+        kv_k = cuda.local.array(KV_BATCH, uint32)
+        kv_v = cuda.local.array(KV_BATCH, uint32)
+        q_words = cuda.local.array(Q_BATCH, uint32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = o_part.shape[0]
+        h, q_begin, q_count, b, j, key0, nk = _item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        if q_count <= 0:
+            return  # the whole CTA: padding item
+        key_pos0 = j * Bk
+        scale_log2 = scale  # the launcher passes scale * log2(e): exp(x) = 2**(x log2 e)
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)  # Lk - Lq: bottom-right
+        num_tiles = (q_count + P - 1) // P
+
+        # Load the K/V block once: K row-major, V transposed (keys past the sequence: zero).
+        # KV_BATCH loads are issued before the first store, so that they are in flight together.
+        for base in range(0, Bk * DW, NT * KV_BATCH):
+            for u in range(KV_BATCH):
+                i = base + u * NT + tid
+                kv_k[u] = uint32(0)
+                kv_v[u] = uint32(0)
+                if i < Bk * DW and i // DW < nk:
+                    kv_k[u] = uint32(k[key0 + i // DW, h, i % DW])
+                    kv_v[u] = uint32(v[key0 + i // DW, h, i % DW])
+            for u in range(KV_BATCH):
+                i = base + u * NT + tid
+                if i < Bk * DW:
+                    c = i // DW
+                    w = i % DW
+                    smem[c * LDK + w] = kv_k[u]
+                    # V[c, 2w], V[c, 2w+1] go to rows 2w, 2w+1 of Vᵀ, column c (16-bit halves)
+                    sh[2 * (OFF_V + 2 * w * LDV) + c] = uint16(kv_v[u] & uint32(0xFFFF))
+                    sh[2 * (OFF_V + (2 * w + 1) * LDV) + c] = uint16(kv_v[u] >> uint32(16))
+
+        # Pipeline: while tile i computes, the CSR entries of tile i+2 load into registers (row r
+        # of the table is thread r's) and tile i+1's query rows are prefetched into L1.
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, tid, R)
+        if tid < R:
+            t, s, pos = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+            row_t[tid] = t  # tile 0's table: the half its "cur" points to
+            row_slot[tid] = s
+            row_pos[tid] = pos
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, tid, R)
+
+        for tile in range(num_tiles):
+            cur = (tile % 2) * R
+            nxt = R - cur
+            cuda.syncthreads()  # (A) the previous tile is done with sQP, sS and its row table
+            # Gather the tile's queries (the G heads of a position are contiguous in q), in
+            # batches of loads issued before their stores.
+            for base in range(0, QW, Q_BATCH):
+                for u in range(Q_BATCH):
+                    i = (base + u) * NT + tid
+                    r = i // DW
+                    t = row_t[cur + r]
+                    q_words[u] = uint32(q[t, h * G + r % G, i % DW]) if t >= 0 else uint32(0)
+                for u in range(Q_BATCH):
+                    i = (base + u) * NT + tid
+                    smem[OFF_QP + (i // DW) * LDQP + i % DW] = q_words[u]
+            if tid < R:
+                t, s, pos = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                row_t[nxt + tid] = t
+                row_slot[nxt + tid] = s
+                row_pos[nxt + tid] = pos
+            cuda.syncthreads()  # (B)
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                       tid, R)
+            # two threads per row of the next tile, one half-row (D words / 2) each
+            t_next = row_t[nxt + tid // 2]
+            if t_next >= 0:
+                prefetch_l1(q, t_next, h * G + (tid // 2) % G, (tid % 2) * (DW // 2))
+
+            # S = Q Kᵀ on tensor cores; warp w owns rows 16w .. 16w+15.
+            r_top = 16 * warp + g4
+            r_bot = r_top + 8
+            pos_top = row_pos[cur + r_top]
+            pos_bot = row_pos[cur + r_bot]
+            a_base = OFF_QP + 16 * warp * LDQP
+            for n0 in range(0, keys_rt, 8 * NG_S):
+                acc = cuda.local.array(ACC_S, float32)
+                for i in range(ACC_S):
+                    acc[i] = float32(0.0)
+                for kk in range(0, dw_rt, 8):
+                    a0, a1, a2, a3 = load_a_frag(smem, a_base + kk, LDQP)
+                    for i in range(NG_S):
+                        b0, b1 = load_b_frag(smem, (n0 + 8 * i) * LDK + kk, LDK)
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * i], acc[4 * i + 1],
+                                             acc[4 * i + 2], acc[4 * i + 3])
+                        acc[4 * i] = d0
+                        acc[4 * i + 1] = d1
+                        acc[4 * i + 2] = d2
+                        acc[4 * i + 3] = d3
+                # scale to base 2 and apply the token-level causal mask
+                for i in range(NG_S):
+                    c = n0 + 8 * i + 2 * t4
+                    for e in range(2):
+                        cc = c + e
+                        visible = cc < nk
+                        score_top = _NEG_INF
+                        score_bot = _NEG_INF
+                        if visible and key_pos0 + cc <= pos_top:
+                            score_top = acc[4 * i + e] * scale_log2
+                        if visible and key_pos0 + cc <= pos_bot:
+                            score_bot = acc[4 * i + 2 + e] * scale_log2
+                        sf[OFF_S + r_top * LDS + cc] = score_top
+                        sf[OFF_S + r_bot * LDS + cc] = score_bot
+            cuda.syncthreads()
+
+            # Softmax, two threads per row (halves of the words of the row, interleaved):
+            # m = rowmax(S); P = 2**(S - m) as 16-bit into sQP (Q is no longer needed); l = rowsum.
+            r = tid // 2
+            half = tid % 2
+            m_local = _NEG_INF
+            for w in range(half, Bk // 2, 2):
+                m_local = max(m_local, max(sf[OFF_S + r * LDS + 2 * w],
+                                           sf[OFF_S + r * LDS + 2 * w + 1]))
+            half_m[tid] = m_local
+            cuda.syncthreads()
+            m = max(half_m[2 * r], half_m[2 * r + 1])
+            # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN)
+            m_use = m if m > _NEG_INF else float32(0.0)
+            l_local = float32(0.0)
+            for w in range(half, Bk // 2, 2):
+                p0 = exp2(sf[OFF_S + r * LDS + 2 * w] - m_use)
+                p1 = exp2(sf[OFF_S + r * LDS + 2 * w + 1] - m_use)
+                l_local += p0 + p1
+                smem[OFF_QP + r * LDQP + w] = pack(p0, p1)
+            half_l[tid] = l_local
+            if half == 0:
+                row_m[r] = m
+            cuda.syncthreads()
+
+            # O = P V on tensor cores, divided by l; write O_s and L_s into the row's slot.
+            t_top = row_t[cur + r_top]
+            t_bot = row_t[cur + r_bot]
+            l_top = half_l[2 * r_top] + half_l[2 * r_top + 1]
+            l_bot = half_l[2 * r_bot] + half_l[2 * r_bot + 1]
+            inv_top = float32(1.0) / l_top if l_top > float32(0.0) else float32(0.0)
+            inv_bot = float32(1.0) / l_bot if l_bot > float32(0.0) else float32(0.0)
+            hq_top = h * G + r_top % G
+            hq_bot = h * G + r_bot % G
+            s_top = row_slot[cur + r_top]
+            s_bot = row_slot[cur + r_bot]
+            for n0 in range(0, 2 * dw_rt, 8 * NG_O):
+                acc = cuda.local.array(ACC_O, float32)
+                for i in range(ACC_O):
+                    acc[i] = float32(0.0)
+                for kk in range(0, keys_rt // 2, 8):
+                    a0, a1, a2, a3 = load_a_frag(smem, a_base + kk, LDQP)
+                    for i in range(NG_O):
+                        b0, b1 = load_b_frag(smem, OFF_V + (n0 + 8 * i) * LDV + kk, LDV)
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * i], acc[4 * i + 1],
+                                             acc[4 * i + 2], acc[4 * i + 3])
+                        acc[4 * i] = d0
+                        acc[4 * i + 1] = d1
+                        acc[4 * i + 2] = d2
+                        acc[4 * i + 3] = d3
+                for i in range(NG_O):
+                    d = n0 + 8 * i + 2 * t4
+                    if BF16_PARTIALS:
+                        if t_top >= 0:
+                            o_part[s_top, t_top, hq_top, d // 2] = pack_bf16x2(
+                                acc[4 * i] * inv_top, acc[4 * i + 1] * inv_top)
+                        if t_bot >= 0:
+                            o_part[s_bot, t_bot, hq_bot, d // 2] = pack_bf16x2(
+                                acc[4 * i + 2] * inv_bot, acc[4 * i + 3] * inv_bot)
+                    else:
+                        if t_top >= 0:
+                            o_part[s_top, t_top, hq_top, d] = acc[4 * i] * inv_top
+                            o_part[s_top, t_top, hq_top, d + 1] = acc[4 * i + 1] * inv_top
+                        if t_bot >= 0:
+                            o_part[s_bot, t_bot, hq_bot, d] = acc[4 * i + 2] * inv_bot
+                            o_part[s_bot, t_bot, hq_bot, d + 1] = acc[4 * i + 3] * inv_bot
+            if t4 == 0:
+                # L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible)
+                if t_top >= 0:
+                    lse = _NEG_INF
+                    if l_top > float32(0.0):
+                        lse = (row_m[r_top] + math.log2(l_top)) * float32(_LN2)
+                    lse_part[s_top, t_top, hq_top] = lse
+                if t_bot >= 0:
+                    lse = _NEG_INF
+                    if l_bot > float32(0.0):
+                        lse = (row_m[r_bot] + math.log2(l_bot)) * float32(_LN2)
+                    lse_part[s_bot, t_bot, hq_bot] = lse
+
+    return _k1_kernel_v2
+
+
+
+@cuda.jit
+def _fill_f32(flat, value):
+    for i in range(cuda.grid(1), flat.shape[0], cuda.gridsize(1)):
+        flat[i] = value
+
+
+def _fill(arr, value):
+    """Fill a kernel-ready float32 array (a view is fine) with ``value``."""
+    flat = arr.reshape(-1)
+    n = int(flat.shape[0])
+    if n == 0:
+        return
+    if SIMULATOR:
+        flat[:] = value
+        return
+    _fill_f32[min(4096, -(-n // 256)), 256](flat, np.float32(value))
+
+
+def _device_copy(host):
+    """A small host array on the device (the simulator indexes NumPy directly)."""
+    host = np.ascontiguousarray(host)
+    return host if SIMULATOR else cuda.to_device(host)
+
+
+def dtype_kind(x) -> str:
+    """``'float32' | 'float16' | 'bfloat16'`` of an array, TypeError for anything else."""
+    if is_bf16(x):
+        return "bfloat16"
+    dt = dtype_of(x)
+    if dt == np.float32:
+        return "float32"
+    if dt == np.float16:
+        return "float16"
+    return str(dt)
+
+
+class _Spec:
+    """Validated shapes of ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` and their dtype kind."""
+
+    def __init__(self, q, k, v):
+        check_array("q", q, ndim=3)
+        check_array("k", k, ndim=3)
+        check_array("v", v, ndim=3, shape=tuple(int(s) for s in k.shape))
+        self.kind = dtype_kind(q)
+        if self.kind not in DTYPE_KINDS:
+            raise TypeError(f"q must have dtype float32, float16 or bfloat16 on the GPU, "
+                            f"got {self.kind}")
+        for name, x in (("k", k), ("v", v)):
+            if dtype_kind(x) != self.kind:
+                raise TypeError(f"{name} must have the dtype of q ({self.kind}), got {dtype_kind(x)}")
+        self.tq, self.hq, self.d = (int(s) for s in q.shape)
+        self.tk, self.hkv = int(k.shape[0]), int(k.shape[1])
+        if int(k.shape[2]) != self.d:
+            raise ValueError(f"k must have head dim D={self.d} (q's), got shape {tuple(k.shape)}")
+        if not 1 <= self.d <= MAX_HEAD_DIM:
+            raise ValueError(f"q must have head dim D in [1, {MAX_HEAD_DIM}], got D={self.d}")
+        self.g = check_gqa(self.hq, self.hkv, allowed=GQA_GROUP_SIZES)
+        self.bf16 = self.kind == "bfloat16"
+
+
+class _K1Plan:
+    """Kernel version, tile shape and shared memory of K1 for one problem."""
+
+    def __init__(self, spec: _Spec, block_size: int, version, tile_rows):
+        d, g, bk = spec.d, spec.g, block_size
+        why_not_v2 = None
+        if spec.kind == "float32":
+            why_not_v2 = "float32 inputs (tensor cores take float16/bfloat16)"
+        elif d % 16:
+            why_not_v2 = f"head dim D={d} (must be a multiple of 16)"
+        elif bk % 16 or bk > MAX_BLOCK_SIZE_V2:
+            why_not_v2 = f"block_size={bk} (must be a multiple of 16, at most {MAX_BLOCK_SIZE_V2})"
+        if version is None:
+            version = 1 if why_not_v2 else 2
+        if version not in VERSIONS:
+            raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+        if version == 2 and why_not_v2:
+            raise ValueError(f"version=2 (tensor cores) does not support {why_not_v2}; use version=1")
+        if tile_rows is None:
+            tile_rows = DEFAULT_TILE_ROWS[version]
+        tile_rows = check_positive_int("tile_rows", tile_rows, high=128)
+        if version == 2 and tile_rows not in (16, 32, 64, 128):
+            raise ValueError(f"tile_rows must be 16, 32, 64 or 128 for version=2, got {tile_rows}")
+        positions = -(-tile_rows // g)  # ceil(T / G) query positions x G heads per tile
+        limit = _mma.DEVICE_SMEM_LIMIT - _mma.STATIC_RESERVE  # dynamic shared memory
+        if version == 1:
+            while positions > 1 and _v1_layout(bk, d, positions * g)[3] > limit:
+                positions //= 2
+            smem = _v1_layout(bk, d, positions * g)[3]
+        else:
+            smem = _v2_layout(bk, d, positions * g)[2]
+        if smem > limit:
+            raise ValueError(
+                f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d} and "
+                f"block_size={bk}, more than the {limit} it may use; use a smaller block_size")
+        self.version, self.positions, self.rows, self.smem = version, positions, positions * g, smem
+        self.block_size = bk
+        self.spec = spec
+
+    def inputs(self, ctx, q, k, v):
+        """Kernel views of q, k, v: uint32 word views for v2, element views for v1."""
+        views = []
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            arr = ctx.input(name, x)
+            if self.version == 2:
+                arr = arr.view(np.uint32)  # [T, H, D/2]: two 16-bit values per load
+            elif self.spec.bf16 and str(arr.dtype) not in ("uint16", "int16"):
+                arr = arr.view(np.uint16)
+            views.append(arr)
+        return views
+
+    def launch(self, q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part,
+               bf16_partials=False):
+        """K1 over ``work.shape[0]`` items (padding items exit at once). ``o_part``: float32
+        ``[K, Tq, Hq, D]``, or its bf16 bits (uint16/int16) with ``bf16_partials``."""
+        num_items = int(work.shape[0])
+        if num_items == 0 or int(q.shape[0]) == 0:
+            return
+        spec = self.spec
+        if self.version == 1:
+            kernel = _k1_kernel_simple(self.block_size, spec.d, spec.g, self.positions,
+                                       _THREADS_V1, spec.bf16, bf16_partials)
+            _mma.launch(kernel, num_items, _THREADS_V1, self.smem, q, k, v, work, q_indices,
+                        slots, cu_q, cu_k, np.float32(scale), o_part, lse_part)
+        else:
+            if bf16_partials:
+                o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
+            kernel = _k1_kernel_mma(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
+                                    bf16_partials)
+            _mma.launch(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
+                        slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part,
+                        np.int32(self.block_size), np.int32(spec.d // 2))
+
+
+def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
+                       block_size, topk, scale=None, *, version=None, tile_rows=None,
+                       validate=True):
+    """Paper §4.2 K1: KV-outer partial attention, one partial per (query, block), on the GPU.
+
+    .. math::  L_s = \\log \\sum_{j \\in J_s} e^{S_j}, \\qquad O_s = \\sum_{j \\in J_s} e^{S_j - L_s} V_j
+
+    One CTA per work item (see the module docstring); equal to
+    ``msa.reference.attention.attention_partials`` up to float32 rounding (and the 16-bit
+    rounding of P in version 2).
+
+    Args:
+        q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
+            ``G = Hq/Hkv`` in {1, 2, 4, 8, 16}, ``1 <= D <= 256``.
+        work: int [W, 6] work items ``[kv_head, row, q_begin, q_count, batch, kv_block]``
+            (``schedule.build_schedule``); items with ``q_count <= 0`` are padding and skipped.
+        q_indices, partial_slots: int [Hkv, nnz] k2q CSR entries and their slots (``csr.build_csr``).
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` (read on the host).
+        block_size: Bk >= 1. topk: K >= 1, the number of slots.
+        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+        version: 1 (CUDA cores) or 2 (tensor cores, fp16/bf16, D and Bk multiples of 16);
+            ``None`` picks 2 when it applies.
+        tile_rows: rows T of a query tile (``ceil(T/G)`` positions x G heads); default 128 for
+            version 2 (16, 32, 64 or 128) and 64 for version 1 on a GPU.
+        validate: check the work items against the CSR and the problem on host copies
+            (``msa.reference.attention``'s checks: one device-to-host copy of ``work``,
+            ``q_indices`` and ``partial_slots``). ``False`` skips that; bad entries are then
+            skipped by the kernel, never read or written out of bounds.
+
+    Returns:
+        ``(o_part [K, Tq, Hq, D], lse_part [K, Tq, Hq])`` float32 in the caller's library. A
+        slot no item writes keeps ``o = 0``, ``lse = -inf``; so does a partial whose block has
+        no key visible to the query.
+
+    Raises:
+        TypeError: dtypes (q not float32/float16/bfloat16, k or v differing, non-integer
+        indices), mixed array libraries. ValueError: shapes, G not in {1, 2, 4, 8, 16}, D out of
+        range, bad ``cu_seqlens``, a version the inputs do not support, and with ``validate``
+        any bad work item, CSR entry or slot.
+    """
+    spec = _Spec(q, k, v)
+    block_size = check_positive_int("block_size", block_size)
+    topk = check_positive_int("topk", topk)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, spec.tq, spec.tk)
+    check_array("work", work, ndim=2, dtypes=("int",), shape=(None, 6))
+    check_array("q_indices", q_indices, ndim=2, dtypes=("int",), shape=(spec.hkv, None))
+    check_array("partial_slots", partial_slots, ndim=2, dtypes=("int",),
+                shape=tuple(int(s) for s in q_indices.shape))
+    plan = _K1Plan(spec, block_size, version, tile_rows)
+    if validate:
+        _validate_work(work, q_indices, partial_slots, spec, topk, cu_q, cu_k, block_size)
+    ctx = ArrayContext(q, k, v, work, q_indices, partial_slots)
+    qa, ka, va = plan.inputs(ctx, q, k, v)
+    o_part = ctx.empty((topk, spec.tq, spec.hq, spec.d), np.float32)
+    lse_part = ctx.empty((topk, spec.tq, spec.hq), np.float32)
+    o_arg, l_arg = ctx.arg(o_part), ctx.arg(lse_part)
+    _fill(o_arg, 0.0)
+    _fill(l_arg, -np.inf)
+    plan.launch(qa, ka, va, ctx.input("work", work), ctx.input("q_indices", q_indices),
+                ctx.input("partial_slots", partial_slots), _device_copy(cu_q.astype(np.int32)),
+                _device_copy(cu_k.astype(np.int32)), scale, o_arg, l_arg)
+    return ctx.output(o_part), ctx.output(lse_part)
+
+
+def _validate_work(work, q_indices, partial_slots, spec, topk, cu_q, cu_k, block_size):
+    """The reference's checks of K1's schedule, on host copies, ignoring padding items."""
+    from ..reference.attention import check_work
+    from ..reference.blocks import query_positions
+
+    host_work = np.asarray(cu_to_host(work), dtype=np.int64)
+    real = host_work[host_work[:, 3] > 0]  # [W', 6]: padding items (q_count <= 0) are skipped
+    q_batch, _ = query_positions(cu_q, cu_k, spec.tq, spec.tk)
+    check_work(real, cu_to_host(q_indices), cu_to_host(partial_slots), spec.hkv, topk, q_batch,
+                cu_k, block_size)
+
+
+# End to end: sparse attention (CSR + schedule + K1 + K2) and the MSA prefill
+
+def query_chunks(cu_q, cu_k, chunk: int):
+    """Cut a packed batch's queries into chunks of at most ``chunk``, each a problem of its own.
+
+    A chunk ``[t0, t1)`` of packed queries becomes the sequences ``bf .. bl`` it touches, each
+    keeping the keys its chunk queries can see: all of them except for ``bl``, whose keys end at
+    its last chunk query (queries are the *last* ``Lq`` of their ``Lk`` keys, so cutting the
+    later keys off keeps every position and every block id). Those keys are one contiguous range
+    ``[k_lo, k_hi)`` of the packed keys.
+
+    Yields ``(t0, t1, k_lo, k_hi, cu_q_chunk, cu_k_chunk)`` with int32 host offsets.
+    """
+    cu_q = np.asarray(cu_q, dtype=np.int64)
+    cu_k = np.asarray(cu_k, dtype=np.int64)
+    tq = int(cu_q[-1])
+    for t0 in range(0, tq, chunk):
+        t1 = min(t0 + chunk, tq)
+        bf = int(np.searchsorted(cu_q, t0, side="right")) - 1
+        bl = int(np.searchsorted(cu_q, t1 - 1, side="right")) - 1
+        lq_bl = int(cu_q[bl + 1] - cu_q[bl])
+        lk_bl = int(cu_k[bl + 1] - cu_k[bl])
+        k_lo = int(cu_k[bf])
+        k_hi = int(cu_k[bl]) + lk_bl - lq_bl + (t1 - int(cu_q[bl]))
+        cu_q_c = np.clip(cu_q[bf:bl + 2], t0, t1) - t0
+        cu_k_c = cu_k[bf:bl + 2] - k_lo
+        cu_k_c[-1] = k_hi - k_lo
+        yield t0, t1, k_lo, k_hi, cu_q_c.astype(np.int32), cu_k_c.astype(np.int32)
+
+
+def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
+                     *, version=None, tile_rows=None, chunk_size=None, max_partial_bytes=None,
+                     partial_dtype=None, validate=True):
+    """Paper eq 8 on the GPU: attention over the causally visible keys of the selected blocks.
+
+    .. math::  O_t^{(h)} = \\mathrm{softmax}\\big(Q_t^{(h)} K^{(r)}[\\mathcal{I}_t^{(r)}]^\\top s\\big)\\, V^{(r)}[\\mathcal{I}_t^{(r)}]
+
+    The paper's KV-outer forward in one call, all on the device: ``msa.cuda.csr.build_csr``
+    (k2q reverse index) -> ``msa.cuda.schedule.build_schedule`` (hot rows cut into chunks of at
+    most ``chunk_size`` queries) -> K1 (``attention_partials``' kernel) -> K2
+    (``msa.cuda.combine``). The queries are processed in chunks whose float32 partials
+    (``K*chunk*Hq*D*4`` bytes) fit ``max_partial_bytes``; each chunk writes its rows of ``o``
+    and ``lse`` directly. Only ``cu_seqlens`` is read on the host (plus ``validate``).
+
+    Args:
+        q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
+        block_indices: I int [Tq, Hkv, K], batch-local block ids, unique per row, -1 only at the
+            tail; a block wholly after the query contributes nothing.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        block_size: Bk >= 1.
+        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+        version, tile_rows: K1's kernel and tile (see ``attention_partials``).
+        chunk_size: most queries per work item (default ``2*K*Bk`` as in the paper, rounded up
+            to whole tiles).
+        max_partial_bytes: memory for one query chunk's partials (default 4 GiB).
+        partial_dtype: ``"float32"`` or ``"bfloat16"`` partials ``O_s`` (the LSEs stay float32);
+            default bfloat16 for bfloat16 inputs (half the bytes K1 writes and K2 reads, one
+            more rounding of 2**-9 relative, below the output's own), float32 otherwise.
+        validate: check ``block_indices`` on a host copy first
+            (``msa.reference.select.check_block_indices``). ``False`` skips it; invalid entries
+            are then skipped by the kernels (memory safe, result unspecified).
+
+    Returns:
+        ``(o [Tq, Hq, D] in q's dtype, lse float32 [Tq, Hq])`` in the caller's library; ``lse``
+        in natural log over the support. A query whose support is empty gets ``o = 0``,
+        ``lse = -inf``. Bitwise identical on reruns.
+
+    Raises:
+        TypeError/ValueError as ``attention_partials``, plus ``block_indices`` with a wrong shape
+        or (with ``validate``) a bad entry.
+    """
+    from .csr import MAX_TOPK, build_csr
+    from .schedule import build_schedule
+
+    spec = _Spec(q, k, v)
+    block_size = check_positive_int("block_size", block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, spec.tq, spec.tk)
+    check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
+                shape=(spec.tq, spec.hkv, None))
+    topk = int(block_indices.shape[2])
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
+                         f"shape {tuple(block_indices.shape)}")
+    plan = _K1Plan(spec, block_size, version, tile_rows)
+    if chunk_size is None:
+        chunk_size = 2 * topk * block_size
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_size = -(-chunk_size // plan.positions) * plan.positions
+    if max_partial_bytes is None:
+        max_partial_bytes = MAX_PARTIAL_BYTES
+    max_partial_bytes = check_positive_int("max_partial_bytes", max_partial_bytes)
+    bf16_partials = _partials_are_bf16(partial_dtype, spec)
+    if validate:
+        from ..reference.select import check_block_indices
+
+        check_block_indices(cu_to_host(block_indices), cu_q, cu_k, block_size)
+
+    ctx = ArrayContext(q, k, v, block_indices)
+    o = ctx.empty((spec.tq, spec.hq, spec.d), spec.kind)
+    lse = ctx.empty((spec.tq, spec.hq), np.float32)
+    if spec.tq == 0:
+        return ctx.output(o), ctx.output(lse)
+    qa, ka, va = plan.inputs(ctx, q, k, v)
+    # The CSR and the schedule are allocated in the caller's library when it has a GPU one (so
+    # that e.g. torch's allocator sees them); NumPy input goes to the device once.
+    I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
+                                                                      block_indices)
+    o_arg, lse_arg = ctx.arg(o), ctx.arg(lse)
+
+    per_query = topk * spec.hq * spec.d * (2 if bf16_partials else 4)
+    q_chunk = max(1, min(spec.tq, max_partial_bytes // per_query))
+    # One buffer for every chunk's partials, in the caller's library (so that e.g. torch's
+    # allocator accounts for it).
+    o_buf = ctx.arg(ctx.empty((topk * q_chunk * spec.hq * spec.d,),
+                              "bfloat16" if bf16_partials else np.float32))
+    l_buf = ctx.arg(ctx.empty((topk * q_chunk * spec.hq,), np.float32))
+    # Every chunk's offsets go to the device before the first launch: a host-to-device copy
+    # inside the loop would wait for the previous chunk's kernels.
+    chunks = [(t0, t1, k_lo, k_hi, cq, ck, _device_copy(cq), _device_copy(ck))
+              for t0, t1, k_lo, k_hi, cq, ck in query_chunks(cu_q, cu_k, q_chunk)]
+    for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c, d_cu_q, d_cu_k in chunks:
+        tc = t1 - t0
+        row_ptr, q_indices, slots = build_csr(I[t0:t1], cu_q_c, cu_k_c, block_size,
+                                              validate=False)
+        # padded work array (its -1 rows are skipped by K1): no host round trip
+        work, _ = build_schedule(row_ptr, cu_k_c, block_size, chunk_size, max_edges=tc * topk,
+                                 validate=False)
+        o_part = o_buf[:topk * tc * spec.hq * spec.d].reshape(topk, tc, spec.hq, spec.d)
+        lse_part = l_buf[:topk * tc * spec.hq].reshape(topk, tc, spec.hq)
+        # Only L_s needs a value in unused slots: K2 never reads O_s where L_s = -inf.
+        _fill(lse_part, -np.inf)
+        plan.launch(qa[t0:t1], ka[k_lo:k_hi], va[k_lo:k_hi], _kernel_array(work),
+                    _kernel_array(q_indices), _kernel_array(slots), d_cu_q, d_cu_k, scale,
+                    o_part, lse_part, bf16_partials)
+        launch_combine(ctx, o_part, lse_part, o_arg[t0:t1], lse_arg[t0:t1], head_dim=spec.d,
+                       bf16_part=bf16_partials, bf16_out=spec.bf16)
+    return ctx.output(o), ctx.output(lse)
+
+
+def _partials_are_bf16(partial_dtype, spec) -> bool:
+    """``partial_dtype`` (None, float32 or bfloat16, as a dtype or name) -> bf16 partials?"""
+    if partial_dtype is None:
+        return spec.bf16
+    if "bfloat16" in str(partial_dtype):
+        return True
+    try:
+        if np.dtype(partial_dtype) == np.float32:
+            return False
+    except TypeError:
+        pass
+    raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
+
+
+def _kernel_array(x):
+    """A kernel argument for an index array made by another msa.cuda launcher.
+
+    Those launchers ran on the default stream, as the next kernel will: no stream sync needed.
+    """
+    if SIMULATOR or hasattr(x, "copy_to_host"):
+        return x
+    if isinstance(x, np.ndarray):
+        return cuda.to_device(x)
+    return cuda.as_cuda_array(x, sync=False)
+
+
+def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, scale=None,
+                index_scale=None, *, version=None, tile_rows=None, chunk_size=None,
+                max_partial_bytes=None, partial_dtype=None):
+    """Paper Algorithm 1 lines 3-5 on the GPU: index branch, top-k, sparse attention in one call.
+
+    ``I = msa.cuda.select.select_blocks_fused(q_idx, k_idx, ..., topk, block_size, index_scale)``
+    (eq 5-7: block scores and the exp-free top-k with the local block forced, never holding the
+    whole score matrix), then ``sparse_attention(q, k, v, I, ...)`` (eq 8). The selection is
+    valid by construction, so it is not re-validated on the host.
+
+    Args:
+        q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; float32, float16 or bfloat16 (torch), one dtype.
+        q_idx: [Tq, Hkv, Didx]; k_idx: [Tk, Didx]: the index branch's queries and shared key head.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        block_size: Bk >= 1. topk: K in [1, 64].
+        scale: attention softmax scale (default ``1/sqrt(D)``); index_scale: the index scores'
+            scale (default ``1/sqrt(Didx)``).
+        version, tile_rows, chunk_size, max_partial_bytes, partial_dtype: as
+            ``sparse_attention``.
+
+    Returns:
+        ``(o [Tq, Hq, D] in q's dtype, lse float32 [Tq, Hq], block_indices int32 [Tq, Hkv, K])``
+        in the caller's library.
+    """
+    from .select import select_blocks_fused
+
+    spec = _Spec(q, k, v)
+    check_array("q_idx", q_idx, ndim=3, shape=(spec.tq, spec.hkv, None))
+    check_array("k_idx", k_idx, ndim=2, shape=(spec.tk, None))
+    block_indices = select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk,
+                                        block_size, index_scale)
+    o, lse = sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
+                              scale, version=version, tile_rows=tile_rows,
+                              chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,
+                              partial_dtype=partial_dtype, validate=False)
+    return o, lse, block_indices

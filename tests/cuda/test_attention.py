@@ -1,0 +1,700 @@
+"""msa.cuda.attention (K1, K1+K2, the prefill) against msa.reference.attention (paper eq 8, §4.2).
+
+The reference's CSR and schedule are fed to K1 (DESIGN §5: test selection on its own, then feed
+its indices), so that only the attention arithmetic is compared. Floats use
+``msa.testing.tolerance``: the oracle is the reference in float64 on the exact values the kernel
+got (16-bit inputs widened), the baseline the reference in float32. Version 2 (tensor cores)
+also rounds the probabilities P to the input's 16-bit type before ``P V``, as FlashAttention
+does; that adds at most ``u * max|v|`` (``u`` the 16-bit unit roundoff) to ``o``, which its
+bound allows for explicitly (``p_floor``). Outputs the launchers allocate start as NaN.
+
+The ``mma`` shim is tested on its own against NumPy (``test_mma_*``): under the simulator that
+checks the twin, on a GPU the inline PTX, with the same fragment-loading code.
+
+``big`` tests (GPU only) run the paper configuration (Hq=64, Hkv=4, D=128, Bk=128, K=16) at 8K
+tokens against the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from numba import cuda, float32, uint32
+
+from msa.cuda import _mma
+from msa.cuda import attention as gpu
+from msa.cuda._arrays import SIMULATOR, ArrayContext
+from msa.problems import make_problem
+from msa.reference import attention as ref
+from msa.reference.blocks import query_positions
+from msa.reference.csr import build_csr
+from msa.reference.schedule import build_schedule
+from msa.testing.backends import poison, to_numpy
+from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
+
+U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in version 2
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every float array a launcher allocates without a fill value starts as NaN."""
+    empty = ArrayContext.empty
+
+    def poisoned(self, shape, dtype, fill=None):
+        out = empty(self, shape, dtype, fill)
+        if fill is None and int(np.prod(shape)) and np.dtype(out.dtype).kind == "f":
+            poison(out)
+        return out
+
+    monkeypatch.setattr(ArrayContext, "empty", poisoned)
+
+
+@pytest.fixture
+def bf16_as_uint16(monkeypatch):
+    """NumPy has no bf16: let the launchers take uint16 arrays as bf16 bit patterns."""
+    monkeypatch.setattr(gpu, "is_bf16", lambda x: np.dtype(getattr(x, "dtype", None)) == np.uint16)
+
+
+# --- problems ---------------------------------------------------------------------------------
+
+def cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def selection(cu_q, cu_k, hkv, topk, bk, seed, *, hot=(), fill=True, future=False):
+    """A valid I int32 [Tq, Hkv, K]: the local block, the visible ``hot`` blocks (skew), then
+    random ones; ``fill=False`` keeps a random number (-1 padded), ``future`` also draws blocks
+    after the local one (allowed; they hold no visible key)."""
+    rng = np.random.default_rng(seed)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    batch, pos = query_positions(cu_q, cu_k, tq, tk)
+    seq_blocks = -(-np.diff(cu_k.astype(np.int64)) // bk)
+    out = np.full((tq, hkv, topk), -1, dtype=np.int32)
+    for t in range(tq):
+        local = int(pos[t]) // bk
+        pool = int(seq_blocks[batch[t]]) if future else local + 1
+        for h in range(hkv):
+            want = min(topk, pool) if fill else int(rng.integers(1, min(topk, pool) + 1))
+            chosen = [local] + [b for b in hot if b < pool and b != local][: want - 1]
+            rest = np.setdiff1d(np.arange(pool), chosen)
+            chosen += rng.permutation(rest)[: want - len(chosen)].tolist()
+            out[t, h, : len(chosen)] = np.sort(chosen)
+    return out
+
+
+def f32_to_bf16_bits(x):
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits):
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def cast(x, kind):
+    """``(what the kernel gets, the same values in float32)`` for an input array."""
+    x32 = np.asarray(x, np.float32)
+    if kind == "bfloat16":
+        bits = f32_to_bf16_bits(x32)
+        return bits, bf16_bits_to_f32(bits)
+    if kind == "float16":
+        x16 = x32.astype(np.float16)
+        return x16, x16.astype(np.float32)
+    return x32, x32
+
+
+def as_float(o, kind):
+    o = to_numpy(o)
+    return bf16_bits_to_f32(o) if kind == "bfloat16" else np.asarray(o, np.float32)
+
+
+def p_floor(p_kind, version, v, oracle, bf16_partials=False):
+    """``floor_ulps`` (in units of float32 eps x max|oracle|) covering K1 v2's 16-bit P and
+    bf16 partials.
+
+    ``|sum_j p_j d_j v_j| / l <= u max|v|`` for relative roundings ``|d_j| <= u`` (``u`` the
+    unit roundoff of ``p_kind``), and likewise ``|sum_s w_s d_s O_s| <= u_bf16 max|v|`` for
+    partials stored in bf16; the floor allows twice the sum. Version 1 keeps P in float32.
+    """
+    finite = np.isfinite(oracle)
+    scale = float(np.abs(oracle[finite]).max()) if finite.any() else 0.0
+    u = U16.get(p_kind, 0.0) if version == 2 else 0.0
+    u += U16["bfloat16"] if bf16_partials else 0.0
+    if scale == 0 or u == 0:
+        return 4.0
+    return max(4.0, 2 * u * float(np.abs(v).max()) / (scale * np.finfo(np.float32).eps))
+
+
+def check_o_lse(o, lse, oracle, baseline, kind, version, v32, factor=2.0, name="", p_kind=None,
+                bf16_partials=False):
+    """Compare ``(o, lse)`` (kernel, any library) with the reference's oracle and baseline.
+
+    ``kind``: how ``o`` is stored (bf16 bits are decoded); ``p_kind``: the inputs' kind, which
+    sets the rounding of P in version 2 (default ``kind``).
+    """
+    o_ref, lse_ref = (np.asarray(x, np.float64) for x in oracle)
+    o_base, lse_base = (np.asarray(x, np.float32) for x in baseline)
+    o = as_float(o, kind)
+    floor = p_floor(p_kind or kind, version, v32, o_ref, bf16_partials)
+    # ex2.approx / expf on the GPU are 2 ulp functions, the reference's exp 1 ulp: factor 4 there.
+    lse_factor = factor if SIMULATOR else max(factor, 4.0)
+    assert_close_to_oracle(to_numpy(lse), lse_ref, lse_base, name=f"lse{name}", factor=lse_factor)
+    assert_close_to_oracle(o, o_ref, o_base, name=f"o{name}", factor=factor, floor_ulps=floor,
+                           dtype=np.float32)
+    assert np.all(o[np.isneginf(lse_ref)] == 0)
+
+
+def problem(lq, lk, hq, hkv, d, bk, topk, seed=0, **sel):
+    p = make_problem(lk, lq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, index_dim=8,
+                     block_size=bk, topk=topk, seed=seed)
+    I = selection(p.cu_seqlens_q, p.cu_seqlens_k, hkv, topk, bk, seed, **sel)
+    return p, I
+
+
+# --- K1 on its own: exact slots, O_s and L_s ----------------------------------------------------
+
+def run_k1(p, I, kind, version, *, chunk_size=8, pad=0, tile_rows=None):
+    cu_q, cu_k, bk, topk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, I.shape[2]
+    row_ptr, q_indices, slots = build_csr(I, cu_q, cu_k, bk)
+    work = build_schedule(row_ptr, cu_k, bk, chunk_size)
+    (q, q32), (k, k32), (v, v32) = cast(p.q, kind), cast(p.k, kind), cast(p.v, kind)
+    oracle, baseline = oracle_and_baseline(ref.attention_partials, q32, k32, v32, work, q_indices,
+                                           slots, cu_q, cu_k, bk, topk)
+    # A device-built schedule pads its work array with -1 rows: they must do nothing.
+    padded = np.concatenate([work, np.full((pad, 6), -1, np.int32)])
+    o_part, lse_part = gpu.attention_partials(q, k, v, padded, q_indices, slots, cu_q, cu_k, bk,
+                                              topk, version=version, tile_rows=tile_rows)
+    o_part, lse_part = to_numpy(o_part), to_numpy(lse_part)
+    assert o_part.dtype == lse_part.dtype == np.float32
+    assert o_part.shape == (topk, *q.shape) and lse_part.shape == (topk, *q.shape[:2])
+    check_o_lse(o_part, lse_part, oracle, baseline, "float32", version, v32, p_kind=kind)
+    return o_part, lse_part
+
+
+K1_CASES = [
+    # id, seq_lens_q, seq_lens_k, Hq, Hkv, D, Bk, K, selection kwargs, chunk_size, pad
+    ("one-seq-chunks-of-3", [19], [37], 4, 2, 16, 16, 3, {}, 3, 2),
+    ("varlen-empty-Lq<Lk", [9, 0, 14], [20, 6, 40], 2, 1, 16, 16, 2, dict(fill=False), 5, 0),
+    ("future-blocks-decode", [1, 2], [50, 33], 4, 1, 16, 16, 4, dict(future=True), 8, 1),
+    ("G=16-hot-block", [9], [40], 16, 1, 16, 16, 3, dict(hot=(0,)), 6, 0),
+]
+
+
+@pytest.mark.parametrize("version,kind", [(1, "float32"), (2, "float16")])
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel,chunk,pad", [c[1:] for c in K1_CASES],
+                         ids=[c[0] for c in K1_CASES])
+def test_k1_matches_reference_partials(lq, lk, hq, hkv, d, bk, topk, sel, chunk, pad, version,
+                                       kind):
+    p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=len(lq) + topk, **sel)
+    run_k1(p, I, kind, version, chunk_size=chunk, pad=pad)
+
+
+def test_k1_v1_odd_head_dim_and_block():
+    """v1 takes any D and Bk (v2 needs multiples of 16)."""
+    p, I = problem([11, 7], [19, 7], 2, 2, 5, 6, 3, seed=3)
+    run_k1(p, I, "float32", 1, chunk_size=4)
+
+
+def test_k1_bf16(bf16_as_uint16):
+    p, I = problem([21], [30], 4, 2, 16, 16, 2, seed=4)
+    run_k1(p, I, "bfloat16", 2)
+    run_k1(p, I, "bfloat16", 1)
+
+
+def test_k1_tile_rows_do_not_change_the_result():
+    """Tiles are an execution order: 16 and 32 rows give bitwise the same partials (v2)."""
+    p, I = problem([30], [30], 2, 1, 16, 16, 2, seed=5)
+    a = run_k1(p, I, "float16", 2, tile_rows=16)
+    b = run_k1(p, I, "float16", 2, tile_rows=32)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
+# --- K1 + K2: sparse attention end to end -------------------------------------------------------
+
+def run_sparse(p, I, kind, version, factor=2.0, **kw):
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    (q, q32), (k, k32), (v, v32) = cast(p.q, kind), cast(p.k, kind), cast(p.v, kind)
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, bk)
+    o, lse = gpu.sparse_attention(q, k, v, I, cu_q, cu_k, bk, version=version, **kw)
+    assert to_numpy(lse).dtype == np.float32
+    assert to_numpy(o).dtype == (np.uint16 if kind == "bfloat16" else np.dtype(kind))
+    if kind == "float16":  # the output is rounded to q's dtype: so is the baseline
+        baseline = (baseline[0].astype(np.float16), baseline[1])
+    elif kind == "bfloat16":
+        baseline = (bf16_bits_to_f32(f32_to_bf16_bits(baseline[0])), baseline[1])
+    partials = kw.get("partial_dtype") or ("bfloat16" if kind == "bfloat16" else "float32")
+    check_o_lse(o, lse, oracle, baseline, kind, version, v32, factor=factor,
+                bf16_partials=partials == "bfloat16")
+    return to_numpy(o), to_numpy(lse)
+
+
+SPARSE_CASES = [
+    # id, seq_lens_q, seq_lens_k, Hq, Hkv, D, Bk, K, selection kwargs
+    ("T=1", [1], [1], 2, 1, 16, 16, 1, {}),
+    ("Lk-not-multiple-of-Bk", [37], [37], 4, 2, 16, 16, 2, {}),
+    ("NB<K", [20], [20], 2, 2, 16, 16, 4, {}),
+    ("G=1", [18], [18], 2, 2, 16, 16, 2, dict(fill=False)),
+    ("G=16", [10], [26], 16, 1, 16, 16, 2, {}),
+    ("many-seqs-empty-Lq<Lk", [5, 0, 12, 3], [5, 3, 30, 19], 4, 2, 16, 16, 3, dict(fill=False)),
+    ("decode-future-blocks", [1, 1], [70, 33], 2, 1, 16, 16, 3, dict(future=True)),
+    ("skewed-sink", [33], [33], 4, 1, 16, 16, 3, dict(hot=(0,))),
+    ("Tq=0", [0], [9], 2, 1, 16, 16, 2, {}),
+]
+V2_CASES = {"T=1", "NB<K", "G=16", "many-seqs-empty-Lq<Lk", "skewed-sink"}
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel", [c[1:] for c in SPARSE_CASES],
+                         ids=[c[0] for c in SPARSE_CASES])
+def test_sparse_v1_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
+    p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
+    run_sparse(p, I, "float32", 1)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
+                         [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES],
+                         ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES])
+def test_sparse_v2_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
+    p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
+    run_sparse(p, I, "float16", 2)
+
+
+def test_sparse_bf16(bf16_as_uint16):
+    p, I = problem([12, 9], [20, 9], 4, 2, 16, 16, 2, seed=8)
+    run_sparse(p, I, "bfloat16", 2)
+
+
+@pytest.mark.parametrize("kind,version,partials", [("float16", 2, "bfloat16"),
+                                                   ("float32", 1, "bfloat16"),
+                                                   ("bfloat16", 2, "float32")])
+def test_sparse_partial_dtypes(kind, version, partials, request):
+    """bf16 partials (half the bytes between K1 and K2) for any input, fp32 ones for bf16."""
+    if kind == "bfloat16":
+        request.getfixturevalue("bf16_as_uint16")
+    p, I = problem([15], [22], 4, 2, 16, 16, 2, seed=13)
+    run_sparse(p, I, kind, version, partial_dtype=partials)
+
+
+def test_sparse_fp16_on_cuda_cores():
+    p, I = problem([14], [14], 2, 1, 8, 4, 2, seed=9)
+    run_sparse(p, I, "float16", 1)
+
+
+def test_sparse_with_every_block_equals_dense():
+    """K >= NB selects every visible block: eq 8 reduces to eq 1 (dense causal attention)."""
+    p, I = problem([13, 20], [30, 20], 2, 1, 8, 8, 4, seed=10)
+    assert (I >= 0).sum(axis=2).min() >= 1
+    q, k, v = (x.astype(np.float32) for x in (p.q, p.k, p.v))
+    oracle, baseline = oracle_and_baseline(ref.dense_attention, q, k, v, p.cu_seqlens_q,
+                                           p.cu_seqlens_k)
+    o, lse = gpu.sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8, version=1)
+    check_o_lse(o, lse, oracle, baseline, "float32", 1, v)
+
+
+def test_query_chunks_and_work_chunks_are_bitwise_invisible():
+    """Query chunking (``max_partial_bytes``) and the scheduler's chunk size change the order of
+    the work, not one bit of the result; neither do reruns."""
+    p, I = problem([13, 9], [13, 30], 2, 1, 16, 16, 2, seed=11)
+    q, k, v = (x.astype(np.float16) for x in (p.q, p.k, p.v))
+    args = (q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 16)
+    per_query = 2 * 2 * 16 * 4  # K * Hq * D * 4 bytes
+    o1, l1 = (to_numpy(x).copy() for x in gpu.sparse_attention(*args))
+    o2, l2 = (to_numpy(x).copy() for x in gpu.sparse_attention(*args, max_partial_bytes=7 * per_query,
+                                                              chunk_size=3))
+    o3, l3 = (to_numpy(x) for x in gpu.sparse_attention(*args))
+    for a, b in ((o1, o2), (l1, l2), (o1, o3), (l1, l3)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_query_chunks_keep_positions():
+    """Every chunk is a problem of the Lq < Lk kind whose queries keep their key positions."""
+    cu_q, cu_k = cu([3, 0, 5, 4]), cu([6, 2, 5, 9])
+    _, pos = query_positions(cu_q, cu_k, 12, 22)
+    seen = []
+    for t0, t1, k_lo, k_hi, cq, ck in gpu.query_chunks(cu_q, cu_k, 5):
+        _, pos_c = query_positions(cq, ck, t1 - t0, k_hi - k_lo)
+        np.testing.assert_array_equal(pos_c, pos[t0:t1])
+        seen.append((t0, t1))
+    assert seen == [(0, 5), (5, 10), (10, 12)]
+
+
+shapes = st.fixed_dictionaries(dict(
+    g=st.sampled_from([1, 2, 4, 8, 16]), hkv=st.integers(1, 2), d=st.sampled_from([4, 8, 16]),
+    bk=st.sampled_from([4, 8, 16]), topk=st.integers(1, 4),
+    lens=st.lists(st.tuples(st.integers(0, 16), st.integers(0, 16)), min_size=1, max_size=3),
+    fill=st.booleans(), future=st.booleans(), seed=st.integers(0, 2**31 - 1)))
+
+
+def _draw_problem(s, *, d=None, bk=None):
+    lk = [a + b for a, b in s["lens"]]
+    lq = [b for _, b in s["lens"]]
+    return problem(lq, lk, s["g"] * s["hkv"], s["hkv"], d or s["d"], bk or s["bk"], s["topk"],
+                   seed=s["seed"], fill=s["fill"], future=s["future"])
+
+
+@settings(max_examples=10)  # ~3 s per example in the simulator (CSR, schedule, K1, K2)
+@given(s=shapes)
+@example(s=dict(g=16, hkv=1, d=4, bk=4, topk=3, lens=[(0, 1), (5, 0), (3, 9)], fill=False,
+                future=True, seed=1))
+def test_sparse_v1_property(s):
+    p, I = _draw_problem(s)
+    run_sparse(p, I, "float32", 1)
+
+
+small_shapes = st.fixed_dictionaries(dict(
+    g=st.sampled_from([1, 2, 4, 16]), hkv=st.just(1), d=st.just(16), bk=st.just(16),
+    topk=st.integers(1, 3),
+    lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 12)), min_size=1, max_size=2),
+    fill=st.booleans(), future=st.booleans(), seed=st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=5)  # the twin mma costs two simulator barriers per call
+@given(s=small_shapes)
+def test_sparse_v2_property(s):
+    p, I = _draw_problem(s)
+    run_sparse(p, I, "float16", 2)
+
+
+# --- the MSA prefill: index + top-k + sparse attention --------------------------------------------
+
+def test_msa_prefill_matches_reference_pipeline():
+    pytest.importorskip("msa.cuda.select")
+    from msa.reference.index import block_scores
+    from msa.reference.select import select_blocks
+
+    p = make_problem((24, 16), (24, 9), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                     index_dim=16, block_size=8, topk=3, seed=12)
+    q, k, v, q_idx, k_idx = (x.astype(np.float32) for x in (p.q, p.k, p.v, p.q_idx, p.k_idx))
+    o, lse, I = gpu.msa_prefill(q, k, v, q_idx, k_idx, p.cu_seqlens_q, p.cu_seqlens_k, 8, 3,
+                                version=1)
+    I = to_numpy(I)
+    M = block_scores(q_idx.astype(np.float64), k_idx.astype(np.float64), p.cu_seqlens_q,
+                     p.cu_seqlens_k, 8)
+    I_ref = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, 3, 8)
+    np.testing.assert_array_equal(I, I_ref)
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention, q, k, v, I, p.cu_seqlens_q,
+                                           p.cu_seqlens_k, 8)
+    check_o_lse(o, lse, oracle, baseline, "float32", 1, v)
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def _bad_input_problem():
+    p, I = problem([6], [6], 4, 2, 16, 4, 2, seed=0)
+    return p, I, (p.q.astype(np.float32), p.k.astype(np.float32), p.v.astype(np.float32))
+
+
+@pytest.mark.parametrize("case", ["q-rank", "k-v-shape", "k-dtype", "q-float64", "G=3", "G=32",
+                                  "Hkv-not-dividing", "D=0", "D=512", "k-head-dim",
+                                  "block-indices-shape", "block-indices-float",
+                                  "block-indices-range", "version-2-float32", "version-3",
+                                  "tile-rows", "block-size", "scale", "cu-seqlens",
+                                  "shared-memory", "partial-dtype"])
+def test_sparse_attention_rejects_bad_inputs(case):
+    p, I, (q, k, v) = _bad_input_problem()
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    args = dict(q=q, k=k, v=v, block_indices=I, cu_seqlens_q=cq, cu_seqlens_k=ck, block_size=4)
+    kw = {}
+    expect = {
+        "q-rank": (ValueError, "q", dict(q=q[0])),
+        "k-v-shape": (ValueError, "v", dict(v=v[:, :1])),
+        "k-dtype": (TypeError, "k", dict(k=k.astype(np.float16))),
+        "q-float64": (TypeError, "q", dict(q=q.astype(np.float64), k=k.astype(np.float64),
+                                          v=v.astype(np.float64))),
+        "G=3": (ValueError, "G", dict(q=np.zeros((6, 6, 16), np.float32))),
+        "G=32": (ValueError, "G", dict(q=np.zeros((6, 64, 16), np.float32))),
+        "Hkv-not-dividing": (ValueError, "Hkv", dict(q=np.zeros((6, 5, 16), np.float32))),
+        "D=0": (ValueError, "D", dict(q=q[..., :0], k=k[..., :0], v=v[..., :0])),
+        "D=512": (ValueError, "D", dict(q=np.zeros((6, 4, 512), np.float32),
+                                        k=np.zeros((6, 2, 512), np.float32),
+                                        v=np.zeros((6, 2, 512), np.float32))),
+        "k-head-dim": (ValueError, "k", dict(k=k[..., :8], v=v[..., :8])),
+        "block-indices-shape": (ValueError, "block_indices", dict(block_indices=I[:, :1])),
+        "block-indices-float": (TypeError, "block_indices",
+                                dict(block_indices=I.astype(np.float32))),
+        "block-indices-range": (ValueError, "block_indices", dict(block_indices=I + 5)),
+        "version-2-float32": (ValueError, "version", {}),
+        "version-3": (ValueError, "version", {}),
+        "tile-rows": (ValueError, "tile_rows", {}),
+        "block-size": (ValueError, "block_size", dict(block_size=0)),
+        "scale": (ValueError, "scale", {}),
+        "partial-dtype": (ValueError, "partial_dtype", {}),
+        "cu-seqlens": (ValueError, "cu_seqlens", dict(cu_seqlens_q=np.array([0, 5], np.int32))),
+        # K and V of one 512-key block at D=256 do not fit a CTA's shared memory
+        "shared-memory": (ValueError, "block_size", dict(
+            q=np.zeros((6, 4, 256), np.float32), k=np.zeros((6, 2, 256), np.float32),
+            v=np.zeros((6, 2, 256), np.float32), block_size=512,
+            block_indices=np.zeros((6, 2, 1), np.int32))),
+    }[case]
+    err, match, override = expect
+    args.update(override)
+    if case == "version-2-float32":
+        kw = dict(version=2)
+    elif case == "version-3":
+        kw = dict(version=3)
+    elif case == "tile-rows":
+        kw = dict(version=1, tile_rows=500)
+    elif case == "scale":
+        kw = dict(scale=-1.0)
+    elif case == "partial-dtype":
+        kw = dict(partial_dtype=np.float16)
+    with pytest.raises(err, match=match):
+        gpu.sparse_attention(**args, **kw)
+
+
+def test_attention_partials_rejects_bad_work():
+    p, I, (q, k, v) = _bad_input_problem()
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    row_ptr, qi, sl = build_csr(I, cq, ck, 4)
+    work = build_schedule(row_ptr, ck, 4, 4)
+    bad_head = work.copy()
+    bad_head[0, 0] = 7
+    with pytest.raises(ValueError, match="work"):
+        gpu.attention_partials(q, k, v, bad_head, qi, sl, cq, ck, 4, 2)
+    bad_slot = sl.copy()
+    bad_slot[0, 0] = 9
+    with pytest.raises(ValueError, match="partial_slots"):
+        gpu.attention_partials(q, k, v, work, qi, bad_slot, cq, ck, 4, 2)
+    with pytest.raises(ValueError, match="work"):
+        gpu.attention_partials(q, k, v, work[:, :5], qi, sl, cq, ck, 4, 2)
+    with pytest.raises(ValueError, match="q_indices"):
+        gpu.attention_partials(q, k, v, work, qi[:1], sl[:1], cq, ck, 4, 2)
+
+
+def test_attention_partials_skips_bad_entries_without_validation():
+    """``validate=False``: entries naming foreign queries or slots are skipped, never written
+    out of bounds (the simulator raises IndexError on any out-of-bounds access)."""
+    p, I, (q, k, v) = _bad_input_problem()
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    row_ptr, qi, sl = build_csr(I, cq, ck, 4)
+    work = build_schedule(row_ptr, ck, 4, 4)
+    qi_bad, sl_bad, work_bad = qi.copy(), sl.copy(), work.copy()
+    qi_bad[0, 0] = 10**6
+    sl_bad[0, 1] = -3
+    work_bad[-1, 3] = 10**6  # q_count past the CSR
+    work_bad[0, 5] = 99  # a block past the sequence
+    o_part, lse_part = gpu.attention_partials(q, k, v, work_bad, qi_bad, sl_bad, cq, ck, 4, 2,
+                                              validate=False, version=1)
+    assert not np.isnan(to_numpy(o_part)).any()
+
+
+# --- the mma shim against NumPy -----------------------------------------------------------------
+
+def _mma_kernel(bf16):
+    mma = _mma.mma_bf16_m16n8k16 if bf16 else _mma.mma_f16_m16n8k16
+
+    @cuda.jit
+    def one_tile(a_words, bt_words, c, out):
+        sa = cuda.shared.array(192, uint32)  # 16 rows x (8 + 4 pad) words
+        sb = cuda.shared.array(96, uint32)  # 8 rows x (8 + 4 pad) words
+        lane = cuda.threadIdx.x
+        for i in range(lane, 128, 32):
+            sa[(i // 8) * 12 + i % 8] = a_words[i]
+        for i in range(lane, 64, 32):
+            sb[(i // 8) * 12 + i % 8] = bt_words[i]
+        cuda.syncthreads()
+        a0, a1, a2, a3 = _mma.load_a_frag(sa, 0, 12)
+        b0, b1 = _mma.load_b_frag(sb, 0, 12)
+        g = lane // 4
+        t = lane % 4
+        d = mma(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
+                c[g + 8, 2 * t + 1])
+        out[g, 2 * t] = d[0]
+        out[g, 2 * t + 1] = d[1]
+        out[g + 8, 2 * t] = d[2]
+        out[g + 8, 2 * t + 1] = d[3]
+
+    return one_tile
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_mma_m16n8k16_matches_numpy(kind):
+    rng = np.random.default_rng(0 if kind == "bfloat16" else 1)
+    a = rng.standard_normal((16, 16)).astype(np.float32)
+    bt = rng.standard_normal((8, 16)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    (a_bits, a32), (bt_bits, bt32) = cast(a, kind), cast(bt, kind)
+    a_words = np.ascontiguousarray(a_bits).view(np.uint32).reshape(-1).copy()
+    bt_words = np.ascontiguousarray(bt_bits).view(np.uint32).reshape(-1).copy()
+    out = np.full((16, 8), np.nan, np.float32)
+    if SIMULATOR:
+        _mma_kernel(kind == "bfloat16")[1, 32](a_words, bt_words, c, out)
+    else:
+        d_out = cuda.to_device(out)
+        _mma_kernel(kind == "bfloat16")[1, 32](cuda.to_device(a_words), cuda.to_device(bt_words),
+                                                cuda.to_device(c), d_out)
+        out = d_out.copy_to_host()
+    oracle = a32.astype(np.float64) @ bt32.T.astype(np.float64) + c
+    baseline = (a32 @ bt32.T + c).astype(np.float32)
+    assert_close_to_oracle(out, oracle, baseline, name=f"mma {kind} ({_mma.MMA_BACKEND})")
+
+
+@cuda.jit
+def _convert_kernel(x, bf16_bits, f16_bits, bf16_pairs, f16_pairs, back, exp2_out):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        bf16_bits[i] = _mma.f32_to_bf16(x[i])
+        f16_bits[i] = _mma.f32_to_f16_bits(x[i])
+        back[i] = _mma.bf16_to_f32(bf16_bits[i]) + _mma.f16_bits_to_f32(f16_bits[i])
+        j = (i + 1) % x.shape[0]
+        bf16_pairs[i] = _mma.pack_bf16x2(x[i], x[j])
+        f16_pairs[i] = _mma.pack_f16x2(x[i], x[j])
+        exp2_out[i] = _mma.exp2(float32(-abs(x[i])))
+
+
+def test_bit_helpers_match_numpy():
+    """Round to nearest even (ties, negatives, tiny, huge, infinities) and the pair packing."""
+    x = np.array([0.0, -0.0, 1.0, -2.5, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11,
+                  3.0e-5, -6.1e-5, 65504.0, 7.0e4, 1e30, np.inf, -np.inf, 0.1, -0.3, 123.456],
+                 np.float32)
+    n = x.size
+    outs = [np.zeros(n, np.uint16), np.zeros(n, np.uint16), np.zeros(n, np.uint32),
+            np.zeros(n, np.uint32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    if SIMULATOR:
+        _convert_kernel[1, 32](x, *outs)
+    else:
+        dev = [cuda.to_device(o) for o in outs]
+        _convert_kernel[1, 32](cuda.to_device(x), *dev)
+        outs = [d.copy_to_host() for d in dev]
+    bf, f16, bfp, f16p, back, e2 = outs
+    with np.errstate(over="ignore"):
+        want_f16 = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(bf, f32_to_bf16_bits(x), err_msg="f32_to_bf16")
+    np.testing.assert_array_equal(f16, want_f16, err_msg="f32_to_f16_bits")
+    nxt = np.roll(np.arange(n), -1)
+    np.testing.assert_array_equal(bfp, bf.astype(np.uint32) | (bf[nxt].astype(np.uint32) << 16),
+                                  err_msg="pack_bf16x2")
+    np.testing.assert_array_equal(f16p, f16.astype(np.uint32) | (f16[nxt].astype(np.uint32) << 16),
+                                  err_msg="pack_f16x2")
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_back = bf16_bits_to_f32(bf) + want_f16.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(back, want_back, err_msg="bf16_to_f32 + f16_bits_to_f32")
+    want_e2 = np.exp2(-np.abs(x.astype(np.float64)))
+    # ex2.approx.ftz: 2 ulp, and subnormal results flush to zero
+    ok = np.abs(e2 - want_e2) <= 4 * np.finfo(np.float32).eps * want_e2 + np.finfo(np.float32).tiny
+    assert ok.all(), (x[~ok], e2[~ok], want_e2[~ok])
+
+
+# --- big: the paper configuration on a real GPU -------------------------------------------------
+
+def _big_problem(lq, lk, hq, hkv, d, bk, topk, seed):
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = cu(lq), cu(lk)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q = rng.standard_normal((tq, hq, d), dtype=np.float32)
+    k = rng.standard_normal((tk, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((tk, hkv, d), dtype=np.float32)
+    I = selection(cu_q, cu_k, hkv, topk, bk, seed, hot=(0,), fill=True)
+    return q, k, v, I, cu_q, cu_k
+
+
+def _torch_bf16(x):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(x).to("cuda", torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def _paper_config_8k():
+    """The 8K paper-configuration problem in bf16 and its reference oracle and baseline (the
+    reference takes ~10-30 s here, so both versions share one computation)."""
+    q, k, v, I, cu_q, cu_k = _big_problem([8192], [8192], 64, 4, 128, 128, 16, seed=0)
+    q32, k32, v32 = (bf16_bits_to_f32(f32_to_bf16_bits(x)) for x in (q, k, v))
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, 128)
+    baseline = (bf16_bits_to_f32(f32_to_bf16_bits(baseline[0])), baseline[1])
+    return (q32, k32, v32, I, cu_q, cu_k), oracle, baseline
+
+
+@pytest.mark.big
+@pytest.mark.parametrize("version", [2, 1])
+def test_big_paper_configuration_8k(version):
+    """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 8K sequence, bf16 (torch), sink + random."""
+    torch = pytest.importorskip("torch")
+    (q32, k32, v32, I, cu_q, cu_k), oracle, baseline = _paper_config_8k()
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q32, k32, v32))
+    o, lse = gpu.sparse_attention(tq, tk, tv, torch.from_numpy(I).cuda(), cu_q, cu_k, 128,
+                                  version=version, validate=False)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    o_bits = o.view(torch.int16).cpu().numpy().view(np.uint16)
+    check_o_lse(o_bits, lse.cpu().numpy(), oracle, baseline, "bfloat16", version, v32, factor=4.0)
+
+
+@pytest.mark.big
+def test_big_varlen_g8_d64_fp16():
+    """Three sequences (one with Lq < Lk), G=8, D=64, K=8, fp16, both versions, and the query
+    chunking path (several chunks) bitwise equal to one chunk."""
+    q, k, v, I, cu_q, cu_k = _big_problem([3000, 1500, 2048], [3000, 4000, 2048], 32, 4, 64, 128,
+                                          8, seed=1)
+    q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
+    q32, k32, v32 = (x.astype(np.float32) for x in (q16, k16, v16))
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, 128)
+    baseline = (baseline[0].astype(np.float16), baseline[1])
+    outs = {}
+    for version in (2, 1):
+        o, lse = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=version)
+        check_o_lse(o, lse, oracle, baseline, "float16", version, v32, factor=4.0,
+                    name=f" v{version}")
+        outs[version] = (o, lse)
+    o2, lse2 = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=2,
+                                    max_partial_bytes=8 * 32 * 64 * 4 * 1000, validate=False)
+    assert o2.tobytes() == outs[2][0].tobytes() and lse2.tobytes() == outs[2][1].tobytes()
+
+
+@pytest.mark.big
+def test_big_reruns_bitwise_identical():
+    torch = pytest.importorskip("torch")
+    q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=2)
+    args = (_torch_bf16(q), _torch_bf16(k), _torch_bf16(v), torch.from_numpy(I).cuda(), cu_q,
+            cu_k, 128)
+    o1, l1 = gpu.sparse_attention(*args, validate=False)
+    o2, l2 = gpu.sparse_attention(*args, validate=False)
+    assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2)
+
+
+# --- offline compile checks (a GPU or NVVM; not the simulator) -----------------------------------
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
+@pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
+                                    "k1-v1-bf16", "k2-bf16-out"])
+def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
+    """The production kernels compile for sm_90 with no float64 instruction (a bare float
+    literal would drag expressions to f64) and no local memory (register arrays spilled)."""
+    from numba import types
+
+    from msa.cuda.combine import _combine_kernel_warp
+
+    i32 = types.int32
+    words = types.uint32[:, :, ::1]
+    parts = (types.float32[:, :, :, ::1], types.float32[:, :, ::1])
+    index = (i32[:, ::1], i32[:, ::1], i32[:, ::1], i32[::1], i32[::1], types.float32)
+    if kernel == "k1-v2-bf16":
+        fn = gpu._k1_kernel_mma(128, 128, 16, 8, True)
+        sig = (words, words, words, *index, *parts, i32, i32)
+    elif kernel == "k1-v2-bf16-partials":
+        fn = gpu._k1_kernel_mma(128, 128, 16, 8, True, True)
+        sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1], i32, i32)
+    elif kernel == "k1-v2-fp16-D64":
+        fn = gpu._k1_kernel_mma(128, 64, 4, 32, False)
+        sig = (words, words, words, *index, *parts, i32, i32)
+    elif kernel == "k1-v1-bf16":
+        fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
+        elems = types.int16[:, :, ::1]
+        sig = (elems, elems, elems, *index, *parts)
+    else:
+        fn = _combine_kernel_warp(128, 32, 4, True, True)
+        sig = (types.int16[:, :, :, ::1], parts[1], types.int16[:, :, ::1], types.float32[:, ::1])
+    try:
+        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+    except Exception as exc:  # no NVVM here: nothing to check
+        if "NVVM" in str(exc) or "nvvm" in str(exc):
+            pytest.skip(f"NVVM unavailable: {exc}")
+        raise
+    import re
+
+    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
+    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"
+    if kernel.startswith("k1-v2") and _mma.MMA_BACKEND == "ptx":
+        assert "mma.sync.aligned.m16n8k16" in ptx
