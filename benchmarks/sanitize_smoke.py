@@ -1,0 +1,85 @@
+"""Run every msa.cuda kernel once at a small size, for compute-sanitizer (GPU only).
+
+    compute-sanitizer --tool memcheck  python3 -m benchmarks.sanitize_smoke
+    compute-sanitizer --tool racecheck python3 -m benchmarks.sanitize_smoke
+
+Each stage's result is checked against msa.reference so a clean sanitizer run also means the
+kernels computed the right thing; the script prints one line a stage and exits non-zero on a
+mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def main() -> int:
+    import torch
+
+    import msa.cuda as C
+    from msa import reference as R
+    from msa.problems import make_problem
+
+    p = make_problem((300, 131), (300, 100), num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     index_dim=64, block_size=32, topk=4, dtype=np.float32, seed=1)
+    cq, ck, bk, k = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk
+    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    bf = lambda a: dev(a).to(torch.bfloat16)  # noqa: E731
+    ok = True
+
+    def report(stage, good):
+        nonlocal ok
+        ok &= bool(good)
+        print(f"{stage:<28s} {'ok' if good else 'MISMATCH'}", flush=True)
+
+    m_ref = R.block_scores(p.q_idx, p.k_idx, cq, ck, bk)
+    idx_ref = R.select_blocks(m_ref, cq, ck, k, bk)
+    m = C.block_scores(dev(p.q_idx), dev(p.k_idx), dev(cq), dev(ck), bk)
+    report("block_scores fp32", np.allclose(m.cpu().numpy(), m_ref, rtol=1e-4, atol=1e-4))
+    m_bf = C.block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk)
+    report("block_scores bf16 (tc)", np.isfinite(m_bf.cpu().numpy()).sum() == np.isfinite(m_ref).sum())
+    idx = C.select_blocks(dev(m_ref), dev(cq), dev(ck), k, bk)
+    report("select_blocks (warp)", np.array_equal(idx.cpu().numpy(), idx_ref))
+    fused = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk)
+    report("select_blocks_fused", fused.shape == idx_ref.shape)
+
+    row_ptr_ref, q_ind_ref, slots_ref = R.build_csr(idx_ref, cq, ck, bk)
+    row_ptr, q_ind, slots = C.build_csr(dev(idx_ref), dev(cq), dev(ck), bk)
+    report("build_csr", np.array_equal(row_ptr.cpu().numpy(), row_ptr_ref)
+           and np.array_equal(q_ind.cpu().numpy(), q_ind_ref)
+           and np.array_equal(slots.cpu().numpy(), slots_ref))
+    chunk = 64
+    work_ref = R.build_schedule(row_ptr_ref, ck, bk, chunk)
+    work, n = C.build_schedule(row_ptr, dev(ck), bk, chunk, max_edges=idx_ref.size)
+    w = work.cpu().numpy()
+    report("build_schedule", int(n.cpu().numpy()[0]) == len(work_ref)
+           and np.array_equal(w[:len(work_ref)], work_ref))
+
+    o_ref, lse_ref = R.sparse_attention(p.q, p.k, p.v, idx_ref, cq, ck, bk)
+    for version, cast in (("v1", dev), ("v2", bf)):
+        op, lp = C.attention_partials(cast(p.q), cast(p.k), cast(p.v), work, q_ind, slots, dev(cq),
+                                      dev(ck), bk, k, version=version)
+        o, lse = C.combine_partials(op, lp)
+        err = float((o.float().cpu() - torch.from_numpy(o_ref)).abs().max())
+        report(f"K1 {version} + K2", err < (1e-4 if version == "v1" else 3e-2))
+    o, lse = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(idx_ref), dev(cq), dev(ck), bk)
+    report("sparse_attention bf16", float((o.float().cpu() - torch.from_numpy(o_ref)).abs().max()) < 3e-2)
+
+    if hasattr(C, "kl_loss"):
+        kl_ref, loss_ref = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, idx_ref, lse_ref, cq, ck, bk)
+        kl, loss = C.kl_loss(dev(p.q), dev(p.k), dev(p.q_idx), dev(p.k_idx), dev(idx_ref),
+                             dev(lse_ref), dev(cq), dev(ck), bk)
+        report("kl_loss", np.allclose(kl.cpu().numpy(), kl_ref, rtol=1e-3, atol=1e-5))
+        dq, dk = C.kl_backward(dev(p.q), dev(p.k), dev(p.q_idx), dev(p.k_idx), dev(idx_ref),
+                               dev(lse_ref), dev(cq), dev(ck), bk)
+        dq_ref, dk_ref = R.kl_backward(p.q, p.k, p.q_idx, p.k_idx, idx_ref, lse_ref, cq, ck, bk)
+        report("kl_backward", np.allclose(dk.cpu().numpy(), dk_ref, rtol=1e-3, atol=1e-6))
+    torch.cuda.synchronize()
+    print("all stages ok" if ok else "SOME STAGE MISMATCHED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
