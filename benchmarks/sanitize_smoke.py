@@ -58,12 +58,12 @@ def main() -> int:
            and np.array_equal(w[:len(work_ref)], work_ref))
 
     o_ref, lse_ref = R.sparse_attention(p.q, p.k, p.v, idx_ref, cq, ck, bk)
-    for version, cast in (("v1", dev), ("v2", bf)):
+    for version, cast in ((1, dev), (2, bf)):
         op, lp = C.attention_partials(cast(p.q), cast(p.k), cast(p.v), work, q_ind, slots, dev(cq),
                                       dev(ck), bk, k, version=version)
         o, lse = C.combine_partials(op, lp)
         err = float((o.float().cpu() - torch.from_numpy(o_ref)).abs().max())
-        report(f"K1 {version} + K2", err < (1e-4 if version == "v1" else 3e-2))
+        report(f"K1 {version} + K2", err < (1e-4 if version == 1 else 3e-2))
     o, lse = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(idx_ref), dev(cq), dev(ck), bk)
     report("sparse_attention bf16", float((o.float().cpu() - torch.from_numpy(o_ref)).abs().max()) < 3e-2)
 

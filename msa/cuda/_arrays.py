@@ -118,10 +118,7 @@ class ArrayContext:
 
     @staticmethod
     def _fill(out, value):
-        if isinstance(out, np.ndarray) or hasattr(out, "fill"):
-            out.fill(value)
-        else:  # Numba device array
-            _fill_kernel_for(out)(out.reshape(-1) if out.ndim > 1 else out, value)
+        fill(out, value)
 
     def arg(self, out):
         """The kernel argument for an array made by :meth:`empty`."""
@@ -139,13 +136,18 @@ class ArrayContext:
         return out
 
 
-def _fill_kernel_for(arr):
-    n = arr.size
-
-    def launch(flat, value):
-        _fill_kernel[(n + 255) // 256, 256](flat, value)
-
-    return launch
+def fill(out, value):
+    """Fill a NumPy, CuPy, torch or Numba device array with ``value`` in place; return it."""
+    if library_of(out) == "torch":
+        out.fill_(value)
+    elif hasattr(out, "fill"):  # NumPy, CuPy
+        out.fill(value)
+    else:  # Numba device array: no fill method, no Ellipsis assignment
+        n = int(np.prod(out.shape))
+        if n:
+            flat = out.reshape(n)
+            _fill_kernel[(n + 255) // 256, 256](flat, flat.dtype.type(value))
+    return out
 
 
 @cuda.jit

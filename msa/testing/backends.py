@@ -136,9 +136,6 @@ def poison(x):
         else:
             x.fill_(int(np.iinfo(str(x.dtype).split(".")[-1]).min))
         return x
-    value = poison_value(x.dtype)
-    if hasattr(x, "fill"):  # NumPy, CuPy
-        x.fill(value)
-    else:  # Numba device array
-        x[...] = value
-    return x
+    from msa.cuda._arrays import fill
+
+    return fill(x, poison_value(x.dtype))

@@ -46,7 +46,7 @@ def poisoned_outputs(monkeypatch):
 
     def poisoned(self, shape, dtype, fill=None):
         out = empty(self, shape, dtype, fill)
-        if fill is None and int(np.prod(shape)) and np.dtype(out.dtype).kind == "f":
+        if fill is None and int(np.prod(shape)) and "float" in str(out.dtype):
             poison(out)
         return out
 
