@@ -376,10 +376,13 @@ def launch(kernel, grid, block, smem_bytes, *args):
     spec = kernel.specialize(*args)
     compiled = next(iter(spec.overloads.values()))
     cufunc = compiled._codelibrary.get_cufunc()
-    key = (id(spec), cufunc.device.id)
-    if _raised.get(key, 0) < smem_bytes:
+    # Keyed by the compiled function, which the entry keeps alive: an id() of a specialised
+    # dispatcher can be reused by a later one once the first is collected, and then the new
+    # kernel would launch without its raised limit.
+    key = (id(cufunc), cufunc.device.id)
+    if _raised.get(key, (0,))[0] < smem_bytes:
         _set_max_dynamic_smem(cufunc, smem_bytes)
-        _raised[key] = smem_bytes
+        _raised[key] = (smem_bytes, cufunc)
     spec[grid, block, 0, smem_bytes](*args)
 
 
