@@ -1,0 +1,48 @@
+"""Plot benchmark JSON from benchmarks/results/ into docs/figures/ (runs anywhere, no GPU).
+
+    python -m benchmarks.plot
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIG = os.path.join(HERE, "..", "docs", "figures")
+
+
+def attention(path=os.path.join(HERE, "results", "bench_attention.json")):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(path))["results"]
+    cases = [c for c in dict.fromkeys(r["case"] for r in rows) if c.startswith("sparse")]
+    impls = ["msa v2 (bfloat16 partials)", "dense SDPA (causal)", "FlexAttention (same selection)",
+             "PyTorch gather (Q-outer)"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.2
+    for j, impl in enumerate(impls):
+        xs, ys = [], []
+        for i, case in enumerate(cases):
+            for r in rows:
+                if r["case"] == case and r["impl"] == impl and r.get("ms"):
+                    xs.append(i + (j - 1.5) * width)
+                    ys.append(r["ms"])
+        ax.bar(xs, ys, width, label=impl)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([c.replace("sparse ", "") for c in cases], rotation=15, fontsize=8)
+    ax.set_ylabel("ms (log scale, lower is better)")
+    ax.set_title("Sparse attention forward on an H200: Hq=64, Hkv=4, D=128, Bk=128, k=16, bf16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(FIG, exist_ok=True)
+    out = os.path.join(FIG, "perf_attention.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    attention()
