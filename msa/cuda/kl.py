@@ -1,0 +1,1732 @@
+"""Paper §3.2, eq 9-11 on the GPU: the sparse KL loss training the index branch, and its backward.
+
+Same functions and arguments as ``msa.reference.kl`` (read its docstring for the math), plus
+keyword-only knobs. Per query ``t`` and group ``r`` the support is the causally visible keys of
+the blocks ``block_indices[t, r]`` (every visible key in the warmup, ``block_indices=None``):
+
+.. math::
+
+    P_j = \\frac1G \\sum_{h \\in H_r} e^{S^{(h)}_j - \\mathrm{LSE}^{(h)}}, \\qquad
+    \\log P^{idx}_j = S^{idx}_j - \\mathrm{LSE}^{idx}
+
+The teacher's normaliser is the main branch's LSE (given, from ``sparse_attention``: no second
+softmax pass); the student's ``LSE^idx`` is computed online in the same pass over the keys. With
+``m`` the running maximum of ``S^idx`` and ``l = sum_j exp(S^idx_j - m)`` (so that
+``LSE^idx = m + log l``), one pass accumulates
+
+.. math::
+
+    A = \\sum_j P_j \\log P_j, \\quad B = \\sum_j P_j (S^{idx}_j - m), \\quad C = \\sum_j P_j
+
+and then ``KL = sum_j P_j (log P_j - S^idx_j + LSE^idx) = A - (B + C m) + C (m + log l)
+= A - B + C log l``. Keeping ``B`` relative to the running maximum (``B <- B - C (m' - m)`` when
+the maximum grows to ``m'``) keeps every term small and cancels ``m`` exactly. ``P_j = 0``
+(an underflowed teacher) contributes nothing to ``A``, ``B`` or ``C`` (``0 log 0 = 0``); an empty
+support gives ``KL = 0``. Two partial states ``(m, l, A, B, C)`` merge like flash attention's
+``(m, l)``, with ``B`` re-based to the larger maximum, so threads can reduce in a fixed tree.
+``C`` is 1 up to rounding when ``lse`` is the teacher's own LSE on this support.
+
+Backward (eq 10-11): ``dS_j = g (P^idx_j - P_j) / (Tq Hkv)`` on the support,
+``dq_idx = s_idx sum_j dS_j k_idx_j``, ``dk_idx_j = s_idx sum_{t, r} dS_{t,r,j} q_idx_{t,r}``.
+``kl_backward`` needs ``LSE^idx`` before ``dS``, so it first finds it (index scores only, cheap),
+then computes the teacher and ``dS`` once, writing ``dS`` of every selected block to a buffer
+``[Tq, Hkv, K, Bk]`` (0 on hidden keys) and summing ``dq_idx``; ``dk_idx`` is then summed
+KV-outer from the buffer: the k2q CSR of the selection (``msa.cuda.csr.build_csr``) lists the
+queries that read a key block, and each ``dk_idx`` element is summed by one thread over the
+groups and those queries in CSR order. In the warmup there is no selection and no buffer (the
+support is the whole causal past, a buffer would be ``Tq x Tk``): a key visits every later
+query of its sequence and recomputes ``dS``.
+
+Every output element is written by one thread that sums in a fixed order, with no float atomics:
+reruns are bitwise identical. The loss of eq 10 is the mean of ``kl`` by one CTA
+(Kahan-compensated per-thread sums, then a fixed tree).
+
+Versions (``version=None`` picks the fastest that supports the inputs: v3 for fp16/bf16 with
+``D, Didx, Bk`` multiples of 16 and a selection, v2 otherwise):
+
+===  =========================================================================================
+v    idea
+===  =========================================================================================
+1    Q-outer, one thread per (query, group) for ``kl``, ``LSE^idx``, ``dq_idx`` and ``dS``; one
+     thread per key for ``dk_idx``. Inputs read from global memory. The readable one, and the
+     one the simulator runs fast (no barriers).
+2    Q-outer, one CTA per (query, group): its ``G`` heads and index query staged in shared
+     memory (fp32), one thread per key (``G`` dot products of ``D``, one of ``Didx``), states
+     merged in a fixed tree; ``dq_idx`` from ``dS`` staged in shared memory. ``dk_idx``: one CTA
+     per key block (CSR row), the row's queries and their ``dS`` staged 16 at a time, each
+     thread a register tile of 8 keys x 8 dims. Any dtype and size; runs the warmup for v3.
+3    KV-outer on tensor cores, the paper's K1 order (§4.2): per query chunk, the k2q CSR and
+     the hot-row schedule (``msa.cuda.schedule``, items of at most ``2 K Bk`` queries); one CTA
+     per work item loads the key block (K and K_idx) into shared memory once and walks its
+     queries in tiles of ``P = ceil(128/G)`` positions x ``G`` heads: ``S = Q Kᵀ`` and
+     ``S^idx = Q_idx K_idxᵀ`` by ``mma.sync.m16n8k16`` (fp32 accumulate, ``msa.cuda._mma``),
+     each head's ``exp(S - LSE)`` and the student logits in shared memory, then per position
+     (``2G`` lanes) the slot's state ``(m, l, A, B, C)`` (forward), ``(m, l)`` (``LSE^idx``) or
+     ``dS`` and the slot's ``dq_idx`` partial (backward), into per-slot buffers that a
+     Q-outer pass merges in slot order. ``dk_idx`` as v2. fp16/bf16 only.
+===  =========================================================================================
+
+All accumulate in fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits), any ``G`` (v3: 1, 2, 4,
+8, 16). ``lse=None`` (the teacher's LSE computed here, a convenience) adds one pass, one thread
+per (query, head).
+
+Memory: the ``dS`` buffer is ``Tq*Hkv*K*Bk`` float32 (4 GiB at 128K tokens in the paper
+configuration; v3 adds the ``dq_idx`` partials, ``Tq*Hkv*K*Didx``). ``kl_backward`` processes
+queries in chunks whose buffers fit ``max_ds_bytes`` (default 4 GiB): each chunk is a smaller
+problem of the same kind (its queries against the keys they can see,
+``msa.cuda.attention.query_chunks``) with its own CSR, and adds its ``dk_idx`` contribution to
+the keys in chunk order.
+
+Bad input raises before any launch. With ``validate=True`` (default) the launchers copy
+``block_indices`` and ``lse`` to the host to check them like the reference does (indices in
+range, unique, ``-1`` only at the tail; ``lse`` not NaN/+inf and finite wherever the support is
+non-empty). ``validate=False`` skips those copies; the kernels still never read or write out of
+bounds (invalid blocks and CSR entries are skipped), but the result for invalid indices or a
+wrong ``lse`` is unspecified.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
+                       check_positive_int, check_scale, cu_to_host, dtype_of)
+from . import _mma
+from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
+                   mma_f16_m16n8k16)
+
+VERSIONS = (1, 2, 3)
+DEFAULT_VERSION = 3
+MAX_BLOCK_SIZE_V3 = 256
+# v3 tile rows R (query positions x G heads): the paper's 128 on a GPU, the smallest in the
+# simulator (its mma twin pays two barriers per call).
+DEFAULT_TILE_ROWS_V3 = 16 if SIMULATOR else 128
+DTYPE_KINDS = ("float32", "float16", "bfloat16")
+# Default budget of one query chunk's dS buffer in kl_backward (bytes).
+MAX_DS_BYTES = 4 << 30
+# Threads per CTA (powers of two). The simulator runs every thread as a Python thread and every
+# barrier costs milliseconds there, so it gets fewer; the kernels are the same.
+_THREADS_V1 = 32 if SIMULATOR else 128
+_ROW_THREADS = 8 if SIMULATOR else 128
+_KEY_TILE = 4 if SIMULATOR else 8  # v2 dk: keys x dims per thread, squared
+_MEAN_THREADS = 32 if SIMULATOR else 512
+# v2 dk: CSR entries (queries) staged in shared memory per step, and the float budget of the
+# warmup's staged query heads (G*D floats per entry).
+_KEY_ENTRIES = 16
+_KEY_STAGE_FLOATS = 8192
+_NEG_INF = float32(-math.inf)
+_FULL_MASK = 0xFFFFFFFF
+
+
+# =============================================================================================
+# Device helpers shared by the versions
+# =============================================================================================
+
+def _identity_f32(x):
+    return float32(x)
+
+
+_to_f32_plain = cuda.jit(device=True)(_identity_f32)
+
+
+def _loader(kind: str):
+    """Device function turning one input element into float32 (bf16 arrives as uint16 bits)."""
+    return bf16_to_f32 if kind == "bfloat16" else _to_f32_plain
+
+
+@cuda.jit(device=True)
+def _finite_or_zero(x):
+    """An empty support's ``-inf`` LSE becomes 0 (its keys are never read), as in the reference."""
+    return x if x > _NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True)
+def _last_le(offsets, x):
+    """Largest ``b`` in ``[0, len(offsets) - 2]`` with ``offsets[b] <= x`` (an empty segment
+    loses to the later one with the same offset)."""
+    lo = 0
+    hi = offsets.shape[0] - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if offsets[mid] <= x:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cuda.jit(device=True)
+def _query_row(cu_q, cu_k, t):
+    """``(key0, pos, lk)`` of query ``t``: packed index of its sequence's first key, its key
+    position (bottom-right: query ``i`` of ``Lq`` sits at ``Lk - Lq + i``) and ``Lk``."""
+    b = _last_le(cu_q, t)
+    key0 = int(cu_k[b])
+    lk = int(cu_k[b + 1]) - key0
+    lq = int(cu_q[b + 1]) - int(cu_q[b])
+    return key0, lk - lq + (t - int(cu_q[b])), lk
+
+
+@cuda.jit(device=True)
+def _block_range(I, t, r, s, warmup, block_size, pos):
+    """``(kk0, kk1)``: key positions of slot ``s`` of (query t, group r) that the query sees;
+    ``kk1 <= kk0`` when the slot is empty (-1), invalid or wholly in the future."""
+    blk = s if warmup else int(I[t, r, s])
+    kk0 = blk * block_size
+    if blk < 0 or kk0 > pos:
+        return 0, 0
+    return kk0, min(kk0 + block_size, pos + 1)
+
+
+@cuda.jit(device=True)
+def _rebase(m, l, b, c, m_new):
+    """``(l, B)`` of a partial state with maximum ``m`` re-expressed against ``m_new >= m``."""
+    if m == _NEG_INF:
+        return float32(0.0), float32(0.0)
+    return l * math.exp(m - m_new), b - c * (m_new - m)
+
+
+@cuda.jit(device=True)
+def _accumulate(m, l, a, b, c, p, s_idx):
+    """Add one key (teacher ``P_j = p``, student logit ``S^idx_j = s_idx``) to the state."""
+    # m_new = max(m, S_idx); l, B re-based to it
+    if s_idx > m:
+        l, b = _rebase(m, l, b, c, s_idx)
+        m = s_idx
+    l += math.exp(s_idx - m)
+    if p > float32(0.0):  # 0 log 0 = 0: an underflowed teacher adds nothing
+        a += p * math.log(p)
+        b += p * (s_idx - m)
+        c += p
+    return m, l, a, b, c
+
+
+@cuda.jit(device=True)
+def _merge(m1, l1, a1, b1, c1, m2, l2, a2, b2, c2):
+    """Merge two partial states ``(m, l, A, B, C)`` (module docstring) into one."""
+    m = max(m1, m2)
+    l1, b1 = _rebase(m1, l1, b1, c1, m)
+    l2, b2 = _rebase(m2, l2, b2, c2, m)
+    return m, l1 + l2, a1 + a2, b1 + b2, c1 + c2
+
+
+@cuda.jit(device=True)
+def _kl_value(l, a, b, c):
+    """``KL = A - B + C log l``; an empty support (``l = 0``) gives 0."""
+    if l > float32(0.0):
+        return a - b + c * math.log(l)
+    return float32(0.0)
+
+
+@cuda.jit(device=True)
+def _student_lse(m, l):
+    """``LSE^idx = m + log l``; 0 for an empty support (then no key uses it)."""
+    if l > float32(0.0):
+        return m + math.log(l)
+    return float32(0.0)
+
+
+# =============================================================================================
+# v1: one thread per (query, group) and per key
+# =============================================================================================
+
+@functools.lru_cache(maxsize=None)
+def _global_score_fns(kind: str, group: int, head_dim: int, index_dim: int):
+    """``teacher(q, t, r, lse, k, j, scale)`` = ``P_j`` and ``student(q_idx, t, r, k_idx, j,
+    index_scale)`` = ``S^idx_j`` of one key for one (query, group), reading global memory."""
+    G, D, DI = group, head_dim, index_dim
+    to_f32 = _loader(kind)
+    inv_g = float32(1.0 / G)
+
+    @cuda.jit(device=True)
+    def teacher(q, t, r, lse, k, j, scale):
+        s = cuda.local.array(G, float32)
+        for h in range(G):
+            s[h] = float32(0.0)
+        for d in range(D):
+            kd = to_f32(k[j, r, d])
+            for h in range(G):
+                s[h] += to_f32(q[t, r * G + h, d]) * kd
+        # P_j = (1/G) sum_h exp(S_h - LSE_h)
+        p = float32(0.0)
+        for h in range(G):
+            p += math.exp(s[h] * scale - _finite_or_zero(lse[t, r * G + h]))
+        return p * inv_g
+
+    @cuda.jit(device=True)
+    def student(q_idx, t, r, k_idx, j, index_scale):
+        s = float32(0.0)
+        for d in range(DI):
+            s += to_f32(q_idx[t, r, d]) * to_f32(k_idx[j, d])
+        return s * index_scale
+
+    return teacher, student
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_thread_rows(kind: str, group: int, head_dim: int, index_dim: int):
+    """v1 forward: ``kl[t, r]``, one thread per (query, group)."""
+    teacher, student = _global_score_fns(kind, group, head_dim, index_dim)
+
+    @cuda.jit
+    def _kl_kernel_thread_rows_v1(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup,
+                                  scale, index_scale, kl):
+        hkv = kl.shape[1]
+        i = cuda.grid(1)
+        if i >= kl.shape[0] * hkv:
+            return
+        t = i // hkv
+        r = i % hkv
+        key0, pos, _ = _query_row(cu_q, cu_k, t)
+        m = _NEG_INF
+        l = float32(0.0)
+        a = float32(0.0)
+        b = float32(0.0)
+        c = float32(0.0)
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0, kk1):
+                j = key0 + kp
+                m, l, a, b, c = _accumulate(m, l, a, b, c, teacher(q, t, r, lse, k, j, scale),
+                                            student(q_idx, t, r, k_idx, j, index_scale))
+        kl[t, r] = _kl_value(l, a, b, c)
+
+    return _kl_kernel_thread_rows_v1
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_thread_rows_grad(kind: str, group: int, head_dim: int, index_dim: int):
+    """v1 backward pass 1: ``lse_idx``, ``dq_idx`` and the dS buffer, one thread per (query,
+    group) of queries ``[t0, t0 + count)``."""
+    DI = index_dim
+    teacher, student = _global_score_fns(kind, group, head_dim, index_dim)
+    to_f32 = _loader(kind)
+
+    @cuda.jit
+    def _kl_kernel_thread_rows_grad_v1(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size,
+                                       warmup, scale, index_scale, coef, t0, count, store_ds,
+                                       lse_idx, dq, ds):
+        hkv = dq.shape[1]
+        i = cuda.grid(1)
+        if i >= count * hkv:
+            return
+        t = t0 + i // hkv
+        r = i % hkv
+        key0, pos, lk = _query_row(cu_q, cu_k, t)
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        # LSE^idx over the support (index scores only)
+        m = _NEG_INF
+        l = float32(0.0)
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0, kk1):
+                x = student(q_idx, t, r, k_idx, key0 + kp, index_scale)
+                if x > m:
+                    if m > _NEG_INF:
+                        l *= math.exp(m - x)
+                    m = x
+                l += math.exp(x - m)
+        lse_i = _student_lse(m, l)
+        lse_idx[t, r] = lse_i
+        # dS_j = coef (P_idx_j - P_j); dq_idx = index_scale sum_j dS_j k_idx_j, keys in order
+        acc = cuda.local.array(DI, float32)
+        for d in range(DI):
+            acc[d] = float32(0.0)
+        nblocks = (lk + block_size - 1) // block_size
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            k_begin = kk0
+            k_end = kk1
+            write = False
+            if store_ds:
+                blk = int(I[t, r, s])
+                # every valid block of the sequence is in the CSR: write all its Bk entries
+                write = 0 <= blk < nblocks
+                if write:
+                    k_begin = blk * block_size
+                    k_end = k_begin + block_size
+            for kp in range(k_begin, k_end):
+                dsv = float32(0.0)
+                if kk0 <= kp < kk1:
+                    j = key0 + kp
+                    p = teacher(q, t, r, lse, k, j, scale)
+                    dsv = coef * (math.exp(student(q_idx, t, r, k_idx, j, index_scale) - lse_i) - p)
+                    for d in range(DI):
+                        acc[d] += dsv * to_f32(k_idx[j, d])
+                if write:
+                    ds[t - t0, r, s, kp - k_begin] = dsv
+        for d in range(DI):
+            dq[t, r, d] = acc[d] * index_scale
+
+    return _kl_kernel_thread_rows_grad_v1
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_thread_keys(kind: str, group: int, head_dim: int, index_dim: int, warmup: bool):
+    """v1 backward pass 2: ``dk_idx[j] += index_scale sum_{r, t} dS q_idx``, one thread per key.
+
+    Selected: the queries of the key's CSR row (per group, in CSR order), ``dS`` from the buffer.
+    Warmup: every query of the sequence that sees the key, ``dS`` recomputed.
+    """
+    DI = index_dim
+    teacher, student = _global_score_fns(kind, group, head_dim, index_dim)
+    to_f32 = _loader(kind)
+
+    @cuda.jit
+    def _kl_kernel_thread_keys_v1(q, k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
+                                  cu_q, cu_k, row_offsets, block_size, scale, index_scale, coef,
+                                  dk):
+        j = cuda.grid(1)
+        if j >= dk.shape[0]:
+            return
+        hkv = q_idx.shape[1]
+        b = _last_le(cu_k, j)
+        key0 = int(cu_k[b])
+        lk = int(cu_k[b + 1]) - key0
+        kp = j - key0
+        blk = kp // block_size
+        jj = kp - blk * block_size
+        row = int(row_offsets[b]) + blk
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        shift = lk - (q_hi - q_lo)  # query t sits at key position shift + t - q_lo
+        acc = cuda.local.array(DI, float32)
+        for d in range(DI):
+            acc[d] = float32(0.0)
+        for r in range(hkv):
+            if warmup:
+                for t in range(q_lo + max(0, kp - shift), q_hi):
+                    p = teacher(q, t, r, lse, k, j, scale)
+                    x = student(q_idx, t, r, k_idx, j, index_scale)
+                    dsv = coef * (math.exp(x - lse_idx[t, r]) - p)
+                    for d in range(DI):
+                        acc[d] += dsv * to_f32(q_idx[t, r, d])
+            else:
+                for e in range(int(row_ptr[r, row]), int(row_ptr[r, row + 1])):
+                    t = int(q_indices[r, e])
+                    s = int(slots[r, e])
+                    if 0 <= t < q_idx.shape[0] and 0 <= s < ds.shape[2]:
+                        dsv = ds[t, r, s, jj]
+                        for d in range(DI):
+                            acc[d] += dsv * to_f32(q_idx[t, r, d])
+        for d in range(DI):
+            dk[j, d] += acc[d] * index_scale
+
+    return _kl_kernel_thread_keys_v1
+
+
+# =============================================================================================
+# v2: one CTA per (query, group) and per key block, queries staged in shared memory
+# =============================================================================================
+
+@functools.lru_cache(maxsize=None)
+def _shared_score_fns(kind: str, group: int, head_dim: int, index_dim: int):
+    """``teacher(sq, q_off, slse, l_off, k, j, r, scale)`` = ``P_j`` with the ``G`` query heads at
+    ``sq[q_off + h*D + d]`` and their (finite) LSEs at ``slse[l_off + h]`` (float32, shared),
+    and ``student(sqi, qi_off, k_idx, j, index_scale)`` = ``S^idx_j``."""
+    G, D, DI = group, head_dim, index_dim
+    to_f32 = _loader(kind)
+    inv_g = float32(1.0 / G)
+
+    @cuda.jit(device=True)
+    def teacher(sq, q_off, slse, l_off, k, j, r, scale):
+        s = cuda.local.array(G, float32)
+        for h in range(G):
+            s[h] = float32(0.0)
+        for d in range(D):
+            kd = to_f32(k[j, r, d])  # one load of K for the G heads
+            for h in range(G):
+                s[h] += sq[q_off + h * D + d] * kd
+        p = float32(0.0)
+        for h in range(G):
+            p += math.exp(s[h] * scale - slse[l_off + h])
+        return p * inv_g
+
+    @cuda.jit(device=True)
+    def student(sqi, qi_off, k_idx, j, index_scale):
+        s = float32(0.0)
+        for d in range(DI):
+            s += sqi[qi_off + d] * to_f32(k_idx[j, d])
+        return s * index_scale
+
+    return teacher, student
+
+
+@functools.lru_cache(maxsize=None)
+def _row_loads(kind: str, group: int, head_dim: int, index_dim: int, threads: int):
+    """Device function staging a (query, group)'s float32 heads, index query and finite LSEs."""
+    G, D, DI, NT = group, head_dim, index_dim, threads
+    to_f32 = _loader(kind)
+
+    @cuda.jit(device=True)
+    def load(q, q_idx, lse, t, r, tid, sq, sqi, slse):
+        for i in range(tid, G * D, NT):
+            sq[i] = to_f32(q[t, r * G + i // D, i % D])
+        for d in range(tid, DI, NT):
+            sqi[d] = to_f32(q_idx[t, r, d])
+        for h in range(tid, G, NT):
+            slse[h] = _finite_or_zero(lse[t, r * G + h])
+
+    return load
+
+
+@cuda.jit(device=True)
+def _tree_merge(red, tid, nt, m, l, a, b, c):
+    """Merge the CTA's per-thread states in a fixed tree (``nt`` a power of two); every thread
+    gets the total. ``red``: shared float32 [5, nt]."""
+    red[0, tid] = m
+    red[1, tid] = l
+    red[2, tid] = a
+    red[3, tid] = b
+    red[4, tid] = c
+    cuda.syncthreads()
+    stride = nt // 2
+    while stride > 0:
+        if tid < stride:
+            m, l, a, b, c = _merge(red[0, tid], red[1, tid], red[2, tid], red[3, tid],
+                                   red[4, tid], red[0, tid + stride], red[1, tid + stride],
+                                   red[2, tid + stride], red[3, tid + stride],
+                                   red[4, tid + stride])
+            red[0, tid] = m
+            red[1, tid] = l
+            red[2, tid] = a
+            red[3, tid] = b
+            red[4, tid] = c
+        cuda.syncthreads()
+        stride //= 2
+    m = red[0, 0]
+    l = red[1, 0]
+    a = red[2, 0]
+    b = red[3, 0]
+    c = red[4, 0]
+    cuda.syncthreads()  # red may be reused
+    return m, l, a, b, c
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_cta_rows(kind: str, group: int, head_dim: int, index_dim: int, threads: int):
+    """v2 forward: ``kl[t, r]``, one CTA of ``threads`` per (query, group), one thread per key."""
+    G, D, DI, NT = group, head_dim, index_dim, threads
+    GD = G * D  # shared array sizes must be compile-time constants
+    teacher, student = _shared_score_fns(kind, G, D, DI)
+    load = _row_loads(kind, G, D, DI, NT)
+
+    @cuda.jit
+    def _kl_kernel_cta_rows_v2(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup, scale,
+                               index_scale, kl):
+        sq = cuda.shared.array(GD, float32)
+        sqi = cuda.shared.array(DI, float32)
+        slse = cuda.shared.array(G, float32)
+        red = cuda.shared.array((5, NT), float32)
+        tid = cuda.threadIdx.x
+        hkv = kl.shape[1]
+        t = cuda.blockIdx.x // hkv
+        r = cuda.blockIdx.x % hkv
+        key0, pos, _ = _query_row(cu_q, cu_k, t)
+        load(q, q_idx, lse, t, r, tid, sq, sqi, slse)
+        cuda.syncthreads()
+        m = _NEG_INF
+        l = float32(0.0)
+        a = float32(0.0)
+        b = float32(0.0)
+        c = float32(0.0)
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0 + tid, kk1, NT):
+                j = key0 + kp
+                m, l, a, b, c = _accumulate(m, l, a, b, c, teacher(sq, 0, slse, 0, k, j, r, scale),
+                                            student(sqi, 0, k_idx, j, index_scale))
+        m, l, a, b, c = _tree_merge(red, tid, NT, m, l, a, b, c)
+        if tid == 0:
+            kl[t, r] = _kl_value(l, a, b, c)
+
+    return _kl_kernel_cta_rows_v2
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: int,
+                             threads: int):
+    """v2 backward pass 1: ``lse_idx``, ``dq_idx`` and the dS buffer, one CTA per (query, group)
+    of queries ``[t0, t0 + count)``."""
+    G, D, DI, NT = group, head_dim, index_dim, threads
+    GD = G * D
+    PER = -(-DI // NT)  # dq_idx dims per thread
+    teacher, student = _shared_score_fns(kind, G, D, DI)
+    load = _row_loads(kind, G, D, DI, NT)
+    to_f32 = _loader(kind)
+
+    @cuda.jit
+    def _kl_kernel_cta_rows_grad_v2(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup,
+                                    scale, index_scale, coef, t0, count, store_ds, lse_idx, dq,
+                                    ds):
+        sq = cuda.shared.array(GD, float32)
+        sqi = cuda.shared.array(DI, float32)
+        slse = cuda.shared.array(G, float32)
+        red = cuda.shared.array((5, NT), float32)
+        sds = cuda.shared.array(NT, float32)
+        tid = cuda.threadIdx.x
+        hkv = dq.shape[1]
+        t = t0 + cuda.blockIdx.x // hkv
+        r = cuda.blockIdx.x % hkv
+        key0, pos, lk = _query_row(cu_q, cu_k, t)
+        load(q, q_idx, lse, t, r, tid, sq, sqi, slse)
+        cuda.syncthreads()
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        zero = float32(0.0)
+
+        # LSE^idx over the support (index scores only)
+        m = _NEG_INF
+        l = zero
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0 + tid, kk1, NT):
+                x = student(sqi, 0, k_idx, key0 + kp, index_scale)
+                if x > m:
+                    if m > _NEG_INF:
+                        l *= math.exp(m - x)
+                    m = x
+                l += math.exp(x - m)
+        m, l, _, _, _ = _tree_merge(red, tid, NT, m, l, zero, zero, zero)
+        lse_i = _student_lse(m, l)
+        if tid == 0:
+            lse_idx[t, r] = lse_i
+
+        # dS_j = coef (P_idx_j - P_j), NT keys at a time through shared memory;
+        # dq_idx += dS_j k_idx_j in key order, threads over Didx.
+        acc = cuda.local.array(PER, float32)
+        for i in range(PER):
+            acc[i] = zero
+        nblocks = (lk + block_size - 1) // block_size
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            k_begin = kk0
+            k_end = kk1
+            write = False
+            if store_ds:
+                blk = int(I[t, r, s])
+                # every valid block of the sequence is in the CSR: write all its Bk entries
+                write = 0 <= blk < nblocks
+                if write:
+                    k_begin = blk * block_size
+                    k_end = k_begin + block_size
+            for c0 in range(k_begin, k_end, NT):
+                kp = c0 + tid
+                dsv = zero
+                if kk0 <= kp < kk1:
+                    j = key0 + kp
+                    p = teacher(sq, 0, slse, 0, k, j, r, scale)
+                    dsv = coef * (math.exp(student(sqi, 0, k_idx, j, index_scale) - lse_i) - p)
+                if write and kp < k_end:
+                    ds[t - t0, r, s, kp - k_begin] = dsv
+                sds[tid] = dsv
+                cuda.syncthreads()
+                lo = max(kk0, c0)  # the chunk's visible keys: [lo, hi)
+                hi = min(kk1, c0 + NT)
+                for i in range(PER):
+                    d = tid + i * NT
+                    if d < DI:
+                        x = acc[i]
+                        for kp2 in range(lo, hi):
+                            x += sds[kp2 - c0] * to_f32(k_idx[key0 + kp2, d])
+                        acc[i] = x
+                cuda.syncthreads()
+        for i in range(PER):
+            d = tid + i * NT
+            if d < DI:
+                dq[t, r, d] = acc[i] * index_scale
+
+    return _kl_kernel_cta_rows_grad_v2
+
+
+def _key_tiles(block_size: int, index_dim: int):
+    """``(TJ, TD, threads)`` of the v2 dk kernel: each thread owns a register tile of ``TJ``
+    keys x ``TD`` dims of the block's ``Bk x Didx`` outputs (8 x 8 on a GPU, 4 x 4 in the
+    simulator; larger for huge blocks so that a CTA has at most 1024 threads)."""
+    tile = _KEY_TILE
+    while True:
+        threads = -(-block_size // tile) * -(-index_dim // tile)
+        if threads <= 1024:
+            return tile, tile, threads
+        tile *= 2
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, block_size: int,
+                        entries: int, warmup: bool):
+    """v2 backward pass 2: ``dk_idx`` of one key block per CTA, a register tile of (keys, dims)
+    per thread (``_key_tiles``).
+
+    Selected: the row's CSR entries ``(t, slot)`` of every group, ``dS`` read from the buffer.
+    Warmup: every query of the sequence at or after the block's first key, ``dS`` recomputed.
+    ``entries`` queries are staged in shared memory per step.
+    """
+    G, D, DI, Bk, EB = group, head_dim, index_dim, block_size, entries
+    TJ, TD, NT = _key_tiles(Bk, DI)
+    NJ = -(-Bk // TJ)  # thread (a, c) owns keys a + NJ*u and dims c + ND*v
+    ND = -(-DI // TD)
+    TT = TJ * TD
+    teacher, student = _shared_score_fns(kind, G, D, DI)
+    to_f32 = _loader(kind)
+    QW = G * D if warmup else 1  # staged query heads per entry (warmup only)
+    GW = G if warmup else 1
+    # shared array sizes must be compile-time constants
+    E_DI, E_BK, E_QW, E_GW = EB * DI, EB * Bk, EB * QW, EB * GW
+
+    @cuda.jit
+    def _kl_kernel_cta_keys_v2(q, k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
+                               cu_q, cu_k, row_offsets, block_size, scale, index_scale, coef, dk):
+        sqi = cuda.shared.array(E_DI, float32)
+        sds = cuda.shared.array(E_BK, float32)
+        sq = cuda.shared.array(E_QW, float32)
+        slse = cuda.shared.array(E_GW, float32)
+        slse_i = cuda.shared.array(EB, float32)
+        stok = cuda.shared.array(EB, int32)  # the entry's query (-1: none)
+        saux = cuda.shared.array(EB, int32)  # its slot (selected) or key position (warmup)
+        tid = cuda.threadIdx.x
+        hkv = q_idx.shape[1]
+        tq = q_idx.shape[0]
+        topk = ds.shape[2]
+        row = cuda.blockIdx.x
+        b = _last_le(row_offsets, row)
+        kk0 = (row - int(row_offsets[b])) * Bk
+        key0 = int(cu_k[b])
+        lk = int(cu_k[b + 1]) - key0
+        nk = min(Bk, lk - kk0)
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        shift = lk - (q_hi - q_lo)  # query t sits at key position shift + t - q_lo
+        zero = float32(0.0)
+        ta = tid // ND
+        tc = tid % ND
+        acc = cuda.local.array(TT, float32)
+        for i in range(TT):
+            acc[i] = zero
+        sj = cuda.local.array(TJ, float32)
+        sd = cuda.local.array(TD, float32)
+        for r in range(hkv):
+            if warmup:
+                first = q_lo + max(0, kk0 - shift)
+                count = q_hi - first
+            else:
+                first = int(row_ptr[r, row])
+                count = int(row_ptr[r, row + 1]) - first
+            for e0 in range(0, count, EB):
+                ne = min(EB, count - e0)
+                # stage the entries' queries (and, selected, their dS rows)
+                for e in range(tid, EB, NT):
+                    t = -1
+                    aux = 0
+                    if e < ne:
+                        if warmup:
+                            t = first + e0 + e
+                            aux = shift + t - q_lo
+                            slse_i[e] = lse_idx[t, r]
+                        else:
+                            t = int(q_indices[r, first + e0 + e])
+                            aux = int(slots[r, first + e0 + e])
+                            if t < 0 or t >= tq or aux < 0 or aux >= topk:
+                                t = -1  # never out of bounds, even for a foreign CSR
+                    stok[e] = t
+                    saux[e] = aux
+                cuda.syncthreads()
+                for i in range(tid, EB * DI, NT):
+                    t = stok[i // DI]
+                    sqi[i] = to_f32(q_idx[t, r, i % DI]) if t >= 0 else zero
+                if warmup:
+                    for i in range(tid, EB * QW, NT):
+                        t = stok[i // QW]
+                        x = zero
+                        if t >= 0:
+                            x = to_f32(q[t, r * G + (i % QW) // D, i % D])
+                        sq[i] = x
+                    for i in range(tid, EB * GW, NT):
+                        t = stok[i // GW]
+                        x = zero
+                        if t >= 0:
+                            x = _finite_or_zero(lse[t, r * G + i % GW])
+                        slse[i] = x
+                else:
+                    for i in range(tid, EB * Bk, NT):
+                        e = i // Bk
+                        t = stok[e]
+                        x = zero
+                        if t >= 0 and i % Bk < nk:
+                            x = ds[t, r, saux[e], i % Bk]
+                        sds[i] = x
+                cuda.syncthreads()
+                if warmup:
+                    # dS of (entry, key), recomputed as in pass 1
+                    for i in range(tid, EB * Bk, NT):
+                        e = i // Bk
+                        jj = i % Bk
+                        t = stok[e]
+                        x = zero
+                        if t >= 0 and jj < nk and kk0 + jj <= saux[e]:
+                            j = key0 + kk0 + jj
+                            p = teacher(sq, e * QW, slse, e * GW, k, j, r, scale)
+                            s_idx = student(sqi, e * DI, k_idx, j, index_scale)
+                            x = coef * (math.exp(s_idx - slse_i[e]) - p)
+                        sds[i] = x
+                    cuda.syncthreads()
+                # dk_idx[key, d] += dS[e, key] q_idx[e, d], entries in CSR order
+                for e in range(ne):
+                    for u in range(TJ):
+                        sj[u] = sds[e * Bk + min(ta + NJ * u, Bk - 1)]
+                    for v in range(TD):
+                        sd[v] = sqi[e * DI + min(tc + ND * v, DI - 1)]
+                    for u in range(TJ):
+                        for v in range(TD):
+                            acc[u * TD + v] += sj[u] * sd[v]
+                cuda.syncthreads()
+        for u in range(TJ):
+            jj = ta + NJ * u
+            for v in range(TD):
+                d = tc + ND * v
+                if jj < nk and d < DI:
+                    dk[key0 + kk0 + jj, d] += acc[u * TD + v] * index_scale
+
+    return _kl_kernel_cta_keys_v2
+
+
+# =============================================================================================
+# v3: KV-outer on tensor cores (the paper's K1 order), per-slot partials combined in slot order
+# =============================================================================================
+
+def _v3_layout(block_size, head_dim, index_dim, rows, pad_positions, teacher):
+    """Word offsets and strides of sK, sKi, sQ, sQi (16-bit pairs), sP, sSi (float32); bytes.
+
+    sK [Bk rows of D/2 words] (K row-major, the B operand of S = Q Kᵀ stored as Bᵀ), sKi [Bk of
+    Didx/2] (likewise for S_idx = Q_idx K_idxᵀ), sQ [R rows] the tile's queries, sQi [PP rows]
+    its index queries (PP = positions rounded up to 16), sP [R x Bk] each head's teacher
+    probabilities, sSi [PP x Bk] the student logits (then dS). Strides of ``n/2 + 4`` words make
+    a fragment load's 8 rows x 4 words hit 32 banks. Without the teacher (the student-only pass)
+    sK, sQ and sP are empty.
+    """
+    tw = 1 if teacher else 0
+    ld_k = head_dim // 2 + 4
+    ld_ki = index_dim // 2 + 4
+    ld_p = block_size + 4
+    off_ki = tw * block_size * ld_k
+    off_q = off_ki + block_size * ld_ki
+    off_qi = off_q + tw * rows * ld_k
+    off_p = off_qi + pad_positions * ld_ki
+    off_si = off_p + tw * rows * ld_p
+    total = off_si + pad_positions * ld_p
+    return (ld_k, ld_ki, ld_p), (off_ki, off_q, off_qi, off_p, off_si), 4 * total
+
+
+@cuda.jit(device=True)
+def _kv_item(work, item, q_indices, cu_k, num_kv_heads, block_size):
+    """Work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``, range-checked:
+    ``(h, q_begin, q_count, b, key0, key_pos0, nk)``; ``q_count = 0`` for padding or a bad item."""
+    h = int(work[item, 0])
+    q_begin = int(work[item, 2])
+    q_count = int(work[item, 3])
+    b = int(work[item, 4])
+    j = int(work[item, 5])
+    key0 = 0
+    nk = 0
+    ok = q_count > 0 and 0 <= h < num_kv_heads and 0 <= b < cu_k.shape[0] - 1 and j >= 0
+    ok = ok and q_begin >= 0 and q_begin + q_count <= q_indices.shape[1]
+    if ok:
+        lk = int(cu_k[b + 1]) - int(cu_k[b])
+        key0 = int(cu_k[b]) + j * block_size
+        nk = min(block_size, lk - j * block_size)
+        ok = nk > 0
+    if not ok:
+        q_count = 0
+    return h, q_begin, q_count, b, key0, j * block_size, nk
+
+
+@cuda.jit(device=True)
+def _csr_entry(q_indices, slots, cu_q, cu_k, h, b, e, topk):
+    """``(t, slot, pos)`` of CSR entry ``e``; ``t = -1`` unless it is a query of sequence ``b``
+    with a slot in ``[0, topk)`` (anything else is skipped)."""
+    t = int(q_indices[h, e])
+    s = int(slots[h, e])
+    q_lo = int(cu_q[b])
+    q_hi = int(cu_q[b + 1])
+    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+        return -1, 0, -1
+    return t, s, (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
+                   group: int, positions: int):
+    """v3, one CTA per work item (a key block and up to ``chunk`` of the queries that chose it).
+
+    Modes: ``"stats"`` writes each (query, slot)'s state ``(m, l, A, B, C)`` over the block's
+    keys (forward); ``"student"`` only ``(m, l)`` (no teacher: the backward's ``LSE^idx``);
+    ``"grad"`` writes ``dS`` of the block into the buffer and the slot's ``dq_idx`` partial
+    ``sum_j dS_j k_idx_j``.
+    """
+    Bk, D, DI, G, P = block_size, head_dim, index_dim, group, positions
+    R = P * G
+    PP = -(-P // 16) * 16
+    NW = R // 16
+    NT = 32 * NW
+    TP = NT // P  # threads per position in the per-position phases (2G, within one warp)
+    teacher = mode != "student"
+    assert R % 16 == 0 and NW <= _mma.MAX_WARPS and D % 16 == 0 and DI % 16 == 0
+    assert Bk % 16 == 0 and TP <= 32 and PP // 16 <= NW
+    (LDK, LDKI, LDP), (OFF_KI, OFF_Q, OFF_QI, OFF_P, OFF_SI), _ = _v3_layout(
+        Bk, D, DI, R, PP, teacher)
+    DW = D // 2
+    DIW = DI // 2
+    NG = 4 if Bk % 32 == 0 else 2  # n-tiles (8 keys) per A-fragment load of S = Q Kᵀ
+    ACC = 4 * NG
+    N_TILES_I = Bk // 8  # student n-tiles, spread over the warps
+    STUDENT_ITERS = -(-((PP // 16) * N_TILES_I) // NW)
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
+    inv_g = float32(1.0 / G)
+
+    @cuda.jit
+    def _kl_kernel_mma_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q, cu_k,
+                          scale, index_scale, coef, part, ds, dq_part):
+        """q, k, q_idx, k_idx: uint32 views (two 16-bit values per word)."""
+        smem = cuda.shared.array(0, uint32)
+        sf = cuda.shared.array(0, float32)  # the same bytes as float32
+        row_t = cuda.shared.array(R, int32)
+        row_slot = cuda.shared.array(R, int32)
+        row_pos = cuda.shared.array(R, int32)
+        row_lse = cuda.shared.array(R, float32)
+        pos_lse_i = cuda.shared.array(P, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = ds.shape[2] if mode == "grad" else part.shape[1]
+        h, q_begin, q_count, b, key0, key_pos0, nk = _kv_item(
+            work, cuda.blockIdx.x, q_indices, cu_k, q_idx.shape[1], Bk)
+        if q_count <= 0:
+            return  # the whole CTA: a padding item
+
+        # The key block, once: K (teacher) and K_idx row-major; keys past the sequence are 0.
+        if teacher:
+            for i in range(tid, Bk * DW, NT):
+                c = i // DW
+                w = uint32(0)
+                if c < nk:
+                    w = uint32(k[key0 + c, h, i % DW])
+                smem[c * LDK + i % DW] = w
+        for i in range(tid, Bk * DIW, NT):
+            c = i // DIW
+            w = uint32(0)
+            if c < nk:
+                w = uint32(k_idx[key0 + c, i % DIW])
+            smem[OFF_KI + c * LDKI + i % DIW] = w
+
+        for tile in range((q_count + P - 1) // P):
+            cuda.syncthreads()  # the previous tile is done with the row table and the tiles
+            # row r = (position r // G, head r % G)
+            for r in range(tid, R, NT):
+                p = r // G
+                t = -1
+                s = 0
+                pos = -1
+                if tile * P + p < q_count:
+                    t, s, pos = _csr_entry(q_indices, slots, cu_q, cu_k, h, b,
+                                           q_begin + tile * P + p, topk)
+                row_t[r] = t
+                row_slot[r] = s
+                row_pos[r] = pos
+                x = float32(0.0)
+                if teacher and t >= 0:
+                    x = _finite_or_zero(lse[t, h * G + r % G])
+                row_lse[r] = x
+            cuda.syncthreads()
+            if mode == "grad":
+                for p in range(tid, P, NT):
+                    t = row_t[p * G]
+                    pos_lse_i[p] = lse_idx[t, h] if t >= 0 else float32(0.0)
+            if teacher:
+                for i in range(tid, R * DW, NT):
+                    r = i // DW
+                    t = row_t[r]
+                    w = uint32(0)
+                    if t >= 0:
+                        w = uint32(q[t, h * G + r % G, i % DW])
+                    smem[OFF_Q + r * LDK + i % DW] = w
+            for i in range(tid, PP * DIW, NT):
+                p = i // DIW
+                w = uint32(0)
+                if p < P:
+                    t = row_t[p * G]
+                    if t >= 0:
+                        w = uint32(q_idx[t, h, i % DIW])
+                smem[OFF_QI + p * LDKI + i % DIW] = w
+            cuda.syncthreads()
+
+            if teacher:
+                # S = Q Kᵀ on tensor cores, warp w owns rows 16w..16w+15;
+                # P_h = exp(S * scale - LSE_h) on visible keys, 0 elsewhere.
+                r_top = 16 * warp + g4
+                r_bot = r_top + 8
+                a_base = OFF_Q + 16 * warp * LDK
+                for n0 in range(0, Bk, 8 * NG):
+                    acc = cuda.local.array(ACC, float32)
+                    for i in range(ACC):
+                        acc[i] = float32(0.0)
+                    for kk in range(0, DW, 8):
+                        a0, a1, a2, a3 = load_a_frag(smem, a_base + kk, LDK)
+                        for i in range(NG):
+                            b0, b1 = load_b_frag(smem, (n0 + 8 * i) * LDK + kk, LDK)
+                            d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * i],
+                                                 acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3])
+                            acc[4 * i] = d0
+                            acc[4 * i + 1] = d1
+                            acc[4 * i + 2] = d2
+                            acc[4 * i + 3] = d3
+                    for i in range(NG):
+                        for e in range(2):
+                            cc = n0 + 8 * i + 2 * t4 + e
+                            p_top = float32(0.0)
+                            p_bot = float32(0.0)
+                            if cc < nk and key_pos0 + cc <= row_pos[r_top]:
+                                p_top = math.exp(acc[4 * i + e] * scale - row_lse[r_top])
+                            if cc < nk and key_pos0 + cc <= row_pos[r_bot]:
+                                p_bot = math.exp(acc[4 * i + 2 + e] * scale - row_lse[r_bot])
+                            sf[OFF_P + r_top * LDP + cc] = p_top
+                            sf[OFF_P + r_bot * LDP + cc] = p_bot
+
+            # S_idx = Q_idx K_idxᵀ: PP/16 x Bk/8 output tiles dealt to the warps round-robin
+            # (every warp runs the same number of mma, as the simulator's twin requires).
+            for it in range(STUDENT_ITERS):
+                tile_id = warp + it * NW
+                real = tile_id < (PP // 16) * N_TILES_I
+                if not real:
+                    tile_id = 0
+                mt = tile_id // N_TILES_I
+                nt = tile_id % N_TILES_I
+                c0 = float32(0.0)
+                c1 = float32(0.0)
+                c2 = float32(0.0)
+                c3 = float32(0.0)
+                for kk in range(0, DIW, 8):
+                    a0, a1, a2, a3 = load_a_frag(smem, OFF_QI + 16 * mt * LDKI + kk, LDKI)
+                    b0, b1 = load_b_frag(smem, OFF_KI + 8 * nt * LDKI + kk, LDKI)
+                    c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                if real:
+                    p_top = 16 * mt + g4
+                    p_bot = p_top + 8
+                    pos_top = row_pos[p_top * G] if p_top < P else -1
+                    pos_bot = row_pos[p_bot * G] if p_bot < P else -1
+                    for e in range(2):
+                        cc = 8 * nt + 2 * t4 + e
+                        x_top = _NEG_INF
+                        x_bot = _NEG_INF
+                        if cc < nk and 0 <= key_pos0 + cc <= pos_top:
+                            x_top = (c0 if e == 0 else c1) * index_scale
+                        if cc < nk and 0 <= key_pos0 + cc <= pos_bot:
+                            x_bot = (c2 if e == 0 else c3) * index_scale
+                        sf[OFF_SI + p_top * LDP + cc] = x_top
+                        sf[OFF_SI + p_bot * LDP + cc] = x_bot
+            cuda.syncthreads()
+
+            # Per position p: TP threads (one aligned lane group of a warp) share its Bk keys.
+            p = tid // TP
+            li = tid % TP
+            t = row_t[p * G]
+            slot = row_slot[p * G]
+            if mode == "grad":
+                lse_i = pos_lse_i[p]
+                for cc in range(li, Bk, TP):
+                    x = sf[OFF_SI + p * LDP + cc]
+                    dsv = float32(0.0)
+                    if x > _NEG_INF:
+                        pj = float32(0.0)
+                        for gg in range(G):
+                            pj += sf[OFF_P + (p * G + gg) * LDP + cc]
+                        dsv = coef * (math.exp(x - lse_i) - pj * inv_g)
+                    sf[OFF_SI + p * LDP + cc] = dsv
+                    if t >= 0:
+                        ds[t, h, slot, cc] = dsv
+                cuda.syncthreads()
+                # dq_idx partial of the slot: sum_j dS_j k_idx_j, keys in order; a thread owns
+                # the two dims of a word of K_idx
+                for w in range(li, DIW, TP):
+                    acc_lo = float32(0.0)
+                    acc_hi = float32(0.0)
+                    for cc in range(Bk):
+                        word = smem[OFF_KI + cc * LDKI + w]
+                        dsv = sf[OFF_SI + p * LDP + cc]
+                        acc_lo += dsv * half_to_f32(word & uint32(0xFFFF))
+                        acc_hi += dsv * half_to_f32(word >> uint32(16))
+                    if t >= 0:
+                        dq_part[slot, t, h, 2 * w] = acc_lo * index_scale
+                        dq_part[slot, t, h, 2 * w + 1] = acc_hi * index_scale
+            else:
+                m = _NEG_INF
+                l = float32(0.0)
+                a = float32(0.0)
+                bb = float32(0.0)
+                c = float32(0.0)
+                for cc in range(li, Bk, TP):
+                    x = sf[OFF_SI + p * LDP + cc]
+                    if x > _NEG_INF:
+                        pj = float32(0.0)
+                        if teacher:
+                            for gg in range(G):
+                                pj += sf[OFF_P + (p * G + gg) * LDP + cc]
+                        m, l, a, bb, c = _accumulate(m, l, a, bb, c, pj * inv_g, x)
+                off = TP // 2
+                while off > 0:
+                    m2 = cuda.shfl_xor_sync(_FULL_MASK, m, off)
+                    l2 = cuda.shfl_xor_sync(_FULL_MASK, l, off)
+                    a2 = cuda.shfl_xor_sync(_FULL_MASK, a, off)
+                    b2 = cuda.shfl_xor_sync(_FULL_MASK, bb, off)
+                    c2 = cuda.shfl_xor_sync(_FULL_MASK, c, off)
+                    # the lower lane's state first, so both partners hold the same bits
+                    if li & off:
+                        m, l, a, bb, c = _merge(m2, l2, a2, b2, c2, m, l, a, bb, c)
+                    else:
+                        m, l, a, bb, c = _merge(m, l, a, bb, c, m2, l2, a2, b2, c2)
+                    off //= 2
+                if li == 0 and t >= 0:
+                    part[0, slot, t, h] = m
+                    part[1, slot, t, h] = l
+                    part[2, slot, t, h] = a
+                    part[3, slot, t, h] = bb
+                    part[4, slot, t, h] = c
+
+    return _kl_kernel_mma_v3
+
+
+@cuda.jit(device=True)
+def _slot_valid(I, t, r, s, nblocks):
+    """Slot ``s`` of (t, r) holds a block of the query's sequence (so the CSR has its entry and
+    v3 wrote its partial)."""
+    blk = int(I[t, r, s])
+    return 0 <= blk < nblocks
+
+
+@cuda.jit
+def _kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
+    """v3: merge the per-slot states of (query t0 + i, group r) in slot order; ``out[t, r]`` =
+    KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk."""
+    hkv = out.shape[1]
+    i = cuda.grid(1)
+    if i >= part.shape[2] * hkv:
+        return
+    tl = i // hkv
+    r = i % hkv
+    t = t0 + tl
+    _, _, lk = _query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    m = _NEG_INF
+    l = float32(0.0)
+    a = float32(0.0)
+    b = float32(0.0)
+    c = float32(0.0)
+    for s in range(I.shape[2]):
+        if _slot_valid(I, t, r, s, nblocks):
+            m, l, a, b, c = _merge(m, l, a, b, c, part[0, s, tl, r], part[1, s, tl, r],
+                                   part[2, s, tl, r], part[3, s, tl, r], part[4, s, tl, r])
+    if want_kl:
+        out[t, r] = _kl_value(l, a, b, c)
+    else:
+        out[t, r] = _student_lse(m, l)
+
+
+@cuda.jit
+def _kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
+    """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per element."""
+    hkv = dq.shape[1]
+    di = dq.shape[2]
+    i = cuda.grid(1)
+    if i >= dq_part.shape[1] * hkv * di:
+        return
+    tl = i // (hkv * di)
+    r = (i // di) % hkv
+    d = i % di
+    t = t0 + tl
+    _, _, lk = _query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    acc = float32(0.0)
+    for s in range(I.shape[2]):
+        if _slot_valid(I, t, r, s, nblocks):
+            acc += dq_part[s, tl, r, d]
+    dq[t, r, d] = acc
+
+
+# =============================================================================================
+# Shared by the versions: the teacher's own LSE (lse=None) and the mean of eq 10
+# =============================================================================================
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_teacher_lse(kind: str, group: int, head_dim: int):
+    """``lse[t, h]`` over the support, one thread per (query, head): the ``lse=None`` path."""
+    G, D = group, head_dim
+    to_f32 = _loader(kind)
+
+    @cuda.jit
+    def _kl_kernel_teacher_lse_rows(q, k, I, cu_q, cu_k, block_size, warmup, scale, lse):
+        hq = lse.shape[1]
+        i = cuda.grid(1)
+        if i >= lse.shape[0] * hq:
+            return
+        t = i // hq
+        h = i % hq
+        r = h // G
+        key0, pos, _ = _query_row(cu_q, cu_k, t)
+        m = _NEG_INF
+        l = float32(0.0)
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        for s in range(nslots):
+            kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0, kk1):
+                x = float32(0.0)
+                for d in range(D):
+                    x += to_f32(q[t, h, d]) * to_f32(k[key0 + kp, r, d])
+                x *= scale
+                if x > m:
+                    if m > _NEG_INF:
+                        l *= math.exp(m - x)
+                    m = x
+                l += math.exp(x - m)
+        lse[t, h] = m + math.log(l) if l > float32(0.0) else _NEG_INF
+
+    return _kl_kernel_teacher_lse_rows
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_mean(threads: int):
+    """eq 10: ``out[0] = sum(x) / n`` by one CTA: Kahan-compensated strided sums per thread, then
+    a fixed tree (deterministic, no atomics)."""
+    NT = threads
+
+    @cuda.jit
+    def _kl_kernel_mean_tree(x, out):
+        red = cuda.shared.array(NT, float32)
+        tid = cuda.threadIdx.x
+        n = x.shape[0]
+        total = float32(0.0)
+        comp = float32(0.0)
+        for i in range(tid, n, NT):
+            y = x[i] - comp
+            nxt = total + y
+            comp = (nxt - total) - y
+            total = nxt
+        red[tid] = total
+        cuda.syncthreads()
+        stride = NT // 2
+        while stride > 0:
+            if tid < stride:
+                red[tid] += red[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tid == 0:
+            out[0] = red[0] / float32(n)
+
+    return _kl_kernel_mean_tree
+
+
+# =============================================================================================
+# Launchers
+# =============================================================================================
+
+def _device_copy(host):
+    """A small host array on the device (the simulator indexes NumPy directly)."""
+    host = np.ascontiguousarray(host)
+    return host if SIMULATOR else cuda.to_device(host)
+
+
+def _kernel_array(x):
+    """A kernel argument for an index array made by another msa.cuda launcher."""
+    if SIMULATOR or hasattr(x, "copy_to_host"):
+        return x
+    if isinstance(x, np.ndarray):
+        return cuda.to_device(x)
+    return cuda.as_cuda_array(x)
+
+
+def _kind(name, x, bf16_bits):
+    """``'float32' | 'float16' | 'bfloat16'`` of an input; TypeError for anything else."""
+    if is_bf16(x) or (bf16_bits and dtype_of(x).name in ("uint16", "int16")):
+        return "bfloat16"
+    dt = dtype_of(x)
+    if dt in (np.dtype(np.float32), np.dtype(np.float16)):
+        return dt.name
+    raise TypeError(f"{name} must have dtype in {list(DTYPE_KINDS)} on the GPU, got {dt}")
+
+
+class _Plan:
+    """Validated KL inputs, kernel-ready views and device metadata (no big host copies unless
+    ``validate``)."""
+
+    def __init__(self, q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                 block_size, scale, index_scale, version, validate, bf16_bits):
+        check_array("q", q, ndim=3)
+        self.kind = _kind("q", q, bf16_bits)
+        tq, hq, d = (int(x) for x in q.shape)
+        if hq < 1 or d < 1:
+            raise ValueError(f"q must have shape [Tq, Hq >= 1, D >= 1], got {tuple(q.shape)}")
+        check_array("k", k, ndim=3, shape=(None, None, d))
+        tk, hkv = int(k.shape[0]), int(k.shape[1])
+        if hkv < 1:
+            raise ValueError(f"k must have Hkv >= 1 heads, got shape {tuple(k.shape)}")
+        self.group = check_gqa(hq, hkv)
+        check_array("q_idx", q_idx, ndim=3, shape=(tq, hkv, None))
+        d_idx = int(q_idx.shape[2])
+        if d_idx < 1:
+            raise ValueError(
+                f"q_idx must have shape [Tq, Hkv >= 1, Didx >= 1], got {tuple(q_idx.shape)}")
+        check_array("k_idx", k_idx, ndim=2, shape=(tk, d_idx))
+        for name, x in (("k", k), ("q_idx", q_idx), ("k_idx", k_idx)):
+            kind = _kind(name, x, bf16_bits)
+            if kind != self.kind:
+                raise TypeError(f"{name} must have the dtype of q ({self.kind}), got {kind}")
+        self.block_size = check_positive_int("block_size", block_size)
+        self.cu_q, self.cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
+        self.warmup = block_indices is None
+        self.topk = 1
+        host_I = None
+        if not self.warmup:
+            check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
+            if (int(block_indices.shape[0]) != tq or int(block_indices.shape[1]) != hkv
+                    or int(block_indices.shape[2]) < 1):
+                raise ValueError(
+                    f"block_indices must have shape [Tq, Hkv, K >= 1] = [{tq}, {hkv}, K], "
+                    f"got {tuple(block_indices.shape)}")
+            self.topk = int(block_indices.shape[2])
+            if validate:
+                from ..reference.select import check_block_indices
+
+                host_I = check_block_indices(cu_to_host(block_indices), self.cu_q, self.cu_k,
+                                             self.block_size)
+        self.has_lse = lse is not None
+        if self.has_lse:
+            check_array("lse", lse, ndim=2, shape=(tq, hq))
+            if _kind("lse", lse, False) != "float32":
+                raise TypeError(f"lse must have dtype float32 (the attention's LSE), got "
+                                f"{dtype_of(lse)}")
+            if validate:
+                self._check_lse(np.asarray(cu_to_host(lse)), host_I, tq, hkv)
+        self.scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+        self.index_scale = check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx))
+        self.tq, self.tk, self.hq, self.hkv, self.d, self.d_idx = tq, tk, hq, hkv, d, d_idx
+        why_not_v3 = self._why_not_v3()
+        if version is None:
+            version = 2 if why_not_v3 else DEFAULT_VERSION
+        if version not in VERSIONS:
+            raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+        if version == 3 and why_not_v3:
+            raise ValueError(f"version=3 (tensor cores) does not support {why_not_v3}; use "
+                             f"version=2 or 1")
+        self.version = version
+        if version == 3:
+            self._plan_v3()
+
+        self.ctx = ArrayContext(q, k, q_idx, k_idx, block_indices, lse)
+        views = []
+        for name, x in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx)):
+            arr = self.ctx.input(name, x)
+            if self.kind == "bfloat16" and str(arr.dtype) != "uint16":
+                arr = arr.view(np.uint16)
+            views.append(arr)
+        self.q, self.k, self.q_idx, self.k_idx = views
+        if self.warmup:
+            self.I = _device_copy(np.full((1, 1, 1), -1, dtype=np.int32))  # never read
+        else:
+            self.I = self.ctx.input("block_indices", block_indices)
+        self.lse = self.ctx.input("lse", lse) if self.has_lse else None
+        self.d_cu_q = _device_copy(self.cu_q.astype(np.int32))
+        self.d_cu_k = _device_copy(self.cu_k.astype(np.int32))
+
+    def _why_not_v3(self):
+        """Why v3 (tensor cores, KV-outer) cannot run these inputs, or None."""
+        if self.warmup:
+            return "the warmup (block_indices=None: no selection to build a CSR from)"
+        if self.kind == "float32":
+            return "float32 inputs (tensor cores take float16/bfloat16)"
+        if self.d % 16 or self.d_idx % 16:
+            return f"D={self.d}, Didx={self.d_idx} (both must be multiples of 16)"
+        if self.block_size % 16 or self.block_size > MAX_BLOCK_SIZE_V3:
+            return (f"block_size={self.block_size} (must be a multiple of 16, at most "
+                    f"{MAX_BLOCK_SIZE_V3})")
+        if self.group not in GQA_GROUP_SIZES:
+            return f"G={self.group} (must be one of {GQA_GROUP_SIZES})"
+        return None
+
+    def _plan_v3(self):
+        """Tile rows ``R = P*G`` (``P`` query positions of ``G`` heads) whose shared memory fits."""
+        rows = DEFAULT_TILE_ROWS_V3
+        while True:
+            positions = -(-rows // self.group)
+            r = positions * self.group
+            pp = -(-positions // 16) * 16
+            smem = max(_v3_layout(self.block_size, self.d, self.d_idx, r, pp, t)[2]
+                       for t in (True, False))
+            if smem <= _mma.DEVICE_SMEM_LIMIT or rows <= 16:
+                break
+            rows //= 2
+        if smem > _mma.DEVICE_SMEM_LIMIT:
+            raise ValueError(
+                f"version=3 needs {smem} bytes of shared memory for D={self.d}, "
+                f"Didx={self.d_idx}, block_size={self.block_size}; use version=2")
+        self.positions, self.rows, self.smem = positions, r, smem
+
+    def _check_lse(self, lse, host_I, tq, hkv):
+        """The reference's checks of ``lse`` on a host copy."""
+        from ..reference.blocks import local_blocks
+        from ..reference.kl import _check_lse_finite_on_support
+
+        if np.isnan(lse).any() or np.isposinf(lse).any():
+            raise ValueError("lse must be finite or -inf (empty support), got NaN or +inf")
+        if self.warmup:
+            nonempty = np.ones((tq, hkv), dtype=bool)  # a query always sees itself
+        else:
+            local = local_blocks(self.cu_q, self.cu_k, tq, int(self.cu_k[-1]), self.block_size)
+            nonempty = ((host_I >= 0) & (host_I <= local[:, None, None])).any(axis=-1)
+        _check_lse_finite_on_support(lse, np.repeat(nonempty, lse.shape[1] // hkv, axis=1))
+
+    def teacher_lse(self):
+        """The given ``lse`` (kernel view), or each head's own LSE over the support."""
+        if self.has_lse:
+            return self.lse
+        lse = self.ctx.arg(self.ctx.empty((self.tq, self.hq), np.float32))
+        n = self.tq * self.hq
+        if n:
+            kernel = _kl_kernel_teacher_lse(self.kind, self.group, self.d)
+            kernel[_blocks(n, _THREADS_V1), _THREADS_V1](
+                self.q, self.k, self.I, self.d_cu_q, self.d_cu_k, self.block_size, self.warmup,
+                np.float32(self.scale), lse)
+        return lse
+
+    # -- v1 and v2 behind one interface ------------------------------------------------------
+    def launch_kl(self, lse, kl):
+        """``kl [Tq, Hkv]`` (kernel argument) of every (query, group)."""
+        args = (self.q, self.k, self.q_idx, self.k_idx, self.I, lse, self.d_cu_q, self.d_cu_k,
+                self.block_size, self.warmup, np.float32(self.scale),
+                np.float32(self.index_scale), kl)
+        n = self.tq * self.hkv
+        if self.version == 1:
+            kernel = _kl_kernel_thread_rows(self.kind, self.group, self.d, self.d_idx)
+            kernel[_blocks(n, _THREADS_V1), _THREADS_V1](*args)
+        else:
+            kernel = _kl_kernel_cta_rows(self.kind, self.group, self.d, self.d_idx, _ROW_THREADS)
+            kernel[n, _ROW_THREADS](*args)
+
+    def launch_rows_grad(self, lse, coef, t0, count, store_ds, lse_idx, dq, ds):
+        """Pass 1 of the backward for queries ``[t0, t0 + count)``."""
+        args = (self.q, self.k, self.q_idx, self.k_idx, self.I, lse, self.d_cu_q, self.d_cu_k,
+                self.block_size, self.warmup, np.float32(self.scale),
+                np.float32(self.index_scale), coef, t0, count, store_ds, lse_idx, dq, ds)
+        n = count * self.hkv
+        if self.version == 1:
+            kernel = _kl_kernel_thread_rows_grad(self.kind, self.group, self.d, self.d_idx)
+            kernel[_blocks(n, _THREADS_V1), _THREADS_V1](*args)
+        else:
+            kernel = _kl_kernel_cta_rows_grad(self.kind, self.group, self.d, self.d_idx,
+                                              _ROW_THREADS)
+            kernel[n, _ROW_THREADS](*args)
+
+    def launch_keys(self, lse, lse_idx, row_ptr, q_indices, slots, ds, cu_q, cu_k, row_offsets,
+                    num_rows, coef, q_idx, k_idx, dk):
+        """Pass 2 of the backward: ``dk += ...`` over the keys of ``cu_k`` (``num_rows`` blocks)."""
+        args = (self.q, self.k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
+                cu_q, cu_k, row_offsets, self.block_size, np.float32(self.scale),
+                np.float32(self.index_scale), coef, dk)
+        if self.version == 1:
+            n = int(dk.shape[0])
+            kernel = _kl_kernel_thread_keys(self.kind, self.group, self.d, self.d_idx, self.warmup)
+            kernel[_blocks(n, _THREADS_V1), _THREADS_V1](*args)
+        else:
+            entries = _KEY_ENTRIES
+            if self.warmup:
+                entries = max(1, min(_KEY_ENTRIES, _KEY_STAGE_FLOATS // (self.group * self.d)))
+            kernel = _kl_kernel_cta_keys(self.kind, self.group, self.d, self.d_idx,
+                                         self.block_size, entries, self.warmup)
+            kernel[num_rows, _key_tiles(self.block_size, self.d_idx)[2]](*args)
+
+
+    # -- v3: per query chunk, CSR + schedule, KV-outer tiles, slot combine --------------------
+    def chunks(self, bytes_per_query: int, budget: int):
+        """``query_chunks`` of at most ``budget`` bytes of per-query buffers each."""
+        from .attention import query_chunks
+
+        return query_chunks(self.cu_q, self.cu_k, max(1, min(self.tq, budget // bytes_per_query)))
+
+    def v3_schedule(self, t0, t1, cu_q_c, cu_k_c):
+        """``(work, q_indices, slots)`` of queries ``[t0, t1)``: k2q CSR and work items."""
+        from .csr import build_csr
+        from .schedule import build_schedule
+
+        row_ptr, q_indices, slots = build_csr(self.I[t0:t1], cu_q_c, cu_k_c, self.block_size,
+                                              validate=False)
+        chunk = 2 * self.topk * self.block_size  # the paper's hot-row cut, in whole tiles
+        chunk = -(-chunk // self.positions) * self.positions
+        work = build_schedule(row_ptr, cu_k_c, self.block_size, chunk,
+                              max_edges=max(1, (t1 - t0) * self.topk), validate=False)
+        work = work[0] if isinstance(work, tuple) else work
+        return (_kernel_array(work), _kernel_array(row_ptr), _kernel_array(q_indices),
+                _kernel_array(slots))
+
+    def launch_v3(self, mode, work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                  lse_idx, coef, part, ds, dq_part):
+        """The v3 kernel in ``mode`` over the work items of one query chunk."""
+        num_items = int(work.shape[0])
+        if num_items == 0:
+            return
+        kernel = _kl_kernel_mma(mode, self.kind == "bfloat16", self.block_size, self.d,
+                                self.d_idx, self.group, self.positions)
+        words = [x.view(np.uint32) for x in (self.q[t0:t1], self.k[k_lo:k_hi],
+                                             self.q_idx[t0:t1], self.k_idx[k_lo:k_hi])]
+        _mma.launch(kernel, num_items, 2 * self.rows, self.smem, *words, lse[t0:t1],
+                    lse_idx[t0:t1], work, q_indices, slots, _device_copy(cu_q_c),
+                    _device_copy(cu_k_c), np.float32(self.scale), np.float32(self.index_scale),
+                    coef, part, ds, dq_part)
+
+    def combine_states(self, part, t0, want_kl, out):
+        n = int(part.shape[2]) * self.hkv
+        _kl_kernel_combine_states[_blocks(n, _THREADS_V1), _THREADS_V1](
+            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, want_kl, out)
+
+    def combine_dq(self, dq_part, t0, dq):
+        n = int(dq_part.shape[1]) * self.hkv * self.d_idx
+        _kl_kernel_combine_dq[_blocks(n, _THREADS_V1), _THREADS_V1](
+            dq_part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, dq)
+
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+def _kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+             scale=None, index_scale=None, *, version=None, validate=True, bf16_bits=False):
+    """``kl_loss`` with ``bf16_bits``: integer (uint16/int16) inputs hold bf16 bit patterns (the
+    simulator has no bf16 arrays; torch bf16 tensors are recognised by their dtype)."""
+    p = _Plan(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+              scale, index_scale, version, validate, bf16_bits)
+    ctx = p.ctx
+    kl = ctx.empty((p.tq, p.hkv), np.float32)
+    loss = ctx.empty((1,), np.float32, fill=0.0 if p.tq == 0 else None)
+    if p.tq:
+        kl_arg = ctx.arg(kl)
+        if p.version == 3:
+            _kl_v3(p, p.teacher_lse(), kl_arg)
+        else:
+            p.launch_kl(p.teacher_lse(), kl_arg)
+        _kl_kernel_mean(_MEAN_THREADS)[1, _MEAN_THREADS](kl_arg.reshape(p.tq * p.hkv),
+                                                         ctx.arg(loss))
+    kl = ctx.output(kl)
+    loss = ctx.output(loss)
+    if isinstance(loss, np.ndarray):
+        return kl, np.float32(loss[0])
+    try:
+        return kl, loss.reshape(())
+    except Exception:  # a Numba device array may refuse 0-d shapes: keep [1]
+        return kl, loss
+
+
+def _kl_v3(p, lse, kl):
+    """v3 forward: per query chunk, each (query, slot)'s state over its block, then the slots
+    merged in order into ``kl``."""
+    ctx = p.ctx
+    per_query = 5 * p.hkv * p.topk * 4
+    part_buf = None
+    dummy4 = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
+    for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, MAX_DS_BYTES):
+        tc = t1 - t0
+        if part_buf is None:
+            part_buf = ctx.arg(ctx.empty((5 * p.topk * tc * p.hkv,), np.float32))
+        part = part_buf[:5 * p.topk * tc * p.hkv].reshape(5, p.topk, tc, p.hkv)
+        work, _, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        p.launch_v3("stats", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                    kl, np.float32(0.0), part, dummy4, dummy4)
+        p.combine_states(part, t0, True, kl)
+
+
+def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+            scale=None, index_scale=None, *, version=None, validate=True):
+    """Paper eq 9-10 on the GPU: ``KL(sg(P) || P_idx)`` per query and group, and its mean.
+
+    .. math:: L_{KL} = \\frac{1}{T_q H_{kv}} \\sum_{t, r} D_{KL}(P_{t,r} \\| P^{idx}_{t,r})
+
+    One pass over each (query, group)'s support computes the student's LSE online next to the
+    sums ``A, B, C`` of the module docstring (v3: one state per selected block, merged over the
+    slots); the teacher is normalised by the given main-branch ``lse`` (no second softmax
+    pass). Equal to ``msa.reference.kl.kl_loss`` up to float32 rounding.
+
+    Args:
+        q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); main-branch queries.
+        k: [Tk, Hkv, D], same dtype: main-branch keys. ``G = Hq / Hkv``.
+        q_idx: [Tq, Hkv, Didx], same dtype; k_idx: [Tk, Didx], same dtype.
+        block_indices: int [Tq, Hkv, K] batch-local block ids (unique per row, ``-1`` only at
+            the tail; a block after the query's own adds nothing), or ``None`` for the warmup
+            (every causally visible key).
+        lse: float32 [Tq, Hq], the main branch's natural-log LSE on the same support
+            (``sparse_attention``'s, or ``dense_attention``'s in the warmup); ``-inf`` where the
+            support is empty. ``None`` computes it here (one more pass).
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` (read on the host).
+        block_size: Bk >= 1.
+        scale: main-branch scale (default ``1/sqrt(D)``); index_scale: index scale (default
+            ``1/sqrt(Didx)``).
+        version: kernel version (module table); ``None`` picks the fastest that supports the
+            inputs (3 for fp16/bf16 with ``D, Didx, Bk`` multiples of 16 and a selection, else
+            2).
+        validate: check ``block_indices`` and ``lse`` on host copies (module docstring).
+
+    Returns:
+        ``(kl, loss)``: ``kl`` float32 [Tq, Hkv] in the caller's library and ``loss`` =
+        ``kl.sum() / (Tq Hkv)``: a float32 NumPy scalar for NumPy inputs, a 0-d float32 array of
+        the caller's library otherwise (no host synchronisation). An empty support gives
+        ``kl = 0``; ``Tq = 0`` gives ``loss = 0``. Bitwise identical on reruns.
+
+    Raises:
+        TypeError: dtypes (not float32/float16/bfloat16, differing, non-integer indices, lse
+        not float32), mixed array libraries. ValueError: shapes (``lse``, ``q_idx``, ``k_idx``,
+        ``block_indices`` disagreeing with q/k), G not an integer, bad ``cu_seqlens``,
+        ``block_size``, scales, a ``version`` the inputs do not support, and with ``validate``
+        bad indices or ``lse`` values.
+    """
+    return _kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                    block_size, scale, index_scale, version=version, validate=validate)
+
+
+def _check_grad_loss(grad_loss) -> float:
+    if isinstance(grad_loss, bool) or not isinstance(grad_loss, numbers.Real):
+        raise TypeError(f"grad_loss must be a real number, got {type(grad_loss).__name__}")
+    if not math.isfinite(float(grad_loss)):
+        raise ValueError(f"grad_loss must be finite, got {grad_loss!r}")
+    return float(grad_loss)
+
+
+def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+                 scale=None, index_scale=None, grad_loss=1.0, *, version=None, validate=True,
+                 max_ds_bytes=None, bf16_bits=False):
+    """``kl_backward`` with ``bf16_bits`` (see ``_kl_loss``)."""
+    from .attention import query_chunks
+    from .csr import build_csr
+    from ..reference.blocks import block_row_offsets
+
+    p = _Plan(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+              scale, index_scale, version, validate, bf16_bits)
+    grad_loss = _check_grad_loss(grad_loss)
+    if max_ds_bytes is None:
+        max_ds_bytes = MAX_DS_BYTES
+    max_ds_bytes = check_positive_int("max_ds_bytes", max_ds_bytes)
+    ctx = p.ctx
+    dq = ctx.empty((p.tq, p.hkv, p.d_idx), np.float32)
+    dk = ctx.empty((p.tk, p.d_idx), np.float32, fill=0.0 if p.tk * p.d_idx else None)
+    if p.tq == 0:
+        return ctx.output(dq), ctx.output(dk)
+    lse_arg = p.teacher_lse()
+    dq_arg, dk_arg = ctx.arg(dq), ctx.arg(dk)
+    lse_idx = ctx.arg(ctx.empty((p.tq, p.hkv), np.float32))
+    coef = np.float32(grad_loss / (p.tq * p.hkv))
+
+    if p.warmup:
+        dummy_ds = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
+        p.launch_rows_grad(lse_arg, coef, 0, p.tq, False, lse_idx, dq_arg, dummy_ds)
+        row_offsets = block_row_offsets(p.cu_k, p.block_size)
+        if p.tk:
+            dummy_csr = _device_copy(np.zeros((1, 1), np.int32))
+            p.launch_keys(lse_arg, lse_idx, dummy_csr, dummy_csr, dummy_csr, dummy_ds, p.d_cu_q,
+                          p.d_cu_k, _device_copy(row_offsets.astype(np.int32)),
+                          int(row_offsets[-1]), coef, p.q_idx, p.k_idx, dk_arg)
+        return ctx.output(dq), ctx.output(dk)
+
+    if p.version == 3:
+        _kl_backward_v3(p, lse_arg, coef, lse_idx, dq_arg, dk_arg, max_ds_bytes)
+        return ctx.output(dq), ctx.output(dk)
+
+    per_query = p.hkv * p.topk * p.block_size * 4
+    q_chunk = max(1, min(p.tq, max_ds_bytes // per_query))
+    ds_buf = ctx.arg(ctx.empty((q_chunk * p.hkv * p.topk * p.block_size,), np.float32))
+    for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in query_chunks(p.cu_q, p.cu_k, q_chunk):
+        tc = t1 - t0
+        ds = ds_buf[:tc * p.hkv * p.topk * p.block_size].reshape(
+            tc, p.hkv, p.topk, p.block_size)
+        p.launch_rows_grad(lse_arg, coef, t0, tc, True, lse_idx, dq_arg, ds)
+        if k_hi == k_lo:
+            continue
+        row_offsets = block_row_offsets(cu_k_c, p.block_size)
+        row_ptr, q_indices, slots = build_csr(p.I[t0:t1], cu_q_c, cu_k_c, p.block_size,
+                                              validate=False)
+        p.launch_keys(lse_arg, lse_idx, _kernel_array(row_ptr), _kernel_array(q_indices),
+                      _kernel_array(slots), ds, _device_copy(cu_q_c), _device_copy(cu_k_c),
+                      _device_copy(row_offsets.astype(np.int32)), int(row_offsets[-1]), coef,
+                      p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], dk_arg[k_lo:k_hi])
+    return ctx.output(dq), ctx.output(dk)
+
+
+def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes):
+    """v3 backward, per query chunk: the student's LSE (KV-outer, index scores only, slots
+    merged), then dS and the per-slot dq_idx partials (KV-outer, tensor cores), dq_idx summed
+    over the slots in order, dk_idx by v2's key-block kernel from the dS buffer."""
+    from ..reference.blocks import block_row_offsets
+
+    ctx = p.ctx
+    per_query = p.hkv * p.topk * (p.block_size + p.d_idx + 5) * 4
+    bufs = None
+    dummy4 = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
+    zero = np.float32(0.0)
+    keys = _kl_kernel_cta_keys(p.kind, p.group, p.d, p.d_idx, p.block_size, _KEY_ENTRIES,
+                               False)
+    key_threads = _key_tiles(p.block_size, p.d_idx)[2]
+    for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, max_ds_bytes):
+        tc = t1 - t0
+        if bufs is None:
+            bufs = [ctx.arg(ctx.empty((n * tc * p.hkv * p.topk,), np.float32))
+                    for n in (5, p.block_size, p.d_idx)]
+        part = bufs[0][:5 * p.topk * tc * p.hkv].reshape(5, p.topk, tc, p.hkv)
+        ds = bufs[1][:tc * p.hkv * p.topk * p.block_size].reshape(tc, p.hkv, p.topk,
+                                                                  p.block_size)
+        dq_part = bufs[2][:p.topk * tc * p.hkv * p.d_idx].reshape(p.topk, tc, p.hkv, p.d_idx)
+        work, row_ptr, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        p.launch_v3("student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                    lse_idx, zero, part, dummy4, dummy4)
+        p.combine_states(part, t0, False, lse_idx)
+        p.launch_v3("grad", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                    lse_idx, coef, dummy4, ds, dq_part)
+        p.combine_dq(dq_part, t0, dq)
+        row_offsets = block_row_offsets(cu_k_c, p.block_size)
+        if int(row_offsets[-1]) == 0:
+            continue
+        keys[int(row_offsets[-1]), key_threads](
+            p.q, p.k, p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], lse, lse_idx, row_ptr, q_indices,
+            slots, ds, _device_copy(cu_q_c), _device_copy(cu_k_c),
+            _device_copy(row_offsets.astype(np.int32)), p.block_size, np.float32(p.scale),
+            np.float32(p.index_scale), coef, dk[k_lo:k_hi])
+
+
+def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+                scale=None, index_scale=None, grad_loss=1.0, *, version=None, validate=True,
+                max_ds_bytes=None):
+    """Paper eq 10-11 backward on the GPU: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
+
+    .. math::
+
+        dS_{t,r,j} = \\frac{g}{T_q H_{kv}} (P^{idx}_{t,r,j} - P_{t,r,j}), \\quad
+        dq^{idx}_{t,r} = s_{idx} \\sum_j dS_{t,r,j} k^{idx}_j, \\quad
+        dk^{idx}_j = s_{idx} \\sum_{t,r} dS_{t,r,j} q^{idx}_{t,r}
+
+    Arguments as :func:`kl_loss`, plus ``grad_loss`` (a finite real: the upstream gradient of
+    the scalar loss, e.g. the KL coefficient lambda) and ``max_ds_bytes``, the memory of one
+    query chunk's ``dS`` buffer (and v3's ``dq_idx`` partials; default 4 GiB; module
+    docstring). The teacher is held constant and ``q_idx, k_idx`` come from ``stopgrad(X)``:
+    nothing flows into ``q`` or ``k``.
+
+    Returns:
+        ``dq_idx`` float32 [Tq, Hkv, Didx] and ``dk_idx`` float32 [Tk, Didx] in the caller's
+        library; zero for rows with an empty support and for keys no query reads. Deterministic:
+        ``dq_idx`` sums each query's keys in order, ``dk_idx`` each key's queries in CSR order
+        (no float atomics), so reruns are bitwise identical.
+
+    Raises:
+        As :func:`kl_loss`; ``grad_loss`` not a finite real (TypeError/ValueError).
+    """
+    return _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                        block_size, scale, index_scale, grad_loss, version=version,
+                        validate=validate, max_ds_bytes=max_ds_bytes)

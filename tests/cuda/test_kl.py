@@ -1,0 +1,574 @@
+"""Paper §3.2, eq 9-11 on the GPU: ``msa.cuda.kl`` against ``msa.reference.kl``.
+
+Every comparison is the float rule of ``msa.testing.tolerance``: the kernel's error against the
+reference run in float64 on the very inputs the kernel got (rounded to its dtype, float32 ``lse``
+included) is at most twice the error of the reference run in float32 on them. The reference's
+gradient is checked against finite differences in ``tests/reference/test_kl.py``; equal to it
+within that rule, the kernels' gradient is the gradient of their loss.
+
+bf16 has no NumPy dtype: under the simulator bf16 inputs are passed as their uint16 bit patterns
+through the private ``_kl_loss(..., bf16_bits=True)``; on a GPU the public functions take torch
+bf16 tensors (the ``big`` tests). Outputs a launcher allocates without a fill value start as NaN
+(``poisoned_buffers``), so an element no kernel writes cannot pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import msa.cuda.kl as gpu
+import msa.reference.kl as ref
+from msa.cuda._arrays import ArrayContext
+from msa.problems import make_problem
+from msa.reference.attention import dense_attention, sparse_attention
+from msa.reference.blocks import local_blocks, max_blocks, query_positions
+from msa.reference.index import block_scores
+from msa.reference.select import select_blocks
+from msa.testing.backends import poison, to_numpy
+from msa.testing.strategies import block_indices_for, problem_shapes, problems_with_indices
+from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
+
+VERSIONS = gpu.VERSIONS
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every array a launcher allocates without a fill value starts as poison (NaN)."""
+    empty = ArrayContext.empty
+
+    def poisoned(self, shape, dtype, fill=None):
+        out = empty(self, shape, dtype, fill)
+        if fill is None and int(np.prod(shape)):
+            poison(out)
+        return out
+
+    monkeypatch.setattr(ArrayContext, "empty", poisoned)
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+def bf16_round(x):
+    """float32 values rounded to the nearest bf16 (ties to even) and their uint16 bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return (bits.astype(np.uint32) << 16).view(np.float32), bits
+
+
+def rounded(p, dtype):
+    """``(values, kernel_inputs)`` of ``(q, k, q_idx, k_idx)``: the inputs rounded to ``dtype``
+    as arrays the reference takes (float32 for bf16), and what the kernel gets (bf16 as bits)."""
+    xs = (p.q, p.k, p.q_idx, p.k_idx)
+    if dtype == "bf16":
+        pairs = [bf16_round(x) for x in xs]
+        return tuple(v for v, _ in pairs), tuple(b for _, b in pairs)
+    vals = tuple(np.ascontiguousarray(x.astype(dtype)) for x in xs)
+    return vals, vals
+
+
+def selection(p, mode, seed=0):
+    """Block indices: ``select`` (the reference selector), ``random`` (random valid rows with
+    -1 padding and blocks in random slot order), ``future`` (also blocks after the local one,
+    which hold only future keys), ``empty`` (random, then some rows emptied or given only a
+    future block), or None for ``warmup``."""
+    if mode == "warmup":
+        return None
+    tq, tk, hkv, bk = p.q.shape[0], p.k.shape[0], p.num_kv_heads, p.block_size
+    if mode == "select":
+        m = block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, bk)
+        return select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, bk)
+    rng = np.random.default_rng(seed)
+    batch, pos = query_positions(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk)
+    lk = np.diff(p.cu_seqlens_k.astype(np.int64))
+    I = np.full((tq, hkv, p.topk), -1, dtype=np.int32)
+    for t in range(tq):
+        local = int(pos[t]) // bk
+        nblocks = -(-int(lk[batch[t]]) // bk)
+        for r in range(hkv):
+            pool = np.arange(nblocks if mode in ("future", "empty") else local + 1)
+            pool = pool[pool != local]
+            n = int(rng.integers(0, min(p.topk - 1, pool.size) + 1))
+            row = rng.permutation(np.append(rng.choice(pool, size=n, replace=False), local))
+            if mode == "empty" and rng.random() < 0.4:
+                future = pool[pool > local]
+                row = future[:1] if future.size and rng.random() < 0.5 else row[:0]
+            I[t, r, :row.size] = row
+    return I
+
+
+def main_lse(vals, I, p):
+    """The main branch's LSE on the support (float32, ``-inf`` where it is empty), from the
+    attention reference in float64: what ``sparse_attention`` hands the KL on a GPU."""
+    q, k = (x.astype(np.float64) for x in vals[:2])
+    v = np.zeros_like(k)
+    if I is None:
+        _, lse = dense_attention(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k)
+    else:
+        _, lse = sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    return np.ascontiguousarray(lse.astype(np.float32))
+
+
+def run_kernels(version, kernel_inputs, I, lse, p, dtype, **kw):
+    """``(kl, loss, dq_idx, dk_idx)`` of the CUDA launchers as NumPy arrays."""
+    a = (*kernel_inputs, I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    bits = dtype == "bf16"
+    grad_kw = {k: v for k, v in kw.items() if k in ("grad_loss", "max_ds_bytes")}
+    loss_kw = {k: v for k, v in kw.items() if k not in ("grad_loss", "max_ds_bytes")}
+    kl, loss = gpu._kl_loss(*a, version=version, bf16_bits=bits, **loss_kw)
+    dq, dk = gpu._kl_backward(*a, version=version, bf16_bits=bits, **loss_kw, **grad_kw)
+    return to_numpy(kl), np.float32(to_numpy(loss)), to_numpy(dq), to_numpy(dk)
+
+
+def floor_ulps_for(oracle, scale, ulps=8.0):
+    """``floor_ulps`` for ``assert_close_to_oracle`` making its floor ``ulps`` ulps of
+    ``max(scale, max|oracle|)``, the magnitude of the terms the result sums."""
+    top = float(np.abs(oracle).max(initial=0.0))
+    return ulps * max(scale, top) / top if top > 0 else ulps
+
+
+def gradient_scales(vals, I, lse, p, grad_loss=1.0, scale=None, index_scale=None):
+    """``(dq_scale, dk_scale)``: what the gradients sum, ``coef s_idx sum |dS| |x|`` bounded by
+    the probability mass ``P + P_idx`` (an element's rounding floor is ulps of that: with one
+    key per support ``P = P_idx = 1`` and ``dS`` is a difference of two roundings of 1)."""
+    q, k, q_idx, k_idx = (x.astype(np.float64) for x in vals)
+    tail = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    P = ref.teacher_probs(q, k, I, lse, *tail, scale=scale)  # [Hkv, Tq, Tk]
+    Pi = ref.student_probs(q_idx, k_idx, I, *tail, index_scale=index_scale)
+    mass = P + Pi
+    s_idx = index_scale if index_scale is not None else 1 / np.sqrt(q_idx.shape[2])
+    coef = abs(grad_loss) / max(1, q.shape[0] * q_idx.shape[1]) * s_idx
+    k_max = np.abs(k_idx).max(axis=1, initial=0.0)  # [Tk]
+    q_max = np.abs(q_idx).max(axis=2, initial=0.0).T  # [Hkv, Tq]
+    dq_scale = coef * float((mass * k_max).sum(axis=2).max(initial=0.0))
+    dk_scale = coef * float((mass * q_max[:, :, None]).sum(axis=(0, 1)).max(initial=0.0))
+    return dq_scale, dk_scale
+
+
+def check(p, I, version, dtype="float32", lse_mode="given", **kw):
+    """Kernel ``kl``, ``loss``, ``dq_idx``, ``dk_idx`` within the float rule of the reference."""
+    vals, kernel_inputs = rounded(p, dtype)
+    lse = main_lse(vals, I, p) if lse_mode == "given" else None
+    got = run_kernels(version, kernel_inputs, I, lse, p, dtype, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k in ("scale", "index_scale")}
+    tail = (I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *vals, *tail, **ref_kw)
+    grad_kw = {k: v for k, v in kw.items() if k in ("scale", "index_scale", "grad_loss")}
+    (dq64, dk64), (dq32, dk32) = oracle_and_baseline(ref.kl_backward, *vals, *tail, **grad_kw)
+    name = f"v{version} {dtype} lse={lse_mode}"
+    assert got[0].dtype == got[2].dtype == got[3].dtype == np.float32
+    # Floors for results near 0 (e.g. every support one key, P = P_idx = 1): a KL sums
+    # probabilities (O(1)) times log ratios, so its rounding floor is ulps of 1, not of the KL;
+    # a gradient's is ulps of the probability mass it sums (gradient_scales).
+    floor = floor_ulps_for(kl64, 1.0)
+    assert_close_to_oracle(got[0], kl64, kl32, name=f"kl [{name}]", floor_ulps=floor)
+    assert_close_to_oracle(np.array(got[1]), np.array(loss64), np.array(loss32),
+                           name=f"loss [{name}]", floor_ulps=floor)
+    dq_scale, dk_scale = gradient_scales(vals, I, lse, p, **grad_kw)
+    assert_close_to_oracle(got[2], dq64, dq32, name=f"dq_idx [{name}]",
+                           floor_ulps=floor_ulps_for(dq64, dq_scale))
+    assert_close_to_oracle(got[3], dk64, dk32, name=f"dk_idx [{name}]",
+                           floor_ulps=floor_ulps_for(dk64, dk_scale))
+    return got
+
+
+# --- hostile sizes ----------------------------------------------------------------------------
+
+# id: (seq_lens_q, seq_lens_k, Hq, Hkv, D, Didx, Bk, K, selection mode)
+CASES = {
+    "T=1": ([1], [1], 2, 1, 8, 8, 16, 1, "select"),
+    "T-not-multiple-of-Bk": ([37], [37], 4, 2, 8, 16, 16, 2, "select"),
+    "NB<K": ([20], [20], 2, 1, 16, 8, 16, 4, "select"),
+    "G=1": ([23], [23], 2, 2, 8, 8, 16, 2, "random"),
+    "G=8": ([18], [18], 8, 1, 8, 8, 16, 2, "select"),
+    "varlen-empty-seqs": ([0, 9, 0, 14], [0, 9, 3, 14], 2, 1, 8, 8, 4, 3, "random"),
+    "Lq<Lk-decode": ([1, 3], [50, 40], 4, 2, 8, 8, 16, 2, "select"),
+    "future-blocks": ([21], [33], 2, 1, 8, 8, 8, 3, "future"),
+    "empty-supports": ([13, 6], [20, 6], 2, 2, 8, 8, 4, 2, "empty"),
+    "warmup": ([19, 5], [19, 12], 4, 2, 8, 8, 8, 2, "warmup"),
+}
+
+
+def case_problem(lq, lk, hq, hkv, d, d_idx, bk, topk, seed=0):
+    return make_problem(lk, lq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, index_dim=d_idx,
+                        block_size=bk, topk=topk, seed=seed)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case, version):
+    *shape, mode = case
+    p = case_problem(*shape)
+    check(p, selection(p, mode), version)
+
+
+# v3 (tensor cores) takes fp16/bf16 with D, Didx, Bk multiples of 16 and a selection. Its mma
+# twin pays two barriers per call in the simulator, so these stay tiny.
+V3_CASES = {
+    "T=1": ([1], [1], 2, 1, 1, "select", "float16"),
+    "T-not-multiple-of-Bk": ([37], [37], 4, 2, 2, "select", "bf16"),
+    "varlen-empty-seqs": ([0, 9, 0, 20], [0, 9, 3, 20], 2, 1, 3, "random", "float16"),
+    "Lq<Lk-decode": ([1, 3], [50, 40], 4, 2, 2, "select", "bf16"),
+    "G=16": ([9], [20], 16, 1, 2, "random", "float16"),
+    "G=1": ([20], [20], 2, 2, 2, "random", "bf16"),
+    "future-and-empty-supports": ([13, 6], [40, 6], 2, 1, 2, "empty", "float16"),
+}
+
+
+@pytest.mark.parametrize("case", V3_CASES.values(), ids=V3_CASES.keys())
+def test_v3_matches_reference(case):
+    lq, lk, hq, hkv, topk, mode, dtype = case
+    p = case_problem(lq, lk, hq, hkv, 16, 16, 16, topk, seed=1)
+    check(p, selection(p, mode), 3, dtype)
+
+
+def test_v3_hot_block_split_over_work_items():
+    """Block 0 chosen by every query: its CSR row is longer than a work item (2 K Bk = 64
+    queries), so the schedule cuts it and several CTAs write the row's partials."""
+    p = case_problem([90], [90], 2, 1, 16, 16, 16, 2, seed=3)
+    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, 90, 90, 16)
+    I = np.stack([np.zeros(90, np.int64), np.where(local > 0, local, -1)], axis=1)
+    check(p, I[:, None, :].astype(np.int32), 3, "float16")
+
+
+def test_v3_refuses_what_it_cannot_run():
+    p = case_problem([5], [5], 2, 1, 8, 16, 16, 1)
+    vals, kin = rounded(p, "float16")
+    I = selection(p, "select")
+    a = (*kin, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16)
+    for fn in (gpu.kl_loss, gpu.kl_backward):
+        with pytest.raises(ValueError, match="version=3"):
+            fn(*a, version=3)  # D = 8
+        with pytest.raises(ValueError, match="version=3"):
+            fn(*vals[:2], *kin[2:], None, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=3)
+    f32 = rounded(case_problem([5], [5], 2, 1, 16, 16, 16, 1), "float32")[1]
+    with pytest.raises(ValueError, match="float32"):
+        gpu.kl_loss(*f32, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=3)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("dtype", ["float16", "bf16"])
+@pytest.mark.parametrize("mode", ["select", "warmup"])
+def test_half_precision_inputs(mode, dtype, version):
+    """fp16 and bf16 inputs (bf16 as bit patterns) accumulate in float32 like the reference."""
+    if version == 3 and mode == "warmup":
+        pytest.skip("v3 needs a selection (the warmup runs v2)")
+    p = case_problem([21, 6], [21, 16], 4, 2, 16, 16, 16, 2, seed=3)
+    check(p, selection(p, mode), version, dtype)
+
+
+@pytest.mark.parametrize("dtype, d, mode, want", [
+    ("float16", 16, "select", 3), ("bf16", 32, "select", 3), ("float16", 16, "warmup", 2),
+    ("float32", 16, "select", 2), ("bf16", 8, "select", 2)],
+    ids=["fp16", "bf16", "warmup", "fp32", "D=8"])
+def test_default_version_is_the_fastest_that_applies(dtype, d, mode, want):
+    p = case_problem([9], [9], 4, 2, d, 16, 16, 2)
+    vals, kin = rounded(p, dtype)
+    plan = gpu._Plan(*kin, selection(p, mode), None, p.cu_seqlens_q, p.cu_seqlens_k, 16, None,
+                     None, None, True, dtype == "bf16")
+    assert plan.version == want
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("mode", ["random", "warmup"])
+def test_lse_computed_when_not_given(mode, version):
+    """``lse=None``: the teacher is normalised by its own LSE over the support."""
+    p = case_problem([17, 4], [17, 9], 4, 2, 8, 8, 4, 3, seed=5)
+    check(p, selection(p, mode), version, lse_mode="none")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_scales_and_grad_loss(version):
+    p = case_problem([15], [26], 4, 2, 8, 8, 8, 2, seed=7)
+    check(p, selection(p, "random"), version, scale=0.9, index_scale=0.2, grad_loss=-3.5)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_empty_supports_give_exact_zeros(version):
+    """A row with no block, or only a block after its own, has ``kl = 0`` and ``dq_idx = 0``
+    exactly (its ``lse`` is ``-inf``); keys no query reads get ``dk_idx = 0``."""
+    p = case_problem([10], [18], 2, 2, 8, 8, 4, 2, seed=2)
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    I = np.full((tq, 2, 2), -1, dtype=np.int32)
+    I[:, :, 0] = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk, 4)[:, None]
+    I[:4, 0, 0] = -1  # nothing selected
+    I[4:6, 1, 0] = 4  # block 4 holds keys 16, 17: after rows 4, 5 (positions 12, 13)
+    vals, kin = rounded(p, "float32")
+    lse = main_lse(vals, I, p)
+    assert np.isneginf(lse[:4, :1]).all() and np.isneginf(lse[4:6, 1:]).all()
+    kl, _, dq, dk = run_kernels(version, kin, I, lse, p, "float32")
+    assert (kl[:4, 0] == 0).all() and (kl[4:6, 1] == 0).all()
+    assert (dq[:4, 0] == 0).all() and (dq[4:6, 1] == 0).all()
+    assert (dk[:8] == 0).all()  # blocks 0, 1: before every query's local block, never selected
+    assert np.abs(dk[8:]).min() > 0
+    check(p, I, version)
+
+
+def test_empty_batch():
+    """Tq = 0: an empty kl, loss 0, zero gradients, no launch of a row kernel."""
+    p = make_problem((5, 0), (0, 0), num_q_heads=2, num_kv_heads=1, head_dim=8, index_dim=8,
+                     block_size=4, dtype=np.float32)
+    I = np.zeros((0, 1, 2), dtype=np.int32)
+    a = (p.q, p.k, p.q_idx, p.k_idx, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 4)
+    kl, loss = gpu.kl_loss(*a)
+    assert to_numpy(kl).shape == (0, 1) and float(to_numpy(loss)) == 0.0
+    dq, dk = gpu.kl_backward(*a)
+    assert to_numpy(dq).shape == (0, 1, 8)
+    assert to_numpy(dk).shape == (5, 8) and (to_numpy(dk) == 0).all()
+
+
+# --- properties -------------------------------------------------------------------------------
+
+@st.composite
+def kl_cases(draw):
+    """A small problem, a selection (random valid rows of any pattern, or the warmup) and a
+    version."""
+    kw = draw(problem_shapes(max_seqs=2, max_len=28, max_heads=4, max_topk=3,
+                             block_sizes=(4, 8, 16), dims=(4, 8)))
+    p = make_problem(**kw)
+    if draw(st.booleans()) and p.q.shape[0]:
+        I = draw(block_indices_for(p.cu_seqlens_q, p.cu_seqlens_k, p.num_kv_heads, p.topk,
+                                   p.block_size))
+    else:
+        I = None
+    return p, I
+
+
+@given(kl_cases(), st.sampled_from([1, 2]))
+@example(problem=(case_problem([1], [1], 1, 1, 4, 4, 4, 1), None), version=1)
+def test_matches_reference_fuzz(problem, version):
+    p, I = problem
+    check(p, I, version)
+
+
+@settings(max_examples=4)  # the simulated mma costs seconds per example
+@given(problems_with_indices(max_seqs=2, max_len=32, max_heads=8, max_topk=3, block_sizes=(16,),
+                             dims=(16,)),
+       st.sampled_from(["float16", "bf16"]))
+def test_v3_matches_reference_fuzz(problem, dtype):
+    p, I = problem
+    check(p, I, 3, dtype)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_warmup_equals_selecting_every_visible_block(version):
+    """``block_indices=None`` is the same loss and gradient as selecting every visible block:
+    ``kl`` and ``dq_idx`` bitwise (the same key loop), ``dk_idx`` to rounding (the warmup
+    recomputes ``dS`` where a selection reads its buffer)."""
+    p = case_problem([13, 5], [13, 9], 4, 2, 8, 8, 4, 2, seed=11)
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    nb = max_blocks(p.cu_seqlens_k, p.block_size)
+    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk, p.block_size)
+    b = np.arange(nb)
+    row = np.where(b[None, :] <= local[:, None], b[None, :], -1).astype(np.int32)  # [Tq, NB]
+    every = np.ascontiguousarray(np.broadcast_to(row[:, None, :], (tq, 2, nb)))
+    vals, kin = rounded(p, "float32")
+    lse = main_lse(vals, None, p)
+    warm = run_kernels(version, kin, None, lse, p, "float32")
+    sel = run_kernels(version, kin, every, lse, p, "float32")
+    np.testing.assert_array_equal(warm[0], sel[0])
+    assert warm[1] == sel[1]
+    np.testing.assert_array_equal(warm[2], sel[2])
+    (_, dk64), (_, dk32) = oracle_and_baseline(ref.kl_backward, *vals, None, lse,
+                                               p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    assert_close_to_oracle(sel[3], dk64, dk32, name="dk_idx, every block selected")
+    assert_close_to_oracle(warm[3], dk64, dk32, name="dk_idx, warmup")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_reruns_are_bitwise_identical(version):
+    if version == 3:
+        p, dtype, modes = case_problem([11, 4], [17, 9], 4, 2, 16, 16, 16, 2, seed=4), "float16", \
+            ("random",)
+    else:
+        p, dtype, modes = case_problem([11, 4], [11, 9], 4, 2, 8, 8, 4, 3, seed=4), "float32", \
+            ("random", "warmup")
+    for mode in modes:
+        I = selection(p, mode)
+        vals, kin = rounded(p, dtype)
+        lse = main_lse(vals, I, p)
+        first = run_kernels(version, kin, I, lse, p, dtype)
+        again = run_kernels(version, kin, I, lse, p, dtype)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_query_chunks_of_the_ds_buffer(version):
+    """Buffers for 5 queries at a time (many chunks, each with its own CSR, chunks cutting
+    sequences) give the same result within the float rule; ``kl`` and ``dq_idx`` do not depend
+    on the chunking at all (only ``dk_idx`` adds the chunks' contributions in turn)."""
+    if version == 3:  # dS, dq_idx partials and states: (Bk + Didx + 5) floats per slot
+        p, dtype = case_problem([9, 1, 6], [20, 7, 6], 4, 2, 16, 16, 16, 2, seed=6), "float16"
+        per_query = 2 * 2 * (16 + 16 + 5) * 4
+    else:
+        p, dtype = case_problem([9, 1, 6], [14, 7, 6], 4, 2, 8, 8, 4, 3, seed=6), "float32"
+        per_query = 2 * 3 * 4 * 4
+    I = selection(p, "random")
+    chunked = check(p, I, version, dtype, max_ds_bytes=5 * per_query)
+    vals, kin = rounded(p, dtype)
+    whole = run_kernels(version, kin, I, main_lse(vals, I, p), p, dtype)
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    np.testing.assert_array_equal(chunked[2], whole[2])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_gradient_through_the_kernels_end_to_end(version):
+    """The training path (float32; float16 for v3): ``lse`` from
+    ``msa.cuda.attention.sparse_attention`` (the kernel, not the reference), selection from
+    ``msa.cuda.select``, then the KL backward; the gradient equals the reference's
+    finite-difference-checked gradient computed in float64 with the exact teacher normaliser
+    (``lse=None``), within twice the float32 reference's error."""
+    from msa.cuda.attention import sparse_attention as gpu_attention
+    from msa.cuda.index import block_scores as gpu_block_scores
+    from msa.cuda.select import select_blocks as gpu_select
+
+    dtype = np.float16 if version == 3 else np.float32  # v3 runs on tensor cores
+    p = make_problem([24, 16], [24, 11], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                     index_dim=16, block_size=16, topk=2, dtype=dtype, seed=8)
+    m = gpu_block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    I = to_numpy(gpu_select(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size))
+    _, lse = gpu_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    lse = np.ascontiguousarray(to_numpy(lse))
+    a = (p.q, p.k, p.q_idx, p.k_idx, I)
+    tail = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    dq, dk = gpu.kl_backward(*a, lse, *tail, grad_loss=0.5, version=version)
+    (dq64, dk64), (dq32, dk32) = oracle_and_baseline(ref.kl_backward, *a, None, *tail,
+                                                     grad_loss=0.5)
+    assert_close_to_oracle(to_numpy(dq), dq64, dq32, name="dq_idx end to end")
+    assert_close_to_oracle(to_numpy(dk), dk64, dk32, name="dk_idx end to end")
+    kl, loss = gpu.kl_loss(*a, lse, *tail, version=version)
+    (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *a, None, *tail)
+    assert_close_to_oracle(to_numpy(kl), kl64, kl32, name="kl end to end")
+    assert (to_numpy(kl) >= -1e-6).all()  # Gibbs: KL >= 0 up to rounding
+
+
+# --- bad inputs -------------------------------------------------------------------------------
+
+P_BAD = make_problem((10, 7), num_q_heads=4, num_kv_heads=2, head_dim=8, index_dim=8,
+                     block_size=4, topk=2, dtype=np.float32, seed=1)
+I_BAD = select_blocks(block_scores(P_BAD.q_idx, P_BAD.k_idx, P_BAD.cu_seqlens_q,
+                                   P_BAD.cu_seqlens_k, 4), P_BAD.cu_seqlens_q,
+                      P_BAD.cu_seqlens_k, 2, 4)
+LSE_BAD = main_lse((P_BAD.q, P_BAD.k), I_BAD, P_BAD)
+I_OUT = I_BAD.copy()
+I_OUT[3, 1, 0] = 7
+I_DUP = I_BAD.copy()
+I_DUP[9, 0, :] = [1, 1]
+LSE_NEG_INF = LSE_BAD.copy()
+LSE_NEG_INF[5, 3] = -np.inf
+
+
+def bad(**change):
+    a = dict(q=P_BAD.q, k=P_BAD.k, q_idx=P_BAD.q_idx, k_idx=P_BAD.k_idx, block_indices=I_BAD,
+             lse=LSE_BAD, cu_seqlens_q=P_BAD.cu_seqlens_q, cu_seqlens_k=P_BAD.cu_seqlens_k,
+             block_size=4)
+    a.update(change)
+    return a
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(q=P_BAD.q[0]), ValueError, "q must have 3"),
+    (dict(q=P_BAD.q.astype(np.int64)), TypeError, "q must have dtype"),
+    (dict(q=P_BAD.q.astype(np.float64)), TypeError, "q must have dtype"),
+    (dict(k=P_BAD.k[:, :, :4]), ValueError, "k must have shape"),
+    (dict(k=P_BAD.k.astype(np.float16)), TypeError, "k must have the dtype of q"),
+    (dict(k_idx=P_BAD.k_idx.astype(np.float16)), TypeError, "k_idx must have the dtype of q"),
+    (dict(k=np.concatenate([P_BAD.k, P_BAD.k[:, :1]], axis=1)), ValueError, "kv heads"),
+    (dict(q_idx=P_BAD.q_idx[:, :1]), ValueError, "q_idx must have shape"),
+    (dict(q_idx=P_BAD.q_idx[:5]), ValueError, "q_idx must have shape"),
+    (dict(k_idx=P_BAD.k_idx[:, :3]), ValueError, "k_idx must have shape"),
+    (dict(k_idx=P_BAD.k_idx[:5]), ValueError, "k_idx must have shape"),
+    (dict(lse=LSE_BAD[:, :2]), ValueError, "lse must have shape"),
+    (dict(lse=LSE_BAD[:9]), ValueError, "lse must have shape"),
+    (dict(lse=LSE_BAD.astype(np.float64)), TypeError, "lse must have dtype"),
+    (dict(lse=LSE_BAD.astype(np.float16)), TypeError, "lse must have dtype float32"),
+    (dict(lse=np.full_like(LSE_BAD, np.nan)), ValueError, "lse must be finite"),
+    (dict(lse=LSE_NEG_INF), ValueError, r"lse\[5, 3\] is -inf"),
+    (dict(block_indices=I_BAD[:, :1]), ValueError, "block_indices must have shape"),
+    (dict(block_indices=I_BAD[:9]), ValueError, "block_indices must have shape"),
+    (dict(block_indices=I_BAD[:, :, :0]), ValueError, "block_indices must have shape"),
+    (dict(block_indices=I_BAD.astype(np.float32)), TypeError, "block_indices"),
+    (dict(block_indices=I_OUT), ValueError, "block_indices"),
+    (dict(block_indices=I_DUP), ValueError, "block_indices"),
+    (dict(cu_seqlens_q=np.array([0, 10, 16], dtype=np.int32)), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_k=np.array([0, 5, 17], dtype=np.int32)), ValueError, "more queries"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(index_scale=float("inf")), ValueError, "index_scale"),
+    (dict(version=3), ValueError, "version=3"),
+    (dict(version=4), ValueError, "version must be one of"),
+], ids=["q-rank", "q-int", "q-float64", "k-dim", "k-dtype", "k_idx-dtype", "G-not-int",
+        "q_idx-heads", "q_idx-length", "k_idx-dim", "k_idx-length", "lse-heads", "lse-length",
+        "lse-float64", "lse-float16", "lse-nan", "lse-inf-on-support", "I-heads", "I-length",
+        "I-K=0", "I-float", "I-out-of-range", "I-duplicate", "cu_q-total", "Lq>Lk", "Bk=0",
+        "scale<0", "index_scale-inf", "version=3-float32", "version-unknown"])
+def test_bad_inputs(change, error, match):
+    for fn in (gpu.kl_loss, gpu.kl_backward):
+        with pytest.raises(error, match=match):
+            fn(**bad(**change))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(grad_loss=float("nan")), ValueError, "grad_loss"),
+    (dict(grad_loss="1"), TypeError, "grad_loss"),
+    (dict(grad_loss=True), TypeError, "grad_loss"),
+    (dict(max_ds_bytes=0), ValueError, "max_ds_bytes"),
+], ids=["grad_loss-nan", "grad_loss-str", "grad_loss-bool", "max_ds_bytes=0"])
+def test_bad_backward_arguments(change, error, match):
+    with pytest.raises(error, match=match):
+        gpu.kl_backward(**bad(**change))
+
+
+def test_validate_false_skips_the_host_checks_but_stays_in_bounds():
+    """Out-of-range blocks are skipped by the kernels (no out-of-bounds access) when the host
+    check is turned off; the other rows are bitwise what the valid selection gives."""
+    for version in (1, 2):  # P_BAD is float32: v3 takes fp16/bf16
+        kl, _ = gpu.kl_loss(**bad(block_indices=I_OUT), validate=False, version=version)
+        want, _ = gpu.kl_loss(**bad(), version=version)
+        kl, want = to_numpy(kl), to_numpy(want)
+        assert np.isfinite(kl).all()
+        rows = np.ones(kl.shape, dtype=bool)
+        rows[3, 1] = False
+        np.testing.assert_array_equal(kl[rows], want[rows])
+        assert kl[3, 1] != want[3, 1]
+
+
+# --- production sizes (real GPU only) ---------------------------------------------------------
+
+def _torch_problem(n, hq, hkv, d, d_idx, bk, topk, seed=0):
+    torch = pytest.importorskip("torch")
+    p = make_problem((n,), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, index_dim=d_idx,
+                     block_size=bk, topk=topk, dtype=np.float32, seed=seed)
+    vals = tuple(bf16_round(x)[0] for x in (p.q, p.k, p.q_idx, p.k_idx))
+    tens = tuple(torch.tensor(x, dtype=torch.bfloat16, device="cuda") for x in vals)
+    return p, vals, tens
+
+
+@pytest.mark.big
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("mode", ["select", "warmup"])
+def test_production_sizes_bf16(mode, version):
+    """N = 8K (2K for the warmup, whose reference is dense), Hq=16, Hkv=4, D=Didx=64, Bk=128,
+    K=16, bf16 torch tensors: loss, kl and both gradients within the float rule."""
+    torch = pytest.importorskip("torch")
+    n = 8192 if mode == "select" else 2048
+    p, vals, tens = _torch_problem(n, 16, 4, 64, 64, 128, 16)
+    I = selection(p, mode)
+    lse = main_lse(vals, I, p)
+    cu_q, cu_k = (torch.tensor(x, device="cuda") for x in (p.cu_seqlens_q, p.cu_seqlens_k))
+    I_t = None if I is None else torch.tensor(I, device="cuda")
+    lse_t = torch.tensor(lse, device="cuda")
+    a = (*tens, I_t, lse_t, cu_q, cu_k, p.block_size)
+    kl, loss = gpu.kl_loss(*a, version=version)
+    dq, dk = gpu.kl_backward(*a, version=version)
+    tail = (I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *vals, *tail)
+    (dq64, dk64), (dq32, dk32) = oracle_and_baseline(ref.kl_backward, *vals, *tail)
+    assert_close_to_oracle(kl, kl64, kl32, name="kl")
+    assert_close_to_oracle(np.array(float(loss)), np.array(loss64), np.array(loss32), name="loss")
+    assert_close_to_oracle(dq, dq64, dq32, name="dq_idx")
+    assert_close_to_oracle(dk, dk64, dk32, name="dk_idx")
+    again = gpu.kl_backward(*a, version=version)
+    assert torch.equal(dq, again[0]) and torch.equal(dk, again[1])
