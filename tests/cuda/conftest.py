@@ -7,10 +7,12 @@ idempotent).
 
 import pathlib
 
+import numpy as np
 import pytest
 
+from msa.cuda._arrays import ArrayContext
 from msa.cuda._simwarp import install
-from msa.testing.backends import cuda_runnable
+from msa.testing.backends import cuda_runnable, poison
 
 install()
 
@@ -24,3 +26,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in pathlib.Path(item.path).parents:
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every array a launcher allocates without a fill value starts as poison (DESIGN §5).
+
+    Floats start as NaN and integers as their minimum (``msa.testing.backends.poison_value``), so
+    an element that no kernel writes cannot pass a comparison. Works for NumPy (simulator), CuPy,
+    torch and Numba device arrays.
+    """
+    empty = ArrayContext.empty
+
+    def poisoned(self, shape, dtype, fill=None):
+        out = empty(self, shape, dtype, fill)
+        if fill is None and int(np.prod(shape)):
+            poison(out)
+        return out
+
+    monkeypatch.setattr(ArrayContext, "empty", poisoned)

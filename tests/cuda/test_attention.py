@@ -27,30 +27,18 @@ from numba import cuda, float32, uint32
 
 from msa.cuda import _mma
 from msa.cuda import attention as gpu
-from msa.cuda._arrays import SIMULATOR, ArrayContext
+from msa.cuda._arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.reference import attention as ref
 from msa.reference.blocks import query_positions
 from msa.reference.csr import build_csr
 from msa.reference.schedule import build_schedule
-from msa.testing.backends import poison, to_numpy
+from msa.testing.backends import to_numpy
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
 U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in version 2
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every float array a launcher allocates without a fill value starts as NaN."""
-    empty = ArrayContext.empty
-
-    def poisoned(self, shape, dtype, fill=None):
-        out = empty(self, shape, dtype, fill)
-        if fill is None and int(np.prod(shape)) and "float" in str(out.dtype):
-            poison(out)
-        return out
-
-    monkeypatch.setattr(ArrayContext, "empty", poisoned)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from msa.cuda import csr as gpu
 from msa.cuda._arrays import SIMULATOR, ArrayContext
 from msa.reference import csr as ref
 from msa.reference.blocks import block_row_offsets, query_positions
-from msa.testing.backends import poison_value, to_numpy
+from msa.testing.backends import to_numpy
 from msa.testing.strategies import seq_lens
 
 
@@ -24,18 +24,6 @@ def cu(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every array a launcher allocates without a fill value starts as poison."""
-    empty = ArrayContext.empty
-
-    def poisoned(self, shape, dtype, fill=None):
-        out = empty(self, shape, dtype, fill)
-        if fill is None and int(np.prod(shape)):
-            self._fill(out, poison_value(dtype))  # works for NumPy, CuPy and Numba arrays
-        return out
-
-    monkeypatch.setattr(ArrayContext, "empty", poisoned)
 
 
 def selection(lq, lk, hkv, topk, bk, seed, *, hot=(), fill=True, future=False, shuffle=False):

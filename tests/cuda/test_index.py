@@ -14,11 +14,12 @@ bf16 has no NumPy dtype: the simulator tests pass bf16 bit patterns (uint16) thr
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import msa.cuda.index as cuda_index
 import msa.reference.index as ref_index
+from msa.cuda._arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import KERNEL_SHAPES, problem_shapes
@@ -49,8 +50,28 @@ def _inputs(q64, k64, dtype):
 
 
 def _versions(dtype, d_idx, block_size):
+    """Kernel versions for a table case; a GPU runs every one that applies. The simulator runs
+    the tensor-core kernels on bf16 only (float16 differs in the mma type alone and goes through
+    them in the fuzz tests and in tests/cuda/test_select.py's fused tests), and the tc rung only
+    where tc2 does not apply (Bk % 16 != 0): elsewhere tc2, its successor, runs the same case."""
     tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
-    return ["v1", "tc"] if tc else ["v1"]
+    tc2 = tc and block_size % 16 == 0
+    if SIMULATOR:
+        return ["v1"] + (["tc2"] if tc2 and dtype == "bf16" else ["tc"] if tc and dtype == "bf16"
+                         else [])
+    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc2 else [])
+
+
+def _all_versions(dtype, d_idx, block_size):
+    """Every version that applies, float16 tensor cores included (the fuzz tests)."""
+    tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
+    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc and block_size % 16 == 0 else [])
+
+
+def _fewer_in_simulator(n):
+    """At most ``n`` hypothesis examples under the simulator (each runs every tensor-core
+    kernel with Python threads); the profile's count on a GPU."""
+    return settings(max_examples=n) if SIMULATOR else (lambda test: test)
 
 
 def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype):
@@ -71,14 +92,14 @@ def _problem(lq, lk, hkv, d_idx, block_size, seed, integer):
     return q, k, p.cu_seqlens_q, p.cu_seqlens_k
 
 
-def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
+def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
     q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, block_size, seed, integer=True)
     scale = None if pool == "max" else 0.25  # a mean stays exact with a power-of-two scale
     (qv, kv), args = _inputs(q64, k64, dtype)
     # The reference in the kernel's compute precision: exact dot products, then the same
     # rounding of `dot * scale` (float32 unless the inputs are float64).
     want = ref_index.block_scores(qv, kv, cu_q, cu_k, block_size, scale, pool=pool)
-    for version in _versions(dtype, d_idx, block_size):
+    for version in versions or _versions(dtype, d_idx, block_size):
         got = _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype)
         assert got.shape == want.shape
         assert got.dtype == want.dtype
@@ -88,10 +109,10 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
 # Error allowed, in units of the float32 reference's error against float64. Tensor cores sum the
 # exact products of an mma in fp32 but align and truncate instead of rounding each addition, so
 # their error may be a few times that of round-to-nearest float32 sums.
-_FACTOR = {"v1": 2.0, "tc": 4.0}
+_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0}
 
 
-def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
+def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
     q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, block_size, seed, integer=False)
     (qv, kv), args = _inputs(q64, k64, dtype)
     if dtype == "float64":  # float32-representable inputs, so that float32 gives the yardstick
@@ -99,7 +120,7 @@ def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0):
         args = (qv.astype(np.float64), kv.astype(np.float64))
     oracle, baseline = oracle_and_baseline(ref_index.block_scores, qv, kv, cu_q, cu_k, block_size,
                                            pool=pool)
-    for version in _versions(dtype, d_idx, block_size):
+    for version in versions or _versions(dtype, d_idx, block_size):
         got = _run(args, cu_q, cu_k, block_size, None, pool, version, dtype)
         assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR[version],
                                name=f"M[{version}, {dtype}]")
@@ -111,10 +132,10 @@ CASES = {
     "T-not-multiple-of-Bk": ([37], [37], 1, 16, 16),
     "one-partial-block": ([5], [5], 2, 16, 8),
     "varlen-empty-seqs": ([0, 9, 0, 20], [0, 9, 3, 20], 2, 16, 8),
-    "Lq<Lk-decode": ([1, 3], [50, 40], 2, 16, 16),
+    "Lq<Lk-decode": ([1, 2], [40, 24], 2, 16, 16),
     "no-queries-in-a-seq": ([0, 6], [20, 30], 1, 16, 8),
     "Hkv=3-rows-not-a-multiple": ([11], [30], 3, 16, 8),
-    "Didx=32-Bk=32": ([8], [70], 1, 32, 32),
+    "Didx=32-Bk=32": ([4], [40], 1, 32, 32),
     "Didx=8-Bk=4-v1-only": ([9], [21], 2, 8, 4),
 }
 
@@ -148,16 +169,20 @@ def _shapes_args(shapes):
             shapes["index_dim"], shapes["block_size"])
 
 
+@_fewer_in_simulator(4)
 @given(shapes=problem_shapes(**KERNEL_SHAPES), dtype=st.sampled_from(DTYPES))
 @example(shapes=dict(seq_lens_q=[1], seq_lens_k=[1], num_q_heads=1, num_kv_heads=1, head_dim=16,
                      index_dim=16, block_size=16, topk=1, seed=0), dtype="bf16")
 def test_block_scores_exact_fuzz(shapes, dtype):
-    _check_exact(*_shapes_args(shapes), dtype, "max", seed=shapes["seed"])
+    args = _shapes_args(shapes)
+    _check_exact(*args, dtype, "max", seed=shapes["seed"], versions=_all_versions(dtype, *args[3:]))
 
 
+@_fewer_in_simulator(2)
 @given(shapes=problem_shapes(**KERNEL_SHAPES), dtype=st.sampled_from(DTYPES))
 def test_block_scores_float_fuzz(shapes, dtype):
-    _check_float(*_shapes_args(shapes), dtype, "max", seed=shapes["seed"])
+    args = _shapes_args(shapes)
+    _check_float(*args, dtype, "max", seed=shapes["seed"], versions=_all_versions(dtype, *args[3:]))
 
 
 def test_nan_scores_are_skipped_by_the_max_pool():
@@ -177,6 +202,25 @@ def test_block_scores_empty_batch():
     M = to_numpy(cuda_index.block_scores(np.zeros((0, 2, 16), np.float16),
                                          np.ones((9, 16), np.float16), _cu([0]), _cu([9]), 8))
     assert M.shape == (2, 0, 2)
+
+
+def test_block_scores_unaligned_k_idx_falls_back_to_tc():
+    # tc2 copies 16-byte pieces of k_idx: data off a 16-byte boundary takes tc, and says so.
+    q64, k64, cu_q, cu_k = _problem([6], [40], 2, 16, 16, 3, integer=True)
+    q, k = q64.astype(np.float16), k64.astype(np.float16)
+    buf = np.zeros(k.size + 2, np.float16)  # 4 bytes in: aligned to 4, not to 16
+    buf[2:] = k.ravel()
+    if SIMULATOR:
+        k_view, q_arg, cq, ck = buf[2:].reshape(k.shape), q, cu_q, cu_k
+    else:
+        from numba import cuda
+
+        k_view = cuda.to_device(buf)[2:].reshape(k.shape)
+        q_arg, cq, ck = (cuda.to_device(x) for x in (q, cu_q, cu_k))
+    want = ref_index.block_scores(q, k, cu_q, cu_k, 16)
+    np.testing.assert_array_equal(to_numpy(cuda_index.block_scores(q_arg, k_view, cq, ck, 16)), want)
+    with pytest.raises(ValueError, match="aligned=False"):
+        cuda_index.block_scores(q_arg, k_view, cq, ck, 16, version="tc2")
 
 
 # -- bad inputs ---------------------------------------------------------------------------------
@@ -212,6 +256,7 @@ BAD = {
                                        k_idx=a["k_idx"].astype(np.float32), version="tc"),
                         ValueError, "version 'tc'"),
     "version-tc-Bk=4": (lambda a: dict(block_size=4, version="tc"), ValueError, "version 'tc'"),
+    "version-tc2-Bk=8": (lambda a: dict(version="tc2"), ValueError, "version 'tc2'"),
 }
 
 
@@ -244,13 +289,17 @@ def test_block_scores_production_sizes(dtype):
 def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
     # The simulator runs the tc kernels with 2 warps a CTA for speed; the GPU uses 8 (128 rows:
     # 32 queries x 4 groups). Same kernel body, so run that geometry once here too.
+    # 30 queries x 4 groups = 120 rows: the eighth warp holds a partial tile.
     monkeypatch.setattr(cuda_index, "_TC_WARPS", 8)
-    _check_exact([40], [45], 4, 16, 16, "bf16", "max", seed=5)
+    # The simulator runs the default kernels (tc2, heap2) in this geometry; a GPU runs all.
+    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2"]
+    _check_exact([30], [40], 4, 16, 16, "bf16", "max", seed=5, versions=tc_versions)
     import msa.cuda.select as cuda_select
     import msa.reference.select as ref_select
 
-    q64, k64, cu_q, cu_k = _problem([40], [45], 4, 16, 16, 5, integer=False)
+    q64, k64, cu_q, cu_k = _problem([30], [40], 4, 16, 16, 5, integer=False)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
-    got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version="heap")
-    np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))
+    for version in ["heap2"] if SIMULATOR else ["heap", "heap2"]:
+        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version)
+        np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))

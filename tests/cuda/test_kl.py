@@ -21,31 +21,18 @@ from hypothesis import strategies as st
 
 import msa.cuda.kl as gpu
 import msa.reference.kl as ref
-from msa.cuda._arrays import ArrayContext
 from msa.problems import make_problem
 from msa.reference.attention import dense_attention, sparse_attention
 from msa.reference.blocks import local_blocks, max_blocks, query_positions
 from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
-from msa.testing.backends import poison, to_numpy
+from msa.testing.backends import to_numpy
 from msa.testing.strategies import block_indices_for, problem_shapes, problems_with_indices
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
 VERSIONS = gpu.VERSIONS
 
 
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every array a launcher allocates without a fill value starts as poison (NaN)."""
-    empty = ArrayContext.empty
-
-    def poisoned(self, shape, dtype, fill=None):
-        out = empty(self, shape, dtype, fill)
-        if fill is None and int(np.prod(shape)):
-            poison(out)
-        return out
-
-    monkeypatch.setattr(ArrayContext, "empty", poisoned)
 
 
 # --- inputs -----------------------------------------------------------------------------------

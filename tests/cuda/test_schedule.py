@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from msa.cuda import csr as gpu_csr
 from msa.cuda import schedule as gpu
-from msa.cuda._arrays import SIMULATOR, ArrayContext
+from msa.cuda._arrays import SIMULATOR
 from msa.reference.blocks import block_row_offsets
 from msa.reference.csr import build_csr
 from msa.reference.schedule import build_schedule
 from msa.reference.select import fixed_blocks
-from msa.testing.backends import poison_value, to_numpy
+from msa.testing.backends import to_numpy
 from msa.testing.strategies import seq_lens
 
 
@@ -30,18 +30,6 @@ def cu(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every array a launcher allocates without a fill value starts as poison."""
-    empty = ArrayContext.empty
-
-    def poisoned(self, shape, dtype, fill=None):
-        out = empty(self, shape, dtype, fill)
-        if fill is None and int(np.prod(shape)):
-            self._fill(out, poison_value(dtype))  # works for NumPy, CuPy and Numba arrays
-        return out
-
-    monkeypatch.setattr(ArrayContext, "empty", poisoned)
 
 
 def random_row_ptr(lk, bk, hkv, seed, *, hot_rows=0):

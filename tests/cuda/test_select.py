@@ -11,7 +11,7 @@ kernel as a Python thread and each shuffle as a rendezvous of 32 of them.
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 
 import msa.cuda.index as cuda_index
 import msa.cuda.select as cuda_select
@@ -21,9 +21,17 @@ from msa.problems import make_problem
 from msa.reference.blocks import local_blocks, max_blocks
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import select_problems
+from msa.cuda._arrays import SIMULATOR
+from msa.cuda._memops import is_aligned16
 from msa.testing.tolerance import assert_exact
 
 VERSIONS = cuda_select.VERSIONS
+
+
+def _fewer_in_simulator(n):
+    """At most ``n`` hypothesis examples under the simulator (32 Python threads a warp, a
+    rendezvous a shuffle); the profile's count on a GPU."""
+    return settings(max_examples=n) if SIMULATOR else (lambda test: test)
 
 
 def _cu(lens):
@@ -33,12 +41,15 @@ def _cu(lens):
 def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
     """M [Hkv, Tq, NB] of one kind: ``distinct`` (a permutation), ``ties`` (values in {0, 1, 2}),
     ``garbage`` (ties plus -inf, NaN and +inf anywhere, finite values on future blocks) or
-    ``realistic`` (distinct on visible blocks, -inf after the local block, as block_scores)."""
+    ``realistic`` (distinct on visible blocks, -inf after the local block, as block_scores) or
+    ``ascending`` (each block beats every earlier one: the most insertions)."""
     rng = np.random.default_rng(seed)
     tq, nb = int(cu_q[-1]), max_blocks(cu_k, block_size)
     shape = (hkv, tq, nb)
     if kind in ("distinct", "realistic"):
         M = (rng.permutation(hkv * tq * nb).reshape(shape) - hkv * tq * nb // 2) / 8.0
+    elif kind == "ascending":
+        M = np.broadcast_to(np.arange(nb, dtype=np.float64), shape).copy()
     else:
         M = rng.integers(0, 3, shape).astype(np.float64)
     if kind == "garbage":
@@ -58,28 +69,44 @@ def _check(M, cu_q, cu_k, topk, block_size, version):
     assert_exact(got, want, name=f"select_blocks[{version}]")
 
 
-# (seq_lens_q, seq_lens_k, Hkv, block_size, topk, kind, dtype); at most ~40 (query, group) rows.
+# (seq_lens_q, seq_lens_k, Hkv, block_size, topk, kind, dtype); at most ~20 (query, group) rows
+# (each row of a warp kernel is 32 Python threads in the simulator). NB % 4 == 0 float32 rows
+# take warp2's 128-bit loads, the others its scalar loads; rows of more than 512 candidates
+# hold a full warp2 batch and a partial one.
 TABLE = {
     "T=1": ([1], [1], 2, 16, 4, "distinct", np.float32),
     "decode-Lq=1": ([1], [200], 2, 16, 4, "realistic", np.float32),
-    "T-not-multiple-of-Bk": ([37], [37], 1, 8, 3, "realistic", np.float32),
-    "NB<K": ([20], [20], 1, 8, 6, "distinct", np.float32),
-    "Hkv=1-G=1": ([12], [12], 1, 4, 3, "ties", np.float32),
-    "varlen-empty-seq": ([5, 0, 12], [40, 3, 12], 2, 4, 4, "distinct", np.float32),
-    "Lq<Lk": ([8], [64], 2, 8, 5, "realistic", np.float32),
-    "K=1": ([10], [40], 2, 8, 1, "distinct", np.float32),
-    "ties": ([10], [48], 2, 4, 5, "ties", np.float32),
-    "garbage-nan-inf-future": ([12], [40], 2, 4, 4, "garbage", np.float32),
-    "float64": ([8], [40], 2, 4, 4, "ties", np.float64),
-    "K=64-wide": ([2], [600], 1, 8, 64, "ties", np.float32),
-    "K=33-two-winners-per-lane": ([2], [400], 1, 8, 33, "distinct", np.float32),
+    "T-not-multiple-of-Bk": ([9], [37], 1, 8, 3, "realistic", np.float32),
+    "NB<K": ([6], [20], 1, 8, 6, "distinct", np.float32),
+    "Hkv=1-G=1": ([6], [12], 1, 4, 3, "ties", np.float32),
+    "varlen-empty-seq": ([3, 0, 4], [40, 3, 12], 2, 4, 4, "distinct", np.float32),
+    "Lq<Lk": ([4], [64], 2, 8, 5, "realistic", np.float32),
+    "K=1": ([3], [40], 2, 8, 1, "distinct", np.float32),
+    "ties": ([4], [48], 2, 4, 5, "ties", np.float32),
+    "garbage-nan-inf-future": ([6], [40], 2, 4, 4, "garbage", np.float32),
+    "garbage-NB%4=0": ([4], [64], 2, 4, 7, "garbage", np.float32),
+    "float64": ([4], [40], 2, 4, 4, "ties", np.float64),
+    "float16": ([3], [60], 2, 4, 4, "distinct", np.float16),
+    "K=64-wide-NB=516": ([1], [4128], 1, 8, 64, "ties", np.float32),
+    "K=33-two-winners-per-lane": ([1], [400], 1, 8, 33, "ties", np.float32),
     "long-row-NB=700": ([2], [700], 1, 1, 16, "ties", np.float32),
+    "ascending-every-block-inserted": ([1], [72], 1, 1, 16, "ascending", np.float32),
 }
 
 
+# The paper's rung ``warp`` runs every case on a GPU; the simulator keeps it to the cases about
+# its own logic (heap sizes, merge rounds, ties, -inf/NaN): the others are about the row mapping
+# and loads, which warp2 covers there.
+_WARP_IN_SIMULATOR = {"T=1", "NB<K", "Hkv=1-G=1", "K=1", "ties", "garbage-nan-inf-future",
+                      "K=64-wide-NB=516", "K=33-two-winners-per-lane"}
+
+
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("lq,lk,hkv,block_size,topk,kind,dtype", TABLE.values(), ids=TABLE.keys())
-def test_select_blocks_table(lq, lk, hkv, block_size, topk, kind, dtype, version):
+@pytest.mark.parametrize("case", TABLE.keys())
+def test_select_blocks_table(case, version):
+    if SIMULATOR and version == "warp" and case not in _WARP_IN_SIMULATOR:
+        pytest.skip("the simulator runs the warp rung on fewer cases (a GPU runs them all)")
+    lq, lk, hkv, block_size, topk, kind, dtype = TABLE[case]
     cu_q, cu_k = _cu(lq), _cu(lk)
     M = _scores(kind, hkv, cu_q, cu_k, block_size, seed=len(lk) + topk, dtype=dtype)
     _check(M, cu_q, cu_k, topk, block_size, version)
@@ -87,19 +114,38 @@ def test_select_blocks_table(lq, lk, hkv, block_size, topk, kind, dtype, version
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_select_blocks_hand_written_rows(version):
-    # Query at position 23 of 24 keys, Bk = 4: local block 5; blocks 0..4 are candidates.
-    cu = _cu([24])
+    # One query at position 23 of 24 keys, Bk = 4: local block 5; blocks 0..4 are candidates.
+    cu_q, cu_k = _cu([1]), _cu([24])
     rows = {
         (9.0, 1.0, -5.0, 2.0, 0.0, 7.0): [0, 3, 5],  # local forced although it scores low
         (7.0, 7.0, 7.0, 7.0, 7.0, 7.0): [0, 1, 5],  # all tied: the smaller ids
         (np.nan, -np.inf, np.inf, 0.0, 1.0, 0.0): [2, 4, 5],  # NaN/-inf never, +inf first
         (np.nan, np.nan, -np.inf, np.nan, -np.inf, 0.0): [5, -1, -1],  # no candidate at all
     }
-    M = np.zeros((1, 24, 6), np.float32)
+    M = np.zeros((1, 1, 6), np.float32)
     for scores, want in rows.items():
-        M[0, 23] = scores
-        got = to_numpy(cuda_select.select_blocks(M, cu, cu, 3, 4, version=version))
-        np.testing.assert_array_equal(got[23, 0], want)
+        M[0, 0] = scores
+        got = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, 3, 4, version=version))
+        np.testing.assert_array_equal(got[0, 0], want)
+
+
+def test_select_blocks_warp2_unaligned_scores():
+    # float32 rows with NB % 4 == 0 whose data is not 16-byte aligned: no 128-bit loads.
+    cu_q, cu_k = _cu([3]), _cu([64])
+    M = _scores("ties", 1, cu_q, cu_k, 4, seed=5)  # NB = 16
+    buf = np.zeros(M.size + 1, np.float32)
+    buf[1:] = M.ravel()
+    if SIMULATOR:
+        view = buf[1:].reshape(M.shape)
+    else:
+        from numba import cuda
+
+        view = cuda.to_device(buf)[1:].reshape(M.shape)
+        cu_q, cu_k = cuda.to_device(cu_q), cuda.to_device(cu_k)
+    assert not is_aligned16(view)
+    want = ref_select.select_blocks(M, to_numpy(cu_q), to_numpy(cu_k), 5, 4)
+    got = to_numpy(cuda_select.select_blocks(view, cu_q, cu_k, 5, 4, version="warp2"))
+    assert_exact(got, want, name="select_blocks[warp2, unaligned]")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -110,10 +156,11 @@ def test_select_blocks_empty_batch(version):
     assert got.shape == (0, 3, 4) and got.dtype == np.int32
 
 
-_SMALL = dict(max_seqs=2, max_len=24, max_kv_heads=2, block_sizes=(1, 2, 4, 8), max_topk=9)
+_SMALL = dict(max_seqs=2, max_len=20, max_kv_heads=2, block_sizes=(1, 2, 4, 8), max_topk=9)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+@_fewer_in_simulator(4)
 @given(prob=select_problems(ties=False, **_SMALL))
 @example(prob=dict(block_scores=np.array([[[0.5, -0.5, 0.0]]], np.float32), cu_seqlens_q=_cu([1]),
                    cu_seqlens_k=_cu([3]), topk=2, block_size=1))
@@ -123,6 +170,7 @@ def test_select_blocks_distinct_scores_exact(version, prob):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+@_fewer_in_simulator(4)
 @given(prob=select_problems(ties=True, **_SMALL))
 def test_select_blocks_ties_exact(version, prob):
     _check(prob["block_scores"], prob["cu_seqlens_q"], prob["cu_seqlens_k"], prob["topk"],
@@ -212,15 +260,20 @@ def _index_problem(lq, lk, hkv, d_idx, block_size, seed):
 
 
 FUSED = {
-    "fp32-v1-varlen": ([5, 9], [40, 9], 2, 8, 8, 3, np.float32),
-    "fp16-tc-Lq<Lk": ([6], [70], 2, 16, 8, 4, np.float16),
-    "fp16-tc-NB<K": ([20], [20], 1, 16, 16, 4, np.float16),
+    "fp32-v1-varlen": ([3, 9], [40, 9], 2, 8, 8, 3, np.float32),
+    "fp16-tc-Lq<Lk-Bk=8": ([4], [70], 2, 16, 8, 4, np.float16),
+    "fp16-tc2-NB<K": ([12], [20], 1, 16, 16, 4, np.float16),
+    "fp16-tc2-varlen-Didx=32": ([2, 3], [40, 5], 2, 32, 16, 3, np.float16),
 }
 
 
 def _fused_versions(dtype, d_idx, block_size):
     tc = np.dtype(dtype) == np.float16 and d_idx % 16 == 0 and block_size % 8 == 0
-    return [("chunked", None), ("chunked", 1)] + ([("heap", None)] if tc else [])
+    tc2 = tc and block_size % 16 == 0
+    # chunked with the default budget (one chunk) and with many chunks; the tensor-core cases
+    # only with many, as the float32 case covers the single chunk
+    chunked = [("chunked", 1)] if tc else [("chunked", None), ("chunked", 1)]
+    return chunked + ([("heap", None)] if tc else []) + ([("heap2", None)] if tc2 else [])
 
 
 @pytest.mark.parametrize("lq,lk,hkv,d_idx,block_size,topk,dtype", FUSED.values(), ids=FUSED.keys())
@@ -239,12 +292,12 @@ def test_select_blocks_fused_matches_reference_up_to_near_ties(lq, lk, hkv, d_id
 @pytest.mark.parametrize("topk", [1, 17])
 def test_select_blocks_fused_versions_equal_the_two_stages(topk):
     # Same block scores (same kernels, same order of arithmetic), hence the same selection.
-    q64, k64, cu_q, cu_k = _index_problem([7, 0, 12], [70, 5, 12], 2, 16, 8, seed=3)
+    q64, k64, cu_q, cu_k = _index_problem([3, 0, 4], [40, 5, 12], 2, 16, 16, seed=3)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
-    M = cuda_index.block_scores(q, k, cu_q, cu_k, 8)
-    want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, topk, 8))
-    for version, budget in (("chunked", 1), ("heap", None)):
-        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, 8, version=version,
+    M = cuda_index.block_scores(q, k, cu_q, cu_k, 16)
+    want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, topk, 16))
+    for version, budget in (("chunked", 1), ("heap", None), ("heap2", None)):
+        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, 16, version=version,
                                               memory_budget=budget)
         assert_exact(to_numpy(got), want, name=f"fused[{version}]")
 
@@ -260,6 +313,9 @@ def test_select_blocks_fused_rejects_bad_input():
         cuda_select.select_blocks_fused(q, k.astype(np.float64), cu_q, cu_k, 2, 4)
     with pytest.raises(ValueError, match="version 'heap'"):
         cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version="heap")
+    with pytest.raises(ValueError, match="version 'heap2'"):
+        cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
+                                        2, 8, version="heap2")  # Bk % 16 != 0
     with pytest.raises(ValueError, match="version"):
         cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version="v1")
 
@@ -287,12 +343,13 @@ def test_select_blocks_fused_production_sizes_bf16():
     M64 = ref_index.block_scores(qf.astype(np.float64), kf.astype(np.float64), cu_q, cu_k, 128)
     M32 = ref_index.block_scores(qf, kf, cu_q, cu_k, 128)
     results = {}
-    for version, budget in (("chunked", 1 << 20), ("heap", None)):
+    for version, budget in (("chunked", 1 << 20), ("heap", None), ("heap2", None)):
         got = cuda_select.select_blocks_fused(q, k, cq, ck, 16, 128, version=version,
                                               memory_budget=budget)
         _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, 16, 128)
         results[version] = got.cpu().numpy()
     assert_exact(results["heap"], results["chunked"], name="heap vs chunked")
+    assert_exact(results["heap2"], results["chunked"], name="heap2 vs chunked")
 
 
 @pytest.mark.big
@@ -302,4 +359,5 @@ def test_select_blocks_rows_of_every_length():
     cu = _cu([300])
     M = rng.standard_normal((3, 300, 300)).astype(np.float32)
     for topk in (1, 2, 31, 32, 33, 64):
-        _check(M, cu, cu, topk, 1, "warp")
+        for version in ("warp", "warp2"):
+            _check(M, cu, cu, topk, 1, version)
