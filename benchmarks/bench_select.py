@@ -9,13 +9,15 @@
    Bytes read = 4 * rows * NB (rows = 4 * 65536); GB/s = bytes / time; fraction of the H200's
    4.26 TB/s device copy.
 2. Index + top-k (eq 6-7), Hkv = 4, Didx = 128, bf16, K = 16, Bk = 128, one causal sequence of N
-   tokens (Lq = Lk = N): ``msa.cuda.select.select_blocks_fused``, version ``heap`` (one tensor-core
-   kernel, block maxima straight into per-row heaps, M never written) and ``chunked`` (tensor-core
-   block scores of a chunk of queries, then the warp top-k) against the PyTorch pipeline a user would
-   write (bf16 matmul, causal mask, block max, forced local block, topk), chunked over queries to
-   fit, at N in {32K, 128K}; ours alone at 1M. FLOPs = Hkv * Didx * N^2 (paper eq 12's index
+   tokens (Lq = Lk = N): ``msa.cuda.select.select_blocks_fused``, every version: ``heap``/``heap2``
+   (one tensor-core kernel, block maxima straight into per-row heaps, M never written; heap2 on the
+   cp.async/ldmatrix kernel tc2) and ``chunked`` (tensor-core block scores of a chunk of queries,
+   then the default top-k) against the PyTorch pipeline a user would write (bf16 matmul, causal
+   mask, block max, forced local block, topk), chunked over queries to fit, at N in {32K, 128K};
+   ours alone (heap, heap2) at 1M. FLOPs = Hkv * Didx * N^2 (paper eq 12's index
    term: 2 flops per multiply-add over the causal half); TFLOP/s = FLOPs / time. The two stages
-   are also timed apart at 128K (``block_scores`` writing the whole M, then ``select_blocks``).
+   are also timed apart at 128K (``block_scores`` tc and tc2 writing the whole M, then every
+   ``select_blocks`` version but v1 on it).
 
 Correctness comes first: top-k rows are compared by their scores with ``torch.topk``'s (exact,
 tie-proof); index + top-k rows are checked on a sample of queries against float64 block scores:
@@ -218,7 +220,7 @@ def bench_index(n, with_torch=True):
         except Exception as exc:
             row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
         out.append(row)
-    for version in ("heap",) if heavy else ("heap", "chunked"):
+    for version in ("heap", "heap2") if heavy else S.FUSED_VERSIONS:
         row = dict(case=case, impl=f"msa select_blocks_fused ({version})")
         try:
             fused = lambda: S.select_blocks_fused(q, k, cu, cu, TOPK, BK, version=version)  # noqa: E731
@@ -231,20 +233,33 @@ def bench_index(n, with_torch=True):
             row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
         out.append(row)
     if n == 131072:  # the two stages apart, M materialised (4 * N * NB * 4 bytes = 2 GiB)
-        row = dict(case=case, impl="msa block_scores (tc), M written")
-        try:
-            ms = cuda_time_ms(lambda: X.block_scores(q, k, cu, cu, BK), warmup=1, reps=reps)
-            row.update(ms=ms, TFLOPs=flops / ms / 1e9)
+        M = None
+        for kversion in ("tc", "tc2"):
+            row = dict(case=case, impl=f"msa block_scores ({kversion}), M written")
+            try:
+                ms = cuda_time_ms(lambda: X.block_scores(q, k, cu, cu, BK, version=kversion),
+                                  warmup=1, reps=reps)
+                row.update(ms=ms, TFLOPs=flops / ms / 1e9)
+                M = X.block_scores(q, k, cu, cu, BK, version=kversion)
+            except Exception as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}",
+                           trace=traceback.format_exc(limit=4))
             out.append(row)
-            M = X.block_scores(q, k, cu, cu, BK)
-            nbytes = 4 * M.numel() / 2  # a causal row reads the blocks before its local one
-            row = dict(case=case, impl="msa select_blocks (warp) on that M")
-            ms = cuda_time_ms(lambda: S.select_blocks(M, cu, cu, TOPK, BK), reps=reps)
-            row.update(ms=ms, GBps=nbytes / ms / 1e6, frac_hbm=nbytes / ms / 1e9 / HBM_COPY_TBPS)
-            del M
-        except Exception as exc:
-            row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
-        out.append(row)
+        nbytes = 4 * HKV * n * (n // BK) / 2  # a causal row reads the blocks before its local one
+        for version in S.VERSIONS if M is not None else ():
+            if version == "v1":
+                continue
+            row = dict(case=case, impl=f"msa select_blocks ({version}) on that M")
+            try:
+                ms = cuda_time_ms(lambda: S.select_blocks(M, cu, cu, TOPK, BK, version=version),
+                                  reps=reps)
+                row.update(ms=ms, GBps=nbytes / ms / 1e6,
+                           frac_hbm=nbytes / ms / 1e9 / HBM_COPY_TBPS)
+            except Exception as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}",
+                           trace=traceback.format_exc(limit=4))
+            out.append(row)
+        del M
     del q, k
     torch.cuda.empty_cache()
     return out

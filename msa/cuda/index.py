@@ -26,10 +26,22 @@ tc     ``_block_scores_kernel_tc``    tensor cores (``mma.sync.m16n8k16``, fp32 
                                       the kernel needs no shuffle and no extra barrier. With a
                                       top-k epilogue instead of the store, the same kernel is
                                       ``msa.cuda.select.select_blocks_fused(version="heap")``.
+tc2    ``_block_scores_kernel_tc2``   tc with the key chunks double-buffered: ``cp.async``
+                                      copies chunk c + 1 into shared memory (16-byte pieces,
+                                      no registers) while chunk c is multiplied, one barrier a
+                                      chunk (tc waits for a copy through registers, one load
+                                      at a time, between two barriers); B fragments by
+                                      ``ldmatrix.x4`` (two n-tiles a load, a quarter of tc's
+                                      shared loads); the quad's partial maxima combined by two
+                                      shuffles, in tc's order, so the results are equal bit for
+                                      bit. Needs ``Bk % 16 == 0`` and 16-byte aligned
+                                      ``k_idx`` (else the default is tc).
+                                      ``select_blocks_fused(version="heap2")`` is its top-k.
 =====  =============================  ==========================================================
 
 Tensor cores are reached through ``msa.cuda._mma`` (inline PTX ``mma.sync``; under the
-simulator, or with ``MSA_MMA=twin``, its pure-Numba twin with the same per-lane contract).
+simulator, or with ``MSA_MMA=twin``, its pure-Numba twin with the same per-lane contract);
+``cp.async`` and ``ldmatrix`` through ``msa.cuda._memops`` (simulator twins alike).
 
 Sequence positions follow ``msa.reference.blocks``: query ``t`` of sequence ``s`` sits at key
 position ``Lk - Lq + (t - cu_seqlens_q[s])`` and sees the keys ``0..pos`` of its sequence.
@@ -45,13 +57,26 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, float32, float64, int32, types, uint32
 
-from .._checks import (FLOAT_DTYPES, check_array, check_cu_seqlens, check_positive_int,
-                       check_scale, dtype_of)
+from .._checks import (
+    FLOAT_DTYPES,
+    check_array,
+    check_cu_seqlens,
+    check_positive_int,
+    check_scale,
+    dtype_of,
+)
 from ..reference.blocks import max_blocks
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._memops import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_all,
+    is_aligned16,
+    ldmatrix_x4,
+)
 from ._mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
 
-VERSIONS = ("v1", "tc")
+VERSIONS = ("v1", "tc", "tc2")
 POOLS = ("max", "mean")
 _THREADS_V1 = 128
 # Warps per CTA of the tensor-core kernel (16 (query, group) rows each). The simulator runs
@@ -374,6 +399,241 @@ def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool,
     return kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool, mean: bool,
+                             cap: int = 0):
+    """``_block_scores_kernel_tc`` with the key chunks double-buffered by ``cp.async`` (the copy
+    of chunk ``c + 1`` runs while chunk ``c`` is multiplied; one barrier a chunk), B fragments
+    by ``ldmatrix.x4`` (two n-tiles a load) and the quad's partial maxima combined by two
+    shuffles before they are staged. Same arguments, same results bit for bit (the same
+    products, sums and maxima in the same order). Needs ``Bk % 16 == 0`` and 16-byte aligned
+    ``k_idx`` (the launcher checks)."""
+    from .select import _offer  # here, not at the top: msa.cuda.select imports this module
+
+    fused = cap > 0
+    D2 = d_idx // 2  # uint32 words per row (two 16-bit values each)
+    KS = d_idx // 16  # k-steps of 16 features
+    KC = _key_chunk(block_size)
+    NT = KC // 8  # n-tiles of 8 keys per chunk (even: ldmatrix.x4 loads two)
+    NP = NT // 2
+    R = 16 * warps  # (query, group) rows per CTA
+    SK = D2 + 4  # padded shared row (16-byte multiple): an 8-row ldmatrix phase hits 32 banks
+    BUF = KC * SK  # words per key buffer
+    SK_WORDS = 2 * BUF  # two buffers
+    PROW = D2 // 4  # 16-byte pieces per key row
+    PIECES = KC * PROW
+    FB = _TC_FLUSH
+    SMW = FB + 1  # staged maxima per row, padded
+    NTHREADS = 32 * warps
+    mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
+    HCAP = max(cap, 1)
+
+    if SIMULATOR:  # the simulator has no alignment argument (and needs none)
+        @cuda.jit(device=True)
+        def key_buffers():
+            return cuda.shared.array(SK_WORDS, uint32)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def key_buffers():
+            """Two key chunks; 16-byte aligned for cp.async and ldmatrix."""
+            return cuda.shared.array(SK_WORDS, uint32, alignment=16)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_chunk(sk, k32, k_base, lk, j0, dst0, tid):
+        """Start copying keys ``j0 .. j0 + KC - 1`` of the sequence into the buffer at word
+        ``dst0`` (keys past the sequence read as zeros)."""
+        e = tid
+        while e < PIECES:
+            kr = e // PROW
+            kw = (e - kr * PROW) * 4
+            ok = j0 + kr < lk
+            src = (k_base + (j0 + kr if ok else 0)) * D2 + kw
+            cp_async16(sk, dst0 + kr * SK + kw, k32, src, 16 if ok else 0)
+            e += NTHREADS
+
+    @cuda.jit(**_TC_JIT_OPTIONS)
+    def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
+        sk = key_buffers()
+        sm = cuda.shared.array((R, SMW), float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        tq = lane & 3
+        hkv = q32.shape[1]
+        neg = float32(-math.inf)
+
+        seq = tiles[cuda.blockIdx.x, 0]
+        ta = tiles[cuda.blockIdx.x, 1]
+        tb = tiles[cuda.blockIdx.x, 2]
+        k_base = cu_k[seq]
+        lk = cu_k[seq + 1] - k_base
+        shift = lk - (cu_q[seq + 1] - cu_q[seq]) - cu_q[seq]  # pos = t + shift
+        p_first = ta + shift
+        p_last = tb - 1 + shift
+        b_last = p_last // block_size
+        if fused:
+            b_last -= 1
+
+        row_a = warp * 16 + g
+        row_b = row_a + 8
+        t_a = ta + row_a // hkv
+        t_b = ta + row_b // hkv
+        r_a = row_a % hkv
+        r_b = row_b % hkv
+        pos_a = t_a + shift if t_a < tb else -1
+        pos_b = t_b + shift if t_b < tb else -1
+
+        aq = cuda.local.array((KS, 4), uint32)
+        for ks in range(KS):
+            w = ks * 8 + tq
+            aq[ks, 0] = q32[t_a, r_a, w] if t_a < tb else uint32(0)
+            aq[ks, 1] = q32[t_b, r_b, w] if t_b < tb else uint32(0)
+            aq[ks, 2] = q32[t_a, r_a, w + 4] if t_a < tb else uint32(0)
+            aq[ks, 3] = q32[t_b, r_b, w + 4] if t_b < tb else uint32(0)
+        acc = cuda.local.array((NT, 4), float32)
+        # this lane's ldmatrix row: matrix lane // 8 is n-tile lane // 16, word half (lane // 8) % 2
+        lrow = ((lane >> 4) * 8 + (lane & 7)) * SK + ((lane >> 3) & 1) * 4
+
+        hs = cuda.local.array(HCAP, float32)
+        hi = cuda.local.array(HCAP, int32)
+        h_n = 0
+        h_rs = neg
+        h_ri = int32(0x7FFFFFFF)
+        kmax = topk - 1
+        own_t = ta + tid // hkv
+        own_loc = (own_t + shift) // block_size
+
+        # chunk c holds keys [c * KC, (c + 1) * KC) in buffer c % 2; chunk 0 starts here
+        if b_last >= 0:
+            copy_chunk(sk, k32, k_base, lk, 0, 0, tid)
+        cp_async_commit()
+
+        for bg in range(0, nb_total, FB):
+            if fused and bg > b_last:  # the same for the whole CTA
+                break
+            for bl in range(FB):
+                b = bg + bl
+                if b > b_last:  # the same for the whole CTA
+                    break
+                m_a = float32(0.0) if mean else neg
+                m_b = float32(0.0) if mean else neg
+                for kc0 in range(0, block_size, KC):
+                    j0 = b * block_size + kc0
+                    if j0 > p_last:  # past every row's position (the same for the whole CTA)
+                        break
+                    cur = ((j0 // KC) & 1) * BUF
+                    # chunk j0 has landed for every thread, and every warp is done with the
+                    # other buffer (the previous chunk): start the next chunk there
+                    cp_async_wait_all()
+                    cuda.syncthreads()
+                    jn = j0 + KC
+                    if jn <= p_last and jn // block_size <= b_last:
+                        copy_chunk(sk, k32, k_base, lk, jn, BUF - cur, tid)
+                    cp_async_commit()
+                    for ks in range(KS):
+                        for npair in range(NP):
+                            b0, b1, b2, b3 = ldmatrix_x4(sk, cur + lrow + npair * 16 * SK + ks * 8)
+                            nt = 2 * npair
+                            if ks == 0:  # the first k-step starts from zero (no zeroing moves)
+                                for e4 in range(4):
+                                    acc[nt, e4] = float32(0.0)
+                                    acc[nt + 1, e4] = float32(0.0)
+                            d0, d1, d2, d3 = mma(aq[ks, 0], aq[ks, 1], aq[ks, 2], aq[ks, 3], b0, b1,
+                                                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+                            acc[nt, 0] = d0
+                            acc[nt, 1] = d1
+                            acc[nt, 2] = d2
+                            acc[nt, 3] = d3
+                            d0, d1, d2, d3 = mma(aq[ks, 0], aq[ks, 1], aq[ks, 2], aq[ks, 3], b2, b3,
+                                                 acc[nt + 1, 0], acc[nt + 1, 1], acc[nt + 1, 2],
+                                                 acc[nt + 1, 3])
+                            acc[nt + 1, 0] = d0
+                            acc[nt + 1, 1] = d1
+                            acc[nt + 1, 2] = d2
+                            acc[nt + 1, 3] = d3
+                    masked = not fused and j0 + KC - 1 > p_first
+                    for nt in range(NT):
+                        j = j0 + nt * 8 + 2 * tq
+                        if mean:
+                            if not masked or j <= pos_a:
+                                m_a += acc[nt, 0]
+                            if not masked or j + 1 <= pos_a:
+                                m_a += acc[nt, 1]
+                            if not masked or j <= pos_b:
+                                m_b += acc[nt, 2]
+                            if not masked or j + 1 <= pos_b:
+                                m_b += acc[nt, 3]
+                        else:
+                            if not masked or j <= pos_a:
+                                m_a = _fmax(m_a, acc[nt, 0])
+                            if not masked or j + 1 <= pos_a:
+                                m_a = _fmax(m_a, acc[nt, 1])
+                            if not masked or j <= pos_b:
+                                m_b = _fmax(m_b, acc[nt, 2])
+                            if not masked or j + 1 <= pos_b:
+                                m_b = _fmax(m_b, acc[nt, 3])
+                # the quad's four partials, combined as tc combines them: (p0 . p1) . (p2 . p3)
+                for off in (1, 2):
+                    o_a = cuda.shfl_xor_sync(0xFFFFFFFF, m_a, off)
+                    o_b = cuda.shfl_xor_sync(0xFFFFFFFF, m_b, off)
+                    if mean:
+                        m_a = m_a + o_a if (tq & off) == 0 else o_a + m_a
+                        m_b = m_b + o_b if (tq & off) == 0 else o_b + m_b
+                    else:
+                        m_a = _fmax(m_a, o_a) if (tq & off) == 0 else _fmax(o_a, m_a)
+                        m_b = _fmax(m_b, o_b) if (tq & off) == 0 else _fmax(o_b, m_b)
+                if tq == 0:
+                    sm[row_a, bl] = m_a
+                    sm[row_b, bl] = m_b
+            cuda.syncthreads()
+            if fused:
+                if tid < R and own_t < tb and kmax > 0:
+                    for c in range(FB):
+                        b = bg + c
+                        if b < own_loc:
+                            h_n, h_rs, h_ri = _offer(hs, hi, h_n, kmax, h_rs, h_ri,
+                                                     sm[tid, c] * scale, b)
+            else:
+                e = tid
+                while e < R * FB:
+                    row = e // FB
+                    c = e - row * FB
+                    t = ta + row // hkv
+                    b = bg + c
+                    if t < tb and b < nb_total:
+                        value = neg
+                        if b <= b_last:
+                            if mean:
+                                n = min(block_size, t + shift - b * block_size + 1)
+                                if n > 0:
+                                    value = sm[row, c] * scale / float32(n)
+                            else:
+                                value = sm[row, c] * scale
+                        M[row % hkv, t - m_t0, b] = value
+                    e += NTHREADS
+            cuda.syncthreads()
+
+        if fused and tid < R and own_t < tb:
+            for a in range(1, h_n):
+                v = hi[a]
+                j = a
+                while j > 0 and hi[j - 1] > v:
+                    hi[j] = hi[j - 1]
+                    j -= 1
+                hi[j] = v
+            r = tid % hkv
+            for j in range(topk):
+                if j < h_n:
+                    out[own_t, r, j] = hi[j]
+                elif j == h_n:
+                    out[own_t, r, j] = own_loc
+                else:
+                    out[own_t, r, j] = -1
+
+    return kernel
+
+
 # -- launchers ----------------------------------------------------------------------------------
 
 def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, t0: int, t1: int, tile_queries: int, block_size):
@@ -434,15 +694,22 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     wide = kind == "float64"
     tc_ok = (kind in ("bf16", "float16") and d_idx % 16 == 0 and block_size % 8 == 0
              and hkv <= 16 * _TC_WARPS)
+    q = ctx.input("q_idx", q_idx)
+    k = ctx.input("k_idx", k_idx)
+    # tc2 copies 16-byte pieces of k_idx rows with cp.async and loads two n-tiles per ldmatrix
+    tc2_ok = tc_ok and block_size % 16 == 0 and is_aligned16(k)
     if version is None:
-        version = "tc" if tc_ok else "v1"
+        version = "tc2" if tc2_ok else "tc" if tc_ok else "v1"
     elif version == "tc" and not tc_ok:
         raise ValueError(
             f"version 'tc' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 8 == 0 and "
             f"Hkv <= {16 * _TC_WARPS}; got {kind}, Didx={d_idx}, block_size={block_size}, Hkv={hkv}")
-    q = ctx.input("q_idx", q_idx)
-    k = ctx.input("k_idx", k_idx)
-    if version == "tc":
+    elif version == "tc2" and not tc2_ok:
+        raise ValueError(
+            f"version 'tc2' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 16 == 0, "
+            f"Hkv <= {16 * _TC_WARPS} and k_idx data 16-byte aligned; got {kind}, Didx={d_idx}, "
+            f"block_size={block_size}, Hkv={hkv}, aligned={is_aligned16(k)}")
+    if version in ("tc", "tc2"):
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
     return SimpleNamespace(
@@ -477,8 +744,8 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
     tiles = _tiles(p.cu_q_host, p.cu_k_host, t0, t1, p.tile_queries, p.block_size)
     if tiles.shape[0] == 0:
         return
-    kernel = _block_scores_kernel_tc(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16", p.mean,
-                                     cap)
+    factory = _block_scores_kernel_tc2 if p.version == "tc2" else _block_scores_kernel_tc
+    kernel = factory(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16", p.mean, cap)
     tiles_dev = tiles if SIMULATOR else cuda.to_device(tiles)
     kernel[tiles.shape[0], 32 * _TC_WARPS](p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb,
                                            p.scale, M, topk, out)
@@ -513,8 +780,9 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
         block_size: ``Bk`` >= 1; block ``b`` holds key positions ``[b*Bk, min((b+1)*Bk, Lk))``.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
         pool: ``"max"`` (the paper) or ``"mean"`` (mean over the visible keys of the block).
-        version: a kernel of ``VERSIONS``; default the fastest that applies (``tc`` for
-            bf16/fp16 with ``Didx % 16 == 0`` and ``Bk % 8 == 0``, else ``v1``).
+        version: a kernel of ``VERSIONS``; default the fastest that applies (``tc2`` for
+            bf16/fp16 with ``Didx % 16 == 0``, ``Bk % 16 == 0`` and 16-byte aligned ``k_idx``
+            data; ``tc`` with ``Bk % 8 == 0``; else ``v1``).
 
     Returns:
         M [Hkv, Tq, NB] float32 (float64 for float64 inputs) in the caller's library,

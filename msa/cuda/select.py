@@ -4,8 +4,10 @@
 (integers): per (query ``t``, group ``r``) row, the local block ``L = floor(pos_t / Bk)``, the
 ``K - 1`` best candidates ``b < L`` by ``(score, -b)`` (a higher score first, ties to the smaller
 block id), ascending, ``-1`` padded. A candidate's score is read as given and neither ``-inf`` nor
-NaN; blocks ``b >= L`` are never read. ``select_blocks_fused`` runs the index branch end to end,
-``block_scores`` then ``select_blocks``, without ever holding the whole ``M [Hkv, Tq, NB]``.
+NaN; the scores of blocks ``b >= L`` are never used (``warp2`` may load some of them with the
+128-bit loads of their group of 4, never past the row's end). ``select_blocks_fused`` runs the
+index branch end to end, ``block_scores`` then ``select_blocks``, without ever holding the whole
+``M [Hkv, Tq, NB]``.
 
 Versions (every one tested against the reference; the default is the fastest):
 
@@ -16,6 +18,21 @@ warp   ``_select_kernel_warp``    paper §4.1: one warp per row; each lane scans
                                   its root cached in registers, sorts it best first, then K-1
                                   shuffle rounds pick the warp's best and its owner pops; the
                                   winners are ranked by id with K-1 more shuffles
+warp2  ``_select_kernel_warp2``   one warp per row, one list for the whole warp: lane ``j``
+                                  holds the row's ``j``-th best so far (and ``32 + j`` for
+                                  K > 33), sorted best first; the last entry is the threshold.
+                                  A batch is 16 scores a lane (four 128-bit loads for float32
+                                  rows with NB % 4 == 0 and 16-byte aligned data); one
+                                  comparison a score and a vote reject it unless some lane
+                                  holds a score >= the threshold. Then, slot by slot, a ballot
+                                  names the lanes that beat the threshold, and each in turn is
+                                  inserted (shuffled down the list in one step), the threshold
+                                  rising after each insertion. The heap of ``warp`` is
+                                  divergent (each lane sifts at its own time, in local memory)
+                                  and each lane must keep its own K - 1 best; here the warp
+                                  shares one threshold, so on random scores a row of N
+                                  candidates costs about ``(K-1) ln(N / (K-1))`` insertions in
+                                  all, each a few warp-uniform instructions
 =====  =========================  ==============================================================
 
 Fused index + top-k (``select_blocks_fused``):
@@ -28,6 +45,8 @@ heap     one kernel (``msa.cuda.index``'s tensor-core kernel with a top-k epilog
          streams its sequence's KV blocks for a tile of (query, group) rows through
          ``mma.sync``, and each block maximum goes straight into the row's (K-1)-entry heap,
          owned by one thread; M is never written. bf16/fp16 with Didx % 16 == 0, Bk % 8 == 0.
+heap2    the same epilogue on ``msa.cuda.index``'s ``tc2`` kernel (key chunks double-buffered
+         by ``cp.async``, B fragments by ``ldmatrix``). Bk % 16 == 0, k_idx 16-byte aligned.
 =======  ====================================================================================
 """
 
@@ -41,8 +60,10 @@ from numba import cuda, float32, float64, int32
 
 from .._checks import check_array, check_cu_seqlens, check_positive_int, cu_to_host, dtype_of
 from ..reference.blocks import max_blocks
-from ._arrays import SIMULATOR, ArrayContext
 from . import index as _index
+from ._arrays import SIMULATOR, ArrayContext
+from ._memops import is_aligned16, load_f32x4
+from ._warp import warp_sort_desc
 from .index import _POISON, _query_position
 
 if SIMULATOR:
@@ -50,9 +71,10 @@ if SIMULATOR:
 
     _install_simwarp()
 
-VERSIONS = ("v1", "warp")
-DEFAULT_VERSION = "warp"
-FUSED_VERSIONS = ("chunked", "heap")
+VERSIONS = ("v1", "warp", "warp2")
+DEFAULT_VERSION = "warp2"
+FUSED_VERSIONS = ("chunked", "heap", "heap2")
+_FUSED_KERNEL = {"heap": "tc", "heap2": "tc2"}  # msa.cuda.index kernel of each one-kernel version
 MAX_TOPK = 64  # heap capacity of the kernels: K - 1 <= 63 entries per lane
 FULL_MASK = 0xFFFFFFFF
 _NO_BLOCK = 0x7FFFFFFF  # id of "no candidate": loses every tie against a real block
@@ -318,6 +340,229 @@ def _select_kernel_warp(cap: int, wide: bool):
     return kernel
 
 
+# -- warp2: one warp-wide sorted list, a shared threshold and 128-bit loads ---------------------
+
+_W2_SLOTS = 16  # scores per lane per batch: four groups of 4 (one float4 each when vectorised)
+
+
+@cuda.jit(device=True, inline=True)
+def _insert_narrow(cs, ci, lane, ls, li):
+    """Insert ``(cs, ci)`` into the warp's list (lane ``j`` holds its ``j``-th best entry):
+    entries worse than the candidate move down one lane. Every lane calls it (shuffles)."""
+    ps = cuda.shfl_up_sync(FULL_MASK, ls, 1)
+    pi = cuda.shfl_up_sync(FULL_MASK, li, 1)
+    if _better(cs, ci, ls, li):
+        if lane > 0 and _better(cs, ci, ps, pi):
+            ls = ps
+            li = pi
+        else:
+            ls = cs
+            li = ci
+    return ls, li
+
+
+@cuda.jit(device=True, inline=True)
+def _insert_wide(cs, ci, lane, ls, li, ls2, li2):
+    """``_insert_narrow`` for a 64-entry list: lane ``j`` holds entries ``j`` (ls, li) and
+    ``32 + j`` (ls2, li2); entry 32's predecessor is entry 31 (lane 31's first)."""
+    src = (lane + 31) & 31
+    ps = cuda.shfl_sync(FULL_MASK, ls, src)
+    pi = cuda.shfl_sync(FULL_MASK, li, src)
+    ps2 = cuda.shfl_sync(FULL_MASK, ls2, src)
+    pi2 = cuda.shfl_sync(FULL_MASK, li2, src)
+    if lane == 0:
+        ps2 = ps
+        pi2 = pi
+    if _better(cs, ci, ls2, li2):
+        if _better(cs, ci, ps2, pi2):
+            ls2 = ps2
+            li2 = pi2
+        else:
+            ls2 = cs
+            li2 = ci
+    if _better(cs, ci, ls, li):
+        if lane > 0 and _better(cs, ci, ps, pi):
+            ls = ps
+            li = pi
+        else:
+            ls = cs
+            li = ci
+    return ls, li, ls2, li2
+
+
+@cuda.jit(device=True, inline=True)
+def _load4_vec(M, flat, r, i, b, step, loc, full):
+    """Scores of blocks ``b .. b+3`` (``step`` is 1) of row ``flat`` in one 128-bit load; blocks
+    ``>= loc`` read as -inf (``b`` is a multiple of 4 and NB % 4 == 0: never past the row)."""
+    neg = float32(-math.inf)
+    if full:
+        return load_f32x4(M, flat + b)
+    if b >= loc:
+        return neg, neg, neg, neg
+    s0, s1, s2, s3 = load_f32x4(M, flat + b)
+    return (s0, s1 if b + 1 < loc else neg, s2 if b + 2 < loc else neg,
+            s3 if b + 3 < loc else neg)
+
+
+def _make_load4_scalar(F):
+    @cuda.jit(device=True, inline=True)
+    def load4(M, flat, r, i, b, step, loc, full):
+        """Scores of blocks ``b + e * step`` (e < 4), -inf from ``loc`` on."""
+        neg = F(-math.inf)
+        s0 = F(M[r, i, b]) if full or b < loc else neg
+        s1 = F(M[r, i, b + step]) if full or b + step < loc else neg
+        s2 = F(M[r, i, b + 2 * step]) if full or b + 2 * step < loc else neg
+        s3 = F(M[r, i, b + 3 * step]) if full or b + 3 * step < loc else neg
+        return s0, s1, s2, s3
+
+    return load4
+
+
+@functools.lru_cache(maxsize=None)
+def _select_kernel_warp2(wide_list: bool, wide: bool, vec: bool):
+    """One warp per (t, r) row; the K - 1 best are one list across the warp, sorted best first
+    (``wide_list``: 64 entries, two per lane; else 32). ``wide``: float64 scores; ``vec``:
+    float32 scores read by 128-bit loads (NB % 4 == 0 and 16-byte aligned data)."""
+    F = float64 if wide else float32
+    load4 = _load4_vec if vec else _make_load4_scalar(F)
+    # A batch is 16 scores a lane: group u (0..3) of lane l holds blocks g + e * STEP (e < 4),
+    # g = b0 + 128 u + LANE_MUL l: four consecutive blocks (one float4) or four strided ones.
+    STEP = 1 if vec else 32
+    LANE_MUL = 4 if vec else 1
+    BATCH = 32 * _W2_SLOTS
+
+    if wide_list:
+        @cuda.jit(device=True, inline=True)
+        def insert(cs, ci, lane, ls, li, ls2, li2):
+            return _insert_wide(cs, ci, lane, ls, li, ls2, li2)
+
+        @cuda.jit(device=True, inline=True)
+        def threshold(kmax, ls, li, ls2, li2):
+            return (cuda.shfl_sync(FULL_MASK, ls2, kmax - 33),
+                    cuda.shfl_sync(FULL_MASK, li2, kmax - 33))
+    else:
+        @cuda.jit(device=True, inline=True)
+        def insert(cs, ci, lane, ls, li, ls2, li2):
+            ls, li = _insert_narrow(cs, ci, lane, ls, li)
+            return ls, li, ls2, li2
+
+        @cuda.jit(device=True, inline=True)
+        def threshold(kmax, ls, li, ls2, li2):
+            return cuda.shfl_sync(FULL_MASK, ls, kmax - 1), cuda.shfl_sync(FULL_MASK, li, kmax - 1)
+
+    @cuda.jit(device=True, inline=True)
+    def drain(s, b, lane, kmax, ls, li, ls2, li2, ts, ti):
+        """Insert, lane by lane, the scores ``(s, b)`` of one slot that beat the list's last
+        entry ``(ts, ti)``; the threshold rises after each insertion, so later lanes are tested
+        again against it."""
+        b = int32(b)  # ids travel as one 32-bit register
+        m = cuda.ballot_sync(FULL_MASK, _better(s, b, ts, ti))
+        while m != 0:
+            src = cuda.ffs(m) - 1
+            cs = cuda.shfl_sync(FULL_MASK, s, src)
+            ci = cuda.shfl_sync(FULL_MASK, b, src)
+            ls, li, ls2, li2 = insert(cs, ci, lane, ls, li, ls2, li2)
+            ts, ti = threshold(kmax, ls, li, ls2, li2)
+            m = cuda.ballot_sync(FULL_MASK, lane > src and _better(s, b, ts, ti))
+        return ls, li, ls2, li2, ts, ti
+
+    @cuda.jit(device=True, inline=True)
+    def drain4(s0, s1, s2, s3, g, lane, kmax, ls, li, ls2, li2, ts, ti):
+        ls, li, ls2, li2, ts, ti = drain(s0, g, lane, kmax, ls, li, ls2, li2, ts, ti)
+        ls, li, ls2, li2, ts, ti = drain(s1, g + STEP, lane, kmax, ls, li, ls2, li2, ts, ti)
+        ls, li, ls2, li2, ts, ti = drain(s2, g + 2 * STEP, lane, kmax, ls, li, ls2, li2, ts, ti)
+        ls, li, ls2, li2, ts, ti = drain(s3, g + 3 * STEP, lane, kmax, ls, li, ls2, li2, ts, ti)
+        return ls, li, ls2, li2, ts, ti
+
+    @cuda.jit
+    def kernel(M, cu_q, cu_k, t_begin, topk, block_size, out):
+        lane = cuda.threadIdx.x & 31
+        row = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
+        hkv = M.shape[0]
+        c = M.shape[1]
+        if row >= c * hkv:  # the whole warp leaves together
+            return
+        i = row // hkv
+        r = row - i * hkv
+        t = t_begin + i
+        pos = _query_position(cu_q, cu_k, t)[1]
+        loc = pos // block_size
+        kmax = topk - 1
+        flat = (r * c + i) * M.shape[2]
+
+        # The list starts as sentinels (-inf, -1), which no candidate ties and every score > -inf
+        # beats; so -inf and NaN never enter. (ts, ti) is its last entry, the score to beat. A
+        # batch costs one comparison per score until some lane has a score >= ts. Lanes past
+        # the list (j >= kmax) hold values that are never read.
+        ls = F(-math.inf)
+        li = int32(-1)
+        ls2 = F(-math.inf)
+        li2 = int32(-1)
+        ts = F(-math.inf)
+        ti = int32(-1)
+        if kmax > 0:
+            b0 = 0
+            while b0 < loc:
+                full = b0 + BATCH <= loc
+                g0 = b0 + LANE_MUL * lane
+                g1 = g0 + 128
+                g2 = g0 + 256
+                g3 = g0 + 384
+                a0, a1, a2, a3 = load4(M, flat, r, i, g0, STEP, loc, full)
+                c0, c1, c2, c3 = load4(M, flat, r, i, g1, STEP, loc, full)
+                d0, d1, d2, d3 = load4(M, flat, r, i, g2, STEP, loc, full)
+                e0, e1, e2, e3 = load4(M, flat, r, i, g3, STEP, loc, full)
+                if b0 == 0:
+                    # The first slot of every lane (32 distinct blocks) seeds the list in one
+                    # bitonic sort instead of 32 insertions; -inf and NaN become sentinels.
+                    ok = a0 > F(-math.inf)
+                    ls, li = warp_sort_desc(a0 if ok else F(-math.inf),
+                                            int32(g0) if ok else int32(-1))
+                    ts, ti = threshold(kmax, ls, li, ls2, li2)
+                    a0 = F(-math.inf)  # consumed
+                hit = ((a0 >= ts) | (a1 >= ts) | (a2 >= ts) | (a3 >= ts)
+                       | (c0 >= ts) | (c1 >= ts) | (c2 >= ts) | (c3 >= ts)
+                       | (d0 >= ts) | (d1 >= ts) | (d2 >= ts) | (d3 >= ts)
+                       | (e0 >= ts) | (e1 >= ts) | (e2 >= ts) | (e3 >= ts))
+                if cuda.any_sync(FULL_MASK, hit):
+                    ls, li, ls2, li2, ts, ti = drain4(a0, a1, a2, a3, g0, lane, kmax,
+                                                      ls, li, ls2, li2, ts, ti)
+                    ls, li, ls2, li2, ts, ti = drain4(c0, c1, c2, c3, g1, lane, kmax,
+                                                      ls, li, ls2, li2, ts, ti)
+                    ls, li, ls2, li2, ts, ti = drain4(d0, d1, d2, d3, g2, lane, kmax,
+                                                      ls, li, ls2, li2, ts, ti)
+                    ls, li, ls2, li2, ts, ti = drain4(e0, e1, e2, e3, g3, lane, kmax,
+                                                      ls, li, ls2, li2, ts, ti)
+                b0 += BATCH
+
+        # Ascending ids: the kept entries (id >= 0) are a prefix of the list; an entry's slot is
+        # the number of smaller kept ids. The local block L exceeds them all and comes next.
+        n = cuda.popc(cuda.ballot_sync(FULL_MASK, lane < kmax and li >= 0))
+        if wide_list:
+            n += cuda.popc(cuda.ballot_sync(FULL_MASK, lane + 32 < kmax and li2 >= 0))
+        rank = 0
+        rank2 = 0
+        for j in range(n):
+            v = cuda.shfl_sync(FULL_MASK, li if j < 32 else li2, j & 31)
+            if v < li:
+                rank += 1
+            if v < li2:
+                rank2 += 1
+        if lane < n:
+            out[t, r, rank] = li
+        if wide_list and lane + 32 < n:
+            out[t, r, rank2] = li2
+        j = lane
+        while j < topk:
+            if j == n:
+                out[t, r, j] = loc
+            elif j > n:
+                out[t, r, j] = -1
+            j += 32
+
+    return kernel
+
+
 # -- launchers ----------------------------------------------------------------------------------
 
 def _heap_capacity(topk: int) -> int:
@@ -372,7 +617,12 @@ def _launch_select(version, M, cu_q, cu_k, t_begin, topk, block_size, out):
         grid = (rows + _THREADS_V1 - 1) // _THREADS_V1
         kernel[grid, _THREADS_V1](M, cu_q, cu_k, t_begin, topk, block_size, out)
     else:
-        kernel = _select_kernel_warp(cap, wide)
+        if version == "warp":
+            kernel = _select_kernel_warp(cap, wide)
+        else:
+            vec = (np.dtype(M.dtype) == np.float32 and int(M.shape[2]) % 4 == 0
+                   and is_aligned16(M))
+            kernel = _select_kernel_warp2(topk - 1 > 32, wide, vec)
         grid = (rows + _WARPS_PER_CTA - 1) // _WARPS_PER_CTA
         kernel[grid, 32 * _WARPS_PER_CTA](M, cu_q, cu_k, t_begin, topk, block_size, out)
 
@@ -396,7 +646,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_siz
         best candidates ``b < L = floor(pos_t / Bk)`` by ``(score, -b)`` (scores compared as
         given; ``-inf`` and NaN are not candidates; ``+inf`` is a top score), then ``L``, then
         ``-1`` padding when there are fewer than ``K - 1`` candidates. Scores of blocks
-        ``b >= L`` are never read.
+        ``b >= L`` are never used.
 
     Raises:
         ValueError/TypeError before any launch: wrong rank or dtype, ``K`` outside ``[1, 64]``,
@@ -428,10 +678,13 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
         topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
-        version: one of ``FUSED_VERSIONS``; default ``"heap"`` where the tensor-core kernel
-            applies (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 8 == 0``), else ``"chunked"``.
-            ``"heap"``: one kernel streams the KV blocks of a tile of queries through tensor
-            cores and offers each block maximum to the row's heap; M is never written.
+        version: one of ``FUSED_VERSIONS``; default ``"heap2"`` where its kernel applies
+            (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``),
+            else ``"heap"`` where the tensor-core kernel applies (``Bk % 8 == 0``), else
+            ``"chunked"``. ``"heap"``: one kernel streams the KV blocks of a tile of queries
+            through tensor cores and offers each block maximum to the row's heap; M is never
+            written. ``"heap2"``: the same on ``msa.cuda.index``'s ``tc2`` kernel (key chunks
+            double-buffered by cp.async, ldmatrix fragments).
             ``"chunked"``: the queries in chunks whose block scores fit ``memory_budget`` bytes
             (default ``FUSED_MEMORY_BUDGET`` = 4 GiB, at least one tile) in one reused buffer:
             ``block_scores``' fastest kernel, then the warp top-k, chunk by chunk.
@@ -445,15 +698,17 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
     """
     version = _check_version("version", version, FUSED_VERSIONS, None)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
+    kernel = _FUSED_KERNEL.get(version)
     try:
         p = _index._prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, "max",
-                            version="tc" if version == "heap" else None)
+                            version=kernel)
     except ValueError as exc:
-        if version == "heap" and "version 'tc'" in str(exc):
-            raise ValueError(str(exc).replace("version 'tc'", "version 'heap'")) from None
+        if kernel is not None and f"version '{kernel}'" in str(exc):
+            message = str(exc).replace(f"version '{kernel}'", f"version '{version}'")
+            raise ValueError(message) from None
         raise
     if version is None:
-        version = "heap" if p.version == "tc" else "chunked"
+        version = {"tc": "heap", "tc2": "heap2"}.get(p.version, "chunked")
     if memory_budget is None:
         memory_budget = FUSED_MEMORY_BUDGET
     memory_budget = check_positive_int("memory_budget", memory_budget)
@@ -463,7 +718,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
     if p.tq == 0:
         return ctx.output(out)
     out_arg = ctx.arg(out)
-    if version == "heap":
+    if version in ("heap", "heap2"):
         _index._launch_fused_heap(p, topk, _heap_capacity(topk), out_arg)
         return ctx.output(out)
     per_query = p.hkv * max(p.nb, 1) * np.dtype(p.out_dtype).itemsize

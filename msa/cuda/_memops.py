@@ -1,0 +1,199 @@
+"""Memory primitives of the index-branch kernels (``msa.cuda.select``, ``msa.cuda.index``).
+
+Numba has no vector loads, no ``cp.async`` and no ``ldmatrix``. The few the index branch needs
+are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_CUDASIM=1``
+(tensor-core helpers shared with other stages live in ``msa.cuda._mma``):
+
+=================================  =============================================================
+``load_f32x4(a, flat)``            the four float32 ``a.flat[flat:flat+4]`` of a C-contiguous
+                                   array in one 128-bit ``ld.global.nc.v4.f32``; ``flat`` must
+                                   be a multiple of 4 and ``a``'s data 16-byte aligned (the
+                                   launcher checks ``is_aligned16``); the array is read-only for
+                                   the whole kernel
+``cp_async16(dst, d, src, s, n)``  ``cp.async.cg.shared.global``: 16 bytes (four uint32) of the
+                                   global ``src.flat[s:s+4]`` into the shared ``dst.flat[d:d+4]``
+                                   without passing through registers; ``n`` (0 or 16) bytes are
+                                   read and the rest zero-filled; ``d``/``s`` multiples of 4,
+                                   both 16-byte aligned. Visible after ``cp_async_wait_all()``
+                                   in the issuing thread and, after a ``syncthreads``, to all
+``cp_async_commit()``              closes the group of copies issued so far
+``cp_async_wait_all()``            waits for every committed group of this thread
+``ldmatrix_x4(a, flat)``           ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lane ``l``
+                                   names, in ``flat`` (a uint32 index into the shared ``a``,
+                                   16-byte aligned), row ``l % 8`` of 8x8 16-bit matrix ``l //
+                                   8``; lane ``4 g + t`` receives word ``t`` of row ``g`` of the
+                                   four matrices (the mma B/A fragment layout). Called by all
+                                   32 lanes together
+=================================  =============================================================
+
+Under the simulator ``cp_async16`` copies at once and ``ldmatrix_x4`` gathers the row addresses
+with ``shfl_sync`` (``msa.cuda._simwarp``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, types
+
+from ._arrays import SIMULATOR
+
+
+def data_address(arr) -> int:
+    """Address of ``arr``'s first element (device pointer, or host pointer under the simulator)."""
+    if isinstance(arr, np.ndarray):
+        return int(arr.ctypes.data)
+    iface = getattr(arr, "__cuda_array_interface__", None)
+    if iface is not None:
+        return int(iface["data"][0])
+    return int(arr.device_ctypes_pointer.value or 0)
+
+
+def is_aligned16(arr) -> bool:
+    """Whether ``arr``'s data starts on a 16-byte boundary (what ``load_f32x4`` needs)."""
+    return data_address(arr) % 16 == 0
+
+
+if SIMULATOR:
+    from ._simwarp import install as _install_simwarp
+
+    _install_simwarp()
+
+    @cuda.jit(device=True)
+    def load_f32x4(a, flat):
+        """Simulator twin: the four elements as NumPy float32 scalars."""
+        f = a.reshape(-1)
+        return f[flat], f[flat + 1], f[flat + 2], f[flat + 3]
+
+    @cuda.jit(device=True)
+    def cp_async16(dst, d, src, s, nbytes):
+        """Simulator twin: an immediate copy (zeros where ``nbytes`` is 0)."""
+        fd = dst.reshape(-1)
+        fs = src.reshape(-1)
+        for e in range(4):
+            fd[d + e] = fs[s + e] if nbytes > 0 else 0
+
+    @cuda.jit(device=True)
+    def cp_async_commit():
+        pass
+
+    @cuda.jit(device=True)
+    def cp_async_wait_all():
+        pass
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4(a, flat):
+        """Simulator twin: each lane fetches row ``g`` of every matrix from its owner lane."""
+        lane = cuda.threadIdx.x & 31
+        g = lane >> 2
+        t = lane & 3
+        f = a.reshape(-1)
+        r0 = cuda.shfl_sync(0xFFFFFFFF, flat, g)
+        r1 = cuda.shfl_sync(0xFFFFFFFF, flat, 8 + g)
+        r2 = cuda.shfl_sync(0xFFFFFFFF, flat, 16 + g)
+        r3 = cuda.shfl_sync(0xFFFFFFFF, flat, 24 + g)
+        return f[r0 + t], f[r1 + t], f[r2 + t], f[r3 + t]
+
+else:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_f32x4(typingctx, a, flat):
+        """``a.flat[flat:flat+4]`` of a C-contiguous float32 array in one 128-bit global load."""
+        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
+                and isinstance(flat, types.Integer)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a, flat)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            ptr = builder.gep(ary.data, [index])
+            vec = ir.VectorType(ir.FloatType(), 4)
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
+                                         ir.PointerType(vec, addrspace=1))
+            load = builder.load(gptr, align=16)
+            # read-only for the kernel's lifetime: lets NVPTX use the non-coherent path (LDG)
+            load.set_metadata("invariant.load", builder.module.add_metadata([]))
+            outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
+                    for k in range(4)]
+            return context.make_tuple(builder, signature.return_type, outs)
+
+        return sig, codegen
+
+    _I32 = ir.IntType(32)
+    _I64 = ir.IntType(64)
+    _I8P = ir.IntType(8).as_pointer()
+
+    def _element_pointer(context, builder, aryty, ary, index, index_ty):
+        arr = context.make_array(aryty)(context, builder, ary)
+        idx = context.cast(builder, index, index_ty, types.intp)
+        return builder.bitcast(builder.gep(arr.data, [idx]), _I8P)
+
+    def _shared_address(builder, ptr):
+        """32-bit shared-window address of a generic pointer into shared memory."""
+        return builder.ptrtoint(builder.addrspacecast(ptr, ir.IntType(8).as_pointer(3)), _I32)
+
+    def _u32_array(a):
+        return isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
+
+    @intrinsic
+    def cp_async16(typingctx, dst, d, src, s, nbytes):
+        """16 bytes from global ``src.flat[s:]`` to shared ``dst.flat[d:]`` (cp.async.cg)."""
+        if not (_u32_array(dst) and _u32_array(src) and isinstance(d, types.Integer)
+                and isinstance(s, types.Integer) and isinstance(nbytes, types.Integer)):
+            return None
+        sig = types.void(dst, d, src, s, nbytes)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            dptr = _element_pointer(context, builder, a[0], args[0], args[1], a[1])
+            sptr = _element_pointer(context, builder, a[2], args[2], args[3], a[3])
+            gaddr = builder.ptrtoint(builder.addrspacecast(sptr, ir.IntType(8).as_pointer(1)),
+                                     _I64)
+            n = context.cast(builder, args[4], a[4], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
+            asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                               "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [_shared_address(builder, dptr), gaddr, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm_statement(text):
+        @intrinsic
+        def _stmt(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, signature, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return _stmt
+
+    cp_async_commit = _asm_statement("cp.async.commit_group;")
+    cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, a, flat):
+        """Four 8x8 b16 matrices from shared memory into the mma fragment layout."""
+        if not (_u32_array(a) and isinstance(flat, types.Integer)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(a, flat)
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1],
+                                   signature.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+            asm = ir.InlineAsm(
+                fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
+                "=r,=r,=r,=r,r", side_effect=True)
+            res = builder.call(asm, [_shared_address(builder, ptr)])
+            outs = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, signature.return_type, outs)
+
+        return sig, codegen
