@@ -58,7 +58,7 @@ from numba import cuda, float32, int32, uint16, uint32
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
-from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
@@ -541,24 +541,6 @@ def _k1_kernel_mma(block_size: int, head_dim: int, group: int, positions: int, b
 
 
 
-@cuda.jit
-def _fill_f32(flat, value):
-    for i in range(cuda.grid(1), flat.shape[0], cuda.gridsize(1)):
-        flat[i] = value
-
-
-def _fill(arr, value):
-    """Fill a kernel-ready float32 array (a view is fine) with ``value``."""
-    flat = arr.reshape(-1)
-    n = int(flat.shape[0])
-    if n == 0:
-        return
-    if SIMULATOR:
-        flat[:] = value
-        return
-    _fill_f32[min(4096, -(-n // 256)), 256](flat, np.float32(value))
-
-
 def _device_copy(host):
     """A small host array on the device (the simulator indexes NumPy directly)."""
     host = np.ascontiguousarray(host)
@@ -732,8 +714,8 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     o_part = ctx.empty((topk, spec.tq, spec.hq, spec.d), np.float32)
     lse_part = ctx.empty((topk, spec.tq, spec.hq), np.float32)
     o_arg, l_arg = ctx.arg(o_part), ctx.arg(lse_part)
-    _fill(o_arg, 0.0)
-    _fill(l_arg, -np.inf)
+    fill(o_arg, 0.0)
+    fill(l_arg, -np.inf)
     plan.launch(qa, ka, va, ctx.input("work", work), ctx.input("q_indices", q_indices),
                 ctx.input("partial_slots", partial_slots), _device_copy(cu_q.astype(np.int32)),
                 _device_copy(cu_k.astype(np.int32)), scale, o_arg, l_arg)
@@ -883,7 +865,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         o_part = o_buf[:topk * tc * spec.hq * spec.d].reshape(topk, tc, spec.hq, spec.d)
         lse_part = l_buf[:topk * tc * spec.hq].reshape(topk, tc, spec.hq)
         # Only L_s needs a value in unused slots: K2 never reads O_s where L_s = -inf.
-        _fill(lse_part, -np.inf)
+        fill(lse_part, -np.inf)
         plan.launch(qa[t0:t1], ka[k_lo:k_hi], va[k_lo:k_hi], _kernel_array(work),
                     _kernel_array(q_indices), _kernel_array(slots), d_cu_q, d_cu_k, scale,
                     o_part, lse_part, bf16_partials)
