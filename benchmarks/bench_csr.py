@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 import traceback
 
 import numpy as np
+
+from benchmarks.common import cuda_time_ms, header
 
 SIZES = (32 * 1024, 128 * 1024, 1024 * 1024)
 PATTERNS = ("uniform", "skewed")
@@ -103,20 +101,7 @@ def torch_schedule(row_ptr, chunk_size):
 
 def time_ms(fn, reps, warmup=2):
     """Median milliseconds of ``fn()`` between two CUDA events (launch overheads included)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, warmup=warmup, reps=reps)
 
 
 def peak_mib(fn):
@@ -228,26 +213,6 @@ def run_case(n, pattern, reps):
     return case
 
 
-def header():
-    import numba
-    import torch
-
-    h = dict(gpu=torch.cuda.get_device_name(), python=platform.python_version(),
-             torch=torch.__version__, numba=numba.__version__, numpy=np.__version__,
-             time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    try:
-        import numba_cuda
-        h["numba_cuda"] = getattr(numba_cuda, "__version__", "?")
-    except ImportError:
-        pass
-    try:
-        h["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        h["commit"] = "unknown"
-    return h
-
-
 def print_table(cases):
     cols = [("N", "n", "{:>8}"), ("pattern", "pattern", "{:>8}"),
             ("ok", None, "{:>3}"),
@@ -289,7 +254,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("bench_csr needs a CUDA GPU")
-    result = dict(header=header(), cases=[])
+    result = dict(header=header(), cases=[])  # benchmarks.common.header
     for n in args.sizes:
         for pattern in args.patterns:
             try:

@@ -98,6 +98,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from .attention import _item_fields
 from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                    mma_f16_m16n8k16)
 
@@ -824,24 +825,11 @@ def _v3_layout(block_size, head_dim, index_dim, rows, pad_positions, teacher):
 
 @cuda.jit(device=True)
 def _kv_item(work, item, q_indices, cu_k, num_kv_heads, block_size):
-    """Work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``, range-checked:
-    ``(h, q_begin, q_count, b, key0, key_pos0, nk)``; ``q_count = 0`` for padding or a bad item."""
-    h = int(work[item, 0])
-    q_begin = int(work[item, 2])
-    q_count = int(work[item, 3])
-    b = int(work[item, 4])
-    j = int(work[item, 5])
-    key0 = 0
-    nk = 0
-    ok = q_count > 0 and 0 <= h < num_kv_heads and 0 <= b < cu_k.shape[0] - 1 and j >= 0
-    ok = ok and q_begin >= 0 and q_begin + q_count <= q_indices.shape[1]
-    if ok:
-        lk = int(cu_k[b + 1]) - int(cu_k[b])
-        key0 = int(cu_k[b]) + j * block_size
-        nk = min(block_size, lk - j * block_size)
-        ok = nk > 0
-    if not ok:
-        q_count = 0
+    """Work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``, range-checked by K1's
+    reader: ``(h, q_begin, q_count, b, key0, key_pos0, nk)``; ``q_count = 0`` for padding or a
+    bad item."""
+    h, q_begin, q_count, b, j, key0, nk = _item_fields(work, item, q_indices, cu_k, num_kv_heads,
+                                                       block_size)
     return h, q_begin, q_count, b, key0, j * block_size, nk
 
 
