@@ -192,6 +192,14 @@ def _row(case, impl, ms, flops, peak=None, **extra):
     return row
 
 
+_T0 = time.time()
+
+
+def _log(msg):
+    """Progress on stdout, so a run cut short still says how far it got."""
+    print(f"[{time.time() - _T0:6.1f} s] {msg}", flush=True)
+
+
 def _error_row(case, impl, exc):
     traceback.print_exc()
     return dict(case=case, impl=impl, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -224,6 +232,7 @@ def bench(n, args):
                                     validate=False)
 
         _, lse = attention()
+        _log(f"{case}: attention compiled and run")
         attn_ms = cuda_time_ms(attention, warmup=1, reps=args.reps)
         rows.append(_row(case, "attention_fwd", attn_ms, attn_flops, _peak(attention)))
     except Exception as exc:  # not written yet or failing: the KL still gets its LSE
@@ -239,9 +248,11 @@ def bench(n, args):
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         want = torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I, lse)
+        _log(f"{case}: PyTorch reference computed")
         if n <= args.torch_max_n:
             torch_ms = cuda_time_ms(lambda: torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I,
                                                      lse), warmup=0, reps=args.torch_reps)
+            _log(f"{case}: PyTorch timed, {torch_ms:.1f} ms")
             rows.append(_row(case, "torch_fwd+bwd", torch_ms, fwd_flops + bwd_flops,
                              _peak(lambda: torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I,
                                                     lse))))
@@ -260,6 +271,7 @@ def bench(n, args):
 
             kl, loss = fwd()
             dq, dk = bwd()
+            _log(f"{case}: msa v{version} compiled and run")
             gate = {}
             if want is not None:
                 gate = dict(err_loss=abs(float(loss) - float(want[0])) / abs(float(want[0])),
@@ -278,6 +290,7 @@ def bench(n, args):
                 ratios["speedup_vs_torch"] = torch_ms / both_ms
             rows.append(_row(case, f"msa_v{version}_fwd", fwd_ms, fwd_flops, _peak(fwd)))
             rows.append(_row(case, f"msa_v{version}_bwd", bwd_ms, bwd_flops, _peak(bwd)))
+            _log(f"{case}: msa v{version} fwd {fwd_ms:.2f} ms, bwd {bwd_ms:.2f} ms")
             rows.append(_row(case, f"msa_v{version}_fwd+bwd", both_ms, fwd_flops + bwd_flops,
                              **ratios, **gate))
         except Exception as exc:
