@@ -370,7 +370,10 @@ def launch(kernel, grid, block, smem_bytes, *args):
         raise ValueError(
             f"kernel {getattr(kernel, '__name__', kernel)} needs {smem_bytes} bytes of shared "
             f"memory, more than the {DEVICE_SMEM_LIMIT} a block may have")
-    if SIMULATOR or smem_bytes <= STATIC_SMEM_LIMIT:
+    # The 48 KB default limit counts the kernel's static shared arrays too, so a launch whose
+    # dynamic part alone is under 48 KB can still need the raised limit; only a launch whose
+    # static reserve cannot push it over skips the attribute call.
+    if SIMULATOR or smem_bytes + STATIC_RESERVE <= STATIC_SMEM_LIMIT:
         kernel[grid, block, 0, smem_bytes](*args)
         return
     spec = kernel.specialize(*args)
