@@ -12,7 +12,10 @@ query that sees them, the sink pattern), it
    PyTorch CSR, the PyTorch CSR + schedule, and msa's CSR phases;
 3. reports effective GB/s with ``bytes = 12 * Tq * Hkv * K`` (read I once, 4 B per entry, write
    q_indices and slots once, 4 B each: the traffic any CSR build must do), the ratio
-   PyTorch / msa, the peak GPU memory of each, and the schedule size.
+   PyTorch / msa, the peak GPU memory of each, and the schedule size;
+4. times msa's phases one by one (plan, tile histogram v2 and v1, look-back scan v3 and the
+   older tile scan + 3-launch prefix sum, scatter, schedule with scan v3 and v2) and prints
+   them in a second table, so that a change can be traced to its phase.
 
     python benchmarks/bench_csr.py --out benchmarks/results/csr.json
 
@@ -104,6 +107,22 @@ def time_ms(fn, reps, warmup=2):
     return cuda_time_ms(fn, warmup=warmup, reps=reps)
 
 
+def host_ms(fn, reps):
+    """Milliseconds of Python per ``fn()`` (launches queued, not waited for): where this is
+    close to the CUDA-event time, the build is bound by the host, not by the GPU."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e3
+
+
 def peak_mib(fn):
     """Peak GPU memory (MiB, torch allocator) of one ``fn()`` above what was allocated before."""
     import torch
@@ -177,29 +196,57 @@ def run_case(n, pattern, reps):
     case["msa_peak_mib"] = peak_mib(msa_all)
     case["torch_peak_mib"] = peak_mib(torch_all)
 
-    # 3. msa's CSR phases (each timing includes its own allocations)
+    # 3. msa's phases, each launched on its own (with its allocations). The sum can exceed the
+    # whole build, where host launch work overlaps GPU work.
     try:
         plan = gpu_csr._Plan(I, cu, cu, BK, False)
         tile = plan.tile_queries()
         case["tile_queries"] = tile
+        case["count_version"] = 2 if plan.shared_count_fits(tile) else 1
         cursors = plan.count(tile)
-        counts = plan.tile_scan(cursors.clone())
+        pristine = cursors.clone()
         ctx = plan.ctx
-        rp = gpu_csr._prefix_sum(ctx, ctx.arg(counts), 2, False)
+        rp = plan.scan(cursors)
         q = ctx.empty((HKV, n * TOPK), np.int32)
         s = ctx.empty((HKV, n * TOPK), np.int32)
+
+        def scan_v3():
+            cursors.copy_(pristine)
+            return plan.scan(cursors)
+
+        def scan_v2():
+            cursors.copy_(pristine)
+            return plan.scan(cursors, version=2)
+
+        scan_v3()
+        scanned = cursors.clone()
+
+        def scatter():  # the scatter advances the cursors: start from the scanned ones
+            cursors.copy_(scanned)
+            plan._scatter_tiled(gpu_csr._karg(ctx, rp), cursors, tile, gpu_csr._karg(ctx, q),
+                                gpu_csr._karg(ctx, s))
+
         phases = {
-            "plan_ms (host checks + metadata upload)": time_ms(
+            "plan_ms (host checks + metadata)": time_ms(
                 lambda: gpu_csr._Plan(I, cu, cu, BK, False), reps),
-            "count_ms (zero + tile histogram)": time_ms(lambda: plan.count(tile), reps),
-            "tile_scan_ms": time_ms(lambda: plan.tile_scan(cursors.clone()), reps),
-            "clone_ms (subtract from tile_scan, scatter)": time_ms(lambda: cursors.clone(), reps),
-            "prefix_sum_ms": time_ms(
-                lambda: gpu_csr._prefix_sum(ctx, ctx.arg(counts), 2, False), reps),
-            "scatter_ms": time_ms(lambda: plan._scatter_tiled(
-                ctx.arg(rp), cursors.clone(), tile, ctx.arg(q), ctx.arg(s)), reps),
+            "count_ms (tile histogram)": time_ms(lambda: plan.count(tile), reps),
+            "count_v1_ms (zero + global atomics)": time_ms(
+                lambda: plan.count(tile, version=1), reps),
+            "copy_ms (subtract from the scans)": time_ms(lambda: cursors.copy_(pristine), reps),
+            "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan_v3, reps),
+            "scan_v2_ms (tile scan + 3-launch prefix sum)": time_ms(scan_v2, reps),
+            "scatter_ms (+ copy)": time_ms(scatter, reps),
+            "schedule_ms": t["msa_schedule_ms"],
+            "host_csr_ms (Python per build_csr)": host_ms(msa_csr, reps),
+            "host_schedule_ms (Python per build_schedule)": host_ms(
+                lambda: msa_schedule(row_ptr), reps),
+            "schedule_scan_v2_ms": time_ms(lambda: gpu_schedule._build_schedule(
+                row_ptr, cu, BK, chunk_size, max_edges=n * TOPK, validate=False,
+                scan_version=2), reps),
         }
         case["msa_csr_phases"] = phases
+        case["launches"] = dict(csr=3, schedule="5 (one torch fill_)", csr_before=7,
+                                schedule_before=10)
     except Exception as e:  # the breakdown is a bonus; keep the case
         case["msa_csr_phases_error"] = f"{type(e).__name__}: {e}"
 
@@ -270,6 +317,14 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     print()
     print_table(result["cases"])
+    print("\nmsa phases (ms):")
+    for case in result["cases"]:
+        phases = case.get("msa_csr_phases")
+        if phases:
+            cells = ", ".join(f"{k.split('_ms')[0]} {v:.3f}" for k, v in phases.items())
+            print(f"{case['n']:>8} {case['pattern']:>8}  {cells}")
+        elif "msa_csr_phases_error" in case:
+            print(f"{case['n']:>8} {case['pattern']:>8}  ERROR {case['msa_csr_phases_error']}")
     print(f"\nwrote {args.out}")
     return result
 

@@ -10,12 +10,34 @@ Versions (the default is the last of each line; every one is tested against the 
 =============  ===  ==========================================================================
 step           v    idea
 =============  ===  ==========================================================================
-histogram      v1   one thread per (t, h) adds its K edges: ``atomicAdd(counts[h, row], 1)``
+histogram /    v1   one thread per (t, h) adds its K edges: ``atomicAdd(counts[h, row], 1)``
+tile counts         into a zeroed array (``csr_histogram``; the fallback for > 22528 rows)
+               v2   CTA (tile, h) counts in shared memory, two 16-bit counts per word, and
+                    writes the tile's whole row of counts: no clearing launch, no global atomics
 prefix sum     v1   one thread per head walks its rows (simple, serial)
                v2   reduce-then-scan: per-block sums, one CTA per head scans them, add back
+                    (``exclusive_prefix_sum``: it also checks for negative counts and overflow)
+               v3   (``build_csr``) tile scan and prefix sum in ONE launch: each CTA scans its
+                    rows' tile columns, then takes the sum of the earlier CTAs from their
+                    status words (decoupled look-back, below)
 scatter        v1   one thread per ``(h, row)`` walks its sequence's queries in order
                v2   tiled stable counting sort (below), one CTA per (query tile, head)
 =============  ===  ==========================================================================
+
+``build_csr`` is three launches (count v2, scan v3, scatter v2; seven before v3 and count v2).
+At 128K tokens the GPU work of each is tens of microseconds, so each launch's Python cost
+counts too: launchers describe every array once (``_Dev``) and call the compiled kernel of the
+signature directly (``_launch``, next to ``_Dev``).
+
+Look-back (scan v3). CTA ``b`` of segment ``s`` publishes its own total (flag 1), waits for the
+earlier CTAs' words, adding totals until it meets an inclusive prefix (flag 2), then publishes
+its own inclusive prefix. ``(b, s)`` is not the CTA's ``blockIdx`` but a ticket it draws when it
+starts (an atomic counter, as CUB does), so every CTA it waits for has already started: it
+cannot deadlock whatever order the hardware starts CTAs in. Status words ``epoch << 34 | flag << 32 | sum`` live in one
+int64 buffer kept between calls; each launch has a new epoch and ignores older words, so the
+buffer is zeroed once, never per call. The sums are of non-negative counts below 2**31 (the
+launcher checked ``Tq*K``), so the 32-bit field cannot overflow; the result does not depend on
+timing: integer sums of fixed groups.
 
 Scatter v2, or how to rank without letting atomics choose the order. An edge ``(t, h, s)`` with
 row ``r`` goes to ``row_ptr[h, r] + #{t' < t : t' chose r}``. The queries are cut into tiles of
@@ -52,12 +74,18 @@ invalid selection (duplicates, holes) is unspecified but memory safe.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 from numba import cuda, int32, int64, uint32
 
-from .._checks import (check_array, check_cu_seqlens, check_offsets, check_positive_int,
-                       cu_to_host)
+from .._checks import (
+    check_array,
+    check_cu_seqlens,
+    check_offsets,
+    check_positive_int,
+    cu_to_host,
+)
 from ..reference.blocks import block_row_offsets
 from ._arrays import SIMULATOR, ArrayContext
 
@@ -71,6 +99,160 @@ _SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a
 _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C = min(32, this // K)
 _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
+
+
+# --- launches ---------------------------------------------------------------------------------
+# At 128K tokens the whole build is a few hundred microseconds of GPU work, so what Numba does in
+# Python per launch matters. A plain ``kernel[grid, block](*args)`` types every argument (for a
+# torch tensor: a DLPack export or a __cuda_array_interface__ dict per argument), looks the
+# overload up, then converts each array again into a strided view to marshal it. Here every array
+# is described once per call (``_Dev``: pointer, shape, strides, Numba type, read straight from
+# the tensor), the compiled kernel of a signature is cached, and ``_launch`` hands both to that
+# kernel's ``launch``, which only packs the pointers. In the simulator ``_launch`` is the plain
+# launch and ``_dev`` returns its argument.
+
+_HIST_WORDS = 11264  # uint32 words of the shared histogram: two 16-bit row counts each (44 KB)
+_LOOKBACK_SHIFT = 34  # status word: epoch << 34 | flag << 32 | value (value < 2**32)
+_EPOCH_LIMIT = 1 << 29  # epochs stay below this, so a status word stays positive
+
+if not SIMULATOR:
+    from numba.cuda import types as _nbtypes
+    from numba.cuda.args import ArgHint as _ArgHint
+    from numba.cuda.errors import normalize_kernel_dimensions as _dims
+    from numba.cuda.np.numpy_support import from_dtype as _from_dtype
+else:  # the simulator launches with its own arrays
+    _ArgHint = object
+
+
+class _Layout:
+    """What Numba's argument packing reads of an array's layout (``_prepare_args``)."""
+
+    def __init__(self, strides, c_contiguous):
+        self.strides_in_bytes = strides
+        self.is_contiguous_c = c_contiguous
+        self.is_contiguous_f = False
+        self.is_contiguous_any = c_contiguous
+
+
+class _Dev(_ArgHint):
+    """One device array as a kernel argument, described once (GPU only; see above).
+
+    An ``ArgHint`` whose ``to_device`` is itself: Numba's packing takes ``ptr``, ``shape``,
+    ``size``, ``dtype`` and ``_layout`` from it; ``_numba_type_`` types it without a look at the
+    array. ``value`` keeps the array alive while the launch is queued.
+    """
+
+    def __init__(self, x):
+        self.value = x
+        if type(x).__module__.split(".")[0] == "torch":
+            itemsize = x.element_size()
+            self.ptr = x.data_ptr()
+            shape = tuple(x.shape)
+            strides = tuple(st * itemsize for st in x.stride())
+            dtype = np.dtype(str(x.dtype).rsplit(".", 1)[-1])
+        elif hasattr(x, "device_ctypes_pointer"):  # a Numba device array
+            self.ptr = x.device_ctypes_pointer.value or 0
+            shape, strides, dtype = tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
+        else:  # CuPy or any __cuda_array_interface__ array
+            cai = x.__cuda_array_interface__
+            dtype = np.dtype(cai["typestr"])
+            self.ptr = cai["data"][0] or 0
+            shape = tuple(cai["shape"])
+            strides = cai.get("strides") or _c_strides(shape, dtype.itemsize)
+            strides = tuple(strides)
+        c_contiguous = tuple(strides) == _c_strides(shape, dtype.itemsize) or 0 in shape
+        self.shape = shape
+        self.size = int(np.prod(shape)) if shape else 1
+        self.dtype = dtype
+        self.ndim = len(shape)
+        self._layout = _Layout(strides, c_contiguous)
+        self._numba_type_ = _nbtypes.Array(_from_dtype(dtype), len(shape),
+                                           "C" if c_contiguous else "A")
+
+    def to_device(self, retr, stream=0):
+        return self
+
+
+def _c_strides(shape, itemsize):
+    strides = []
+    step = itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(int(extent), 1)
+    return tuple(reversed(strides))
+
+
+def _dev(x):
+    """The kernel argument for a device array (``_Dev`` on a GPU, ``x`` in the simulator)."""
+    if SIMULATOR or x is None or isinstance(x, _Dev):
+        return x
+    return _Dev(x)
+
+
+_compiled: dict = {}
+
+
+def _karg(ctx, x):
+    """The kernel argument for an array made by ``ctx.empty`` (``ctx.arg`` in the simulator)."""
+    return ctx.arg(x) if SIMULATOR else _Dev(x)
+
+
+def _kinput(ctx, name, x):
+    """``ctx.input`` as a kernel argument, without the Numba array a tensor would become."""
+    if SIMULATOR or ctx.lib not in ("torch", "cupy"):
+        return _dev(ctx.input(name, x))
+    contiguous = x.is_contiguous() if ctx.lib == "torch" else x.flags.c_contiguous
+    if not contiguous:
+        raise ValueError(f"{name} must be contiguous")
+    return _Dev(x.detach() if ctx.lib == "torch" else x)
+
+
+def _launch(kernel, grid, block, *args):
+    """``kernel[grid, block](*args)`` without Numba's per-launch typing and conversions.
+
+    ``args``: ``_Dev`` arrays and Python ints (typed int64, as Numba types them). The compiled
+    kernel of each signature is kept in ``_compiled``.
+    """
+    if SIMULATOR:
+        kernel[grid, block](*args)
+        return
+    types = tuple(a._numba_type_ if isinstance(a, _Dev) else int for a in args)
+    compiled = _compiled.get((kernel, types))
+    if compiled is None:
+        sig = tuple(_nbtypes.int64 if t is int else t for t in types)
+        compiled = _compiled[(kernel, types)] = kernel.compile(sig)
+    griddim, blockdim = _dims(grid, block)
+    compiled.launch(args, griddim, blockdim, 0, 0)
+
+
+class _LookbackState:
+    """Status words of the look-back scans, kept between calls (one buffer per device).
+
+    Each launch gets a new epoch, and a block's status counts only with the current epoch, so
+    the buffer never needs clearing between launches.
+    """
+
+    def __init__(self):
+        self.buffers = {}
+        self.epochs = itertools.count(1)
+
+    def get(self, size):
+        """``(status, epoch)``: a zeroed-once int64 buffer of at least ``size`` words."""
+        epoch = next(self.epochs)
+        key = 0 if SIMULATOR else cuda.get_current_device().id
+        buf = self.buffers.get(key)
+        if buf is None or buf[1] < size or epoch >= _EPOCH_LIMIT:
+            if epoch >= _EPOCH_LIMIT:
+                self.epochs = itertools.count(2)
+                epoch = 1
+            n = max(size, 4096, 2 * (buf[1] if buf is not None else 0))
+            zeros = np.zeros(n, np.int64)
+            arr = zeros if SIMULATOR else cuda.to_device(zeros)
+            buf = self.buffers[key] = (_dev(arr), n)
+        return buf[0], epoch
+
+
+_lookback = _LookbackState()
 
 
 # --- device helpers ---------------------------------------------------------------------------
@@ -183,6 +365,41 @@ def _csr_kernel_tile_scan(tile_counts, counts):
         i += stride
 
 
+@cuda.jit
+def _csr_kernel_count_shared(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
+    """v2: CTA (tile, h) counts its tile's edges per row in shared memory and writes the whole
+    ``tile_counts[tile, h, :]`` (zeros included: no clearing launch, no global atomics).
+
+    Two 16-bit counts share a word (a tile count is at most ``tile_queries < 2**16``), so rows up
+    to ``2 * _HIST_WORDS`` fit in 44 KB; the launcher checks both bounds.
+    """
+    hist = cuda.shared.array(_HIST_WORDS, uint32)
+    tile = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    tq = block_indices.shape[0]
+    topk = block_indices.shape[2]
+    rows = tile_counts.shape[2]
+    for w in range(tid, (rows + 1) // 2, nt):
+        hist[w] = 0
+    cuda.syncthreads()
+    t_begin = int64(tile) * tile_queries
+    t_end = min(int64(tq), t_begin + tile_queries)
+    n = max(t_end - t_begin, int64(0)) * topk
+    e = int64(tid)
+    while e < n:  # consecutive threads read consecutive slots: coalesced rows of I
+        t = t_begin + e // topk
+        r = _edge_row(block_indices, cu_q, row_offsets, t, h, e % topk)
+        if r >= 0:
+            cuda.atomic.add(hist, r >> 1, uint32(1) << uint32((r & 1) * 16))
+        e += nt
+    cuda.syncthreads()
+    out = tile_counts[tile, h]
+    for r in range(tid, rows, nt):
+        out[r] = int32((hist[r >> 1] >> uint32((r & 1) * 16)) & uint32(0xFFFF))
+
+
 # --- exclusive prefix sum ----------------------------------------------------------------------
 
 @cuda.jit
@@ -284,6 +501,121 @@ def _scan_kernel_add_back(src, block_offsets, dst):
             run += src[s, i]
 
 
+@cuda.jit(device=True)
+def _pack_status(epoch, flag, value):
+    return (int64(epoch) << _LOOKBACK_SHIFT) | (int64(flag) << 32) | min(max(value, int64(0)),
+                                                                          int64(0xFFFFFFFF))
+
+
+@cuda.jit
+def _scan_kernel_lookback(tile_counts, in_place, status, epoch, dst):
+    """v3: tile scan and prefix sum in one launch (decoupled look-back), for counts >= 0.
+
+    ``tile_counts`` int32 [ntiles, S, n]; CTA (b, s) owns entries ``[b*nt, (b+1)*nt)`` of
+    segment s, one per thread. A thread sums its column over the tiles (and, if ``in_place``,
+    rewrites it as an exclusive scan: each tile's start inside the row); the CTA scans the
+    column totals; then it learns the total of all earlier CTAs of its segment from their
+    status words (``status[1 + s*nb + b]``: flag 1 = own total, 2 = inclusive prefix, tagged with
+    this launch's ``epoch``), waiting only on CTAs that started before it; it writes
+    ``dst[s, i] = prefix + local exclusive`` and the last CTA ``dst[s, n]``. Sums saturate at
+    ``2**32-1`` in a status word and are clamped to int32 in ``dst``.
+    """
+    sh = cuda.shared.array(1024, int64)
+    prefix_sh = cuda.shared.array(1, int64)
+    nb = cuda.gridDim.x
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        # Draw this CTA's place (word 0 of ``status``: epoch << 34 | tickets drawn so far).
+        ticket = int64(0)
+        drawn = False
+        while not drawn:
+            old = cuda.atomic.or_(status, 0, 0)
+            new = old + 1
+            ticket = old & 0xFFFFFFFF
+            if (old >> _LOOKBACK_SHIFT) != epoch:
+                new = _pack_status(epoch, 0, 1)
+                ticket = int64(0)
+            drawn = cuda.atomic.cas(status, 0, old, new) == old
+        prefix_sh[0] = ticket
+    cuda.syncthreads()
+    b = int32(prefix_sh[0] % nb)
+    s = int32(prefix_sh[0] // nb)
+    cuda.syncthreads()  # everyone has read the ticket before prefix_sh is reused
+    nt = cuda.blockDim.x
+    ntiles = tile_counts.shape[0]
+    n = tile_counts.shape[2]
+    i = int64(b) * nt + tid
+    total = int64(0)
+    if i < n:
+        col = tile_counts[:, s, i]
+        k = 0
+        if in_place:
+            while k + 4 <= ntiles:  # four loads in flight before their stores
+                c0 = col[k]
+                c1 = col[k + 1]
+                c2 = col[k + 2]
+                c3 = col[k + 3]
+                col[k] = _clamp_i32(total)
+                total += max(c0, 0)
+                col[k + 1] = _clamp_i32(total)
+                total += max(c1, 0)
+                col[k + 2] = _clamp_i32(total)
+                total += max(c2, 0)
+                col[k + 3] = _clamp_i32(total)
+                total += max(c3, 0)
+                k += 4
+            while k < ntiles:
+                c0 = col[k]
+                col[k] = _clamp_i32(total)
+                total += max(c0, 0)
+                k += 1
+        else:
+            while k < ntiles:
+                total += max(col[k], 0)
+                k += 1
+    sh[tid] = total
+    cuda.syncthreads()
+    _block_inclusive_scan(sh, tid, nt)
+    if tid == 0:
+        aggregate = sh[nt - 1]
+        me = 1 + int64(s) * nb + b  # word 0 is the ticket counter
+        prefix = int64(0)
+        if b == 0:
+            cuda.atomic.exch(status, me, _pack_status(epoch, 2, aggregate))
+        else:
+            cuda.atomic.exch(status, me, _pack_status(epoch, 1, aggregate))
+            j = int64(b) - 1
+            while j >= 0:
+                word = cuda.atomic.or_(status, me - b + j, 0)  # an L2 read, never a stale copy
+                if (word >> _LOOKBACK_SHIFT) == epoch:
+                    prefix += word & 0xFFFFFFFF
+                    if ((word >> 32) & 3) == 2:
+                        j = -1
+                    else:
+                        j -= 1
+            cuda.atomic.exch(status, me, _pack_status(epoch, 2, prefix + aggregate))
+        prefix_sh[0] = prefix
+    cuda.syncthreads()
+    prefix = prefix_sh[0]
+    if i < n:
+        dst[s, i] = _clamp_i32(prefix + sh[tid] - total)
+    if b == nb - 1 and tid == nt - 1:
+        dst[s, n] = _clamp_i32(prefix + sh[tid])
+
+
+def _lookback_scan(tile_counts, dst, in_place=True, threads=None):
+    """Launch ``_scan_kernel_lookback`` on kernel arguments ``tile_counts [ntiles, S, n]`` and
+    ``dst [S, n+1]`` (``_dev`` arrays)."""
+    _, segments, n = tile_counts.shape
+    if segments == 0:
+        return
+    nt = threads or _SCAN_THREADS
+    nb = max(1, -(-n // nt))
+    status, epoch = _lookback.get(1 + segments * nb)
+    _launch(_scan_kernel_lookback, (nb, segments), nt, tile_counts, int(bool(in_place)), status,
+            epoch, dst)
+
+
 def _launch_scan(ctx, src, dst, flag, version, threads=None):
     """Exclusive scan of every row of ``src [S, n]`` into ``dst [S, n+1]`` (kernel arguments).
 
@@ -293,18 +625,19 @@ def _launch_scan(ctx, src, dst, flag, version, threads=None):
     if segments == 0:
         return
     if version == 1:
-        _scan_kernel_serial[(segments + _THREADS - 1) // _THREADS, _THREADS](src, dst, flag)
+        _launch(_scan_kernel_serial, (segments + _THREADS - 1) // _THREADS, _THREADS, src, dst,
+                flag)
         return
     nt = threads or _SCAN_THREADS
     nb = -(-n // (nt * _SCAN_ITEMS))
     block_sums = ctx.empty((segments, max(nb, 1)), np.int64)
     block_offsets = ctx.empty((segments, max(nb, 1)), np.int64)
     if nb:
-        _scan_kernel_reduce[(nb, segments), nt](src, ctx.arg(block_sums), flag)
-    _scan_kernel_block_sums[segments, nt](ctx.arg(block_sums)[:, :nb], ctx.arg(block_offsets),
-                                          dst, flag)
+        _launch(_scan_kernel_reduce, (nb, segments), nt, src, _karg(ctx, block_sums), flag)
+    _launch(_scan_kernel_block_sums, segments, nt, _karg(ctx, block_sums[:, :nb]),
+            _karg(ctx, block_offsets), dst, flag)
     if nb:
-        _scan_kernel_add_back[(nb, segments), nt](src, ctx.arg(block_offsets), dst)
+        _launch(_scan_kernel_add_back, (nb, segments), nt, src, _karg(ctx, block_offsets), dst)
 
 
 # --- scatter ---------------------------------------------------------------------------------
@@ -456,7 +789,7 @@ def _grid(n: int) -> int:
 
 
 def _device_copy(host):
-    """A small int32 host array on the device (the simulator indexes NumPy directly).
+    """A small int32 host array as a kernel argument (the simulator indexes NumPy directly).
 
     Memoised by content (and device): launchers are called again and again with the same
     ``cu_seqlens``, and each fresh upload would be a synchronous copy that stalls the host.
@@ -469,7 +802,27 @@ def _device_copy(host):
 
 @functools.lru_cache(maxsize=64)
 def _cached_upload(data: bytes, device_id: int):
-    return cuda.to_device(np.frombuffer(data, dtype=np.int32))
+    return _Dev(cuda.to_device(np.frombuffer(data, dtype=np.int32)))
+
+
+@functools.lru_cache(maxsize=64)
+def _host_metadata(cu_q_bytes, cu_k_bytes, block_size, tq):
+    """Validated ``(cu_q, cu_k, row_offsets)`` int64 of one call's ``cu_seqlens`` (memoised:
+    the checks are NumPy work on tiny arrays, but they run on every call)."""
+    cu_q = np.frombuffer(cu_q_bytes, dtype=np.int64)
+    cu_k = check_offsets("cu_seqlens_k", np.frombuffer(cu_k_bytes, dtype=np.int64))
+    cu_q, cu_k = check_cu_seqlens(cu_q, cu_k, tq, int(cu_k[-1]))
+    for a in (cu_q, cu_k):
+        a.setflags(write=False)
+    row_offsets = block_row_offsets(cu_k, block_size)  # [B+1]
+    row_offsets.setflags(write=False)
+    return cu_q, cu_k, row_offsets
+
+
+def _host_ints(name, x):
+    """A host int64 copy of small metadata, after the same rank/dtype checks as before."""
+    check_array(name, x, ndim=1, dtypes=("int",))
+    return np.ascontiguousarray(cu_to_host(x), dtype=np.int64)
 
 
 class _Plan:
@@ -489,9 +842,10 @@ class _Plan:
             raise ValueError(
                 f"block_indices has Tq*K = {self.tq}*{self.topk} = {self.tq * self.topk} possible "
                 f"edges per head, more than int32 CSR offsets hold (2**31-1); split the batch")
-        cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)
-        self.cu_q, self.cu_k = check_cu_seqlens(cu_seqlens_q, cu_k, self.tq, int(cu_k[-1]))
-        self.row_offsets = block_row_offsets(self.cu_k, self.block_size)  # [B+1]
+        cu_q = _host_ints("cu_seqlens_q", cu_seqlens_q)
+        cu_k = _host_ints("cu_seqlens_k", cu_seqlens_k)
+        self.cu_q, self.cu_k, self.row_offsets = _host_metadata(
+            cu_q.tobytes(), cu_k.tobytes(), self.block_size, self.tq)
         self.rows = int(self.row_offsets[-1])
         if self.rows > INT32_MAX:
             raise ValueError(f"cu_seqlens_k gives {self.rows} CSR rows, more than int32 holds")
@@ -499,7 +853,7 @@ class _Plan:
             from ..reference.select import check_block_indices
             check_block_indices(cu_to_host(block_indices), self.cu_q, self.cu_k, self.block_size)
         self.ctx = ArrayContext(block_indices)
-        self.I = self.ctx.input("block_indices", block_indices)
+        self.I = _kinput(self.ctx, "block_indices", block_indices)
         self.d_cu_q = _device_copy(self.cu_q)
         self.d_row_offsets = _device_copy(self.row_offsets)
         self.width = self.tq * self.topk
@@ -519,35 +873,60 @@ class _Plan:
             tile *= 2
         return tile
 
-    def count(self, tile_queries):
-        """Tile counts int32 [ceil(Tq/TQ), Hkv, rows] (kernel argument)."""
+    def shared_count_fits(self, tile_queries) -> bool:
+        """Whether count v2 (16-bit counts of every row in shared memory) can take this tile."""
+        return self.rows <= 2 * _HIST_WORDS and min(tile_queries, self.tq) < 1 << 16
+
+    def count(self, tile_queries, version=2):
+        """Tile counts int32 [ceil(Tq/TQ), Hkv, rows] (caller's array): count v2 where it fits,
+        else v1 (global atomics into a zeroed array)."""
         ntiles = max(1, -(-self.tq // tile_queries))
-        tile_counts = self.zeros((ntiles, self.hkv, self.rows))
-        if self.edges and self.rows:
-            _csr_kernel_count[_grid(self.tq * self.hkv), _THREADS](
-                self.I, self.d_cu_q, self.d_row_offsets, tile_queries, self.ctx.arg(tile_counts))
+        shape = (ntiles, self.hkv, self.rows)
+        if not (self.edges and self.rows):
+            return self.zeros(shape)
+        if version == 2 and self.shared_count_fits(tile_queries):
+            tile_counts = self.ctx.empty(shape, np.int32)
+            _launch(_csr_kernel_count_shared, (ntiles, self.hkv), _CHUNK_THREADS, self.I,
+                    self.d_cu_q, self.d_row_offsets, tile_queries, _karg(self.ctx, tile_counts))
+            return tile_counts
+        tile_counts = self.zeros(shape)
+        _launch(_csr_kernel_count, _grid(self.tq * self.hkv), _THREADS, self.I, self.d_cu_q,
+                self.d_row_offsets, tile_queries, _karg(self.ctx, tile_counts))
         return tile_counts
 
     def tile_scan(self, tile_counts):
         """Scan tile counts over tiles in place; returns counts int32 [Hkv, rows]."""
         counts = self.ctx.empty((self.hkv, self.rows), np.int32)
         if self.rows:
-            _csr_kernel_tile_scan[_grid(self.hkv * self.rows), _THREADS](
-                self.ctx.arg(tile_counts), self.ctx.arg(counts))
+            _launch(_csr_kernel_tile_scan, _grid(self.hkv * self.rows), _THREADS,
+                    _karg(self.ctx, tile_counts), _karg(self.ctx, counts))
         return counts
+
+    def scan(self, tile_counts, version=3, threads=None):
+        """Tile scan (in place) and ``row_ptr`` int32 [Hkv, rows+1] (caller's array): v3 is one
+        look-back launch; v1/v2 are the tile scan plus ``_prefix_sum``'s launches."""
+        ctx = self.ctx
+        if version == 3:
+            row_ptr = ctx.empty((self.hkv, self.rows + 1), np.int32)
+            _lookback_scan(_karg(ctx, tile_counts), _karg(ctx, row_ptr), threads=threads)
+            return row_ptr
+        counts = self.tile_scan(tile_counts)
+        # Tq*K < 2**31 was checked, so no head can overflow: nothing to read back.
+        return _prefix_sum(ctx, _karg(ctx, counts), version, False, threads=threads)
 
     def scatter(self, row_ptr_arg, version, tile_queries=None):
         """``(q_indices, slots)`` int32 [Hkv, Tq*K] (caller's arrays)."""
         q_indices = self.ctx.empty((self.hkv, self.width), np.int32)
         slots = self.ctx.empty((self.hkv, self.width), np.int32)
-        dq, ds = self.ctx.arg(q_indices), self.ctx.arg(slots)
+        dq, ds = _karg(self.ctx, q_indices), _karg(self.ctx, slots)
         if version == 1:
             if self.hkv * self.rows:
                 n = self.hkv * self.rows
-                _csr_kernel_scatter_rowwise[-(-n // _THREADS), _THREADS](
-                    self.I, self.d_cu_q, self.d_row_offsets, row_ptr_arg, dq, ds)
+                _launch(_csr_kernel_scatter_rowwise, -(-n // _THREADS), _THREADS, self.I,
+                        self.d_cu_q, self.d_row_offsets, row_ptr_arg, dq, ds)
             if self.hkv * self.width:
-                _csr_kernel_fill_tail[_grid(self.hkv * self.width), _THREADS](row_ptr_arg, dq, ds)
+                _launch(_csr_kernel_fill_tail, _grid(self.hkv * self.width), _THREADS,
+                        row_ptr_arg, dq, ds)
         else:
             tq_tile = tile_queries or self.tile_queries()
             cursors = self.count(tq_tile)
@@ -563,9 +942,9 @@ class _Plan:
         while table < 2 * chunk * self.topk:
             table *= 2
         ntiles = cursors.shape[0]
-        _csr_kernel_scatter_tiled[(ntiles, self.hkv), chunk * self.topk](
-            self.I, self.d_cu_q, self.d_row_offsets, row_ptr_arg, self.ctx.arg(cursors),
-            tile_queries, chunk, table, dq, ds)
+        _launch(_csr_kernel_scatter_tiled, (ntiles, self.hkv), chunk * self.topk, self.I,
+                self.d_cu_q, self.d_row_offsets, row_ptr_arg, _karg(self.ctx, cursors),
+                tile_queries, chunk, table, dq, ds)
 
 
 def _prefix_sum(ctx, counts_arg, version, validate, host_counts=None, threads=None):
@@ -574,7 +953,7 @@ def _prefix_sum(ctx, counts_arg, version, validate, host_counts=None, threads=No
     row_ptr = ctx.empty((segments, n + 1), np.int32)
     # The kernels only OR error bits into the flag; unread, it needs no clearing launch.
     flag = ctx.empty((1,), np.int32, fill=0 if validate else None)
-    _launch_scan(ctx, counts_arg, ctx.arg(row_ptr), ctx.arg(flag), version, threads)
+    _launch_scan(ctx, counts_arg, _karg(ctx, row_ptr), _karg(ctx, flag), version, threads)
     if validate:
         bad = int(cu_to_host(flag)[0])
         if bad & 1:
@@ -608,7 +987,7 @@ def csr_histogram(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
         block_row_offsets(cu_seqlens_k, Bk)[-1]``. -1 entries count nowhere.
     """
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
-    counts = plan.count(max(plan.tq, 1))  # a single tile: the plain histogram
+    counts = plan.count(max(plan.tq, 1), version=1)  # a single tile: the plain histogram
     return plan.ctx.output(counts)[0]
 
 
@@ -630,7 +1009,7 @@ def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
     """
     check_array("counts", counts, ndim=2, dtypes=("int",))
     ctx = ArrayContext(counts)
-    dcounts = ctx.input("counts", counts)
+    dcounts = _kinput(ctx, "counts", counts)
     row_ptr = _prefix_sum(ctx, dcounts, version, validate, host_counts=counts)
     return ctx.output(row_ptr)
 
@@ -660,9 +1039,9 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(plan.hkv, plan.rows + 1))
     ArrayContext(block_indices, row_ptr)  # TypeError if they come from different libraries
-    drow_ptr = plan.ctx.input("row_ptr", row_ptr)
+    drow_ptr = _kinput(plan.ctx, "row_ptr", row_ptr)
     if validate:
-        counts = plan.tile_scan(plan.count(max(plan.tq, 1)))
+        counts = plan.tile_scan(plan.count(max(plan.tq, 1), version=1))
         got = np.asarray(cu_to_host(row_ptr), dtype=np.int64)  # [Hkv, rows+1]
         want = np.asarray(cu_to_host(counts), dtype=np.int64)  # [Hkv, rows]
         if not np.array_equal(np.diff(got, axis=1), want) or np.any(got[:, 0] != 0):
@@ -677,8 +1056,9 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
               validate: bool = True):
     """Paper §4.2: the k2q reverse index of a selection, built on the GPU.
 
-    Histogram (per query tile) -> tile scan -> multi-block prefix sum -> tiled deterministic
-    scatter: seven launches, no host round trip besides ``cu_seqlens`` (and ``validate``).
+    Tile histogram (count v2) -> tile scan + prefix sum (scan v3, one look-back launch) ->
+    tiled deterministic scatter: three launches, no host round trip besides ``cu_seqlens``
+    (and ``validate``).
 
     Args:
         block_indices: I int [Tq, Hkv, K] on the GPU (or NumPy), batch-local block ids, unique
@@ -697,22 +1077,22 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
 
 
 def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validate=True,
-               scatter_version=2, scan_version=2, tile_queries=None, scan_threads=None):
+               scatter_version=2, scan_version=3, count_version=2, tile_queries=None,
+               scan_threads=None):
     """``build_csr`` with its knobs exposed to the tests (small tiles exercise many of them)."""
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     ctx = plan.ctx
     if scatter_version == 1:
-        counts = plan.count(max(plan.tq, 1))[0]
-        row_ptr = _prefix_sum(ctx, ctx.arg(counts), scan_version, False, threads=scan_threads)
-        q_indices, slots = plan.scatter(ctx.arg(row_ptr), 1)
+        counts = plan.count(max(plan.tq, 1), version=1)[0]
+        row_ptr = _prefix_sum(ctx, _karg(ctx, counts), min(scan_version, 2), False,
+                              threads=scan_threads)
+        q_indices, slots = plan.scatter(_karg(ctx, row_ptr), 1)
     else:
         tq_tile = tile_queries or plan.tile_queries()
-        cursors = plan.count(tq_tile)
-        counts = plan.tile_scan(cursors)
-        # Tq*K < 2**31 was checked, so no head can overflow: nothing to read back.
-        row_ptr = _prefix_sum(ctx, ctx.arg(counts), scan_version, False, threads=scan_threads)
+        cursors = plan.count(tq_tile, version=count_version)
+        row_ptr = plan.scan(cursors, scan_version, scan_threads)
         q_indices = ctx.empty((plan.hkv, plan.width), np.int32)
         slots = ctx.empty((plan.hkv, plan.width), np.int32)
-        plan._scatter_tiled(ctx.arg(row_ptr), cursors, tq_tile, ctx.arg(q_indices),
-                            ctx.arg(slots))
+        plan._scatter_tiled(_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices),
+                            _karg(ctx, slots))
     return ctx.output(row_ptr), ctx.output(q_indices), ctx.output(slots)

@@ -33,8 +33,11 @@ How the order is made without a general sort. Every chunk of a row but its last 
    tile each row's rank among the tile's earlier rows with the same key (a loop over the tile's
    keys in shared memory: deterministic, no atomics in the order).
 
-Kernels: ``_schedule_kernel_rows`` (per-row counts, keys, key histogram per tile), the scans of
-``msa.cuda.csr`` (multi-block), ``_schedule_kernel_write`` (items, -1 tail and ``num_items``).
+Kernels (five launches, ten before the look-back scans): a clearing ``fill_`` of the key
+histogram, ``_schedule_kernel_rows`` (per-row counts, keys, key histogram per tile), two
+look-back scans of ``msa.cuda.csr`` (scan v3: the full-chunk offsets; the key histogram's tile
+scan and key scan in one launch), ``_schedule_kernel_write`` (items, -1 tail and
+``num_items``). ``scan_version`` 1 or 2 (tests) uses the older tile scan + prefix-sum launches.
 Scratch: the key histogram is int32 ``[ceil(Hkv*rows / 512), Q]``, 1 MiB at N = 1M, Hkv = 4.
 """
 
@@ -47,15 +50,26 @@ from .._checks import check_array, check_offsets, check_positive_int, cu_to_host
 from ..reference.blocks import block_row_offsets
 from ..reference.schedule import WORK_COLUMNS
 from ._arrays import SIMULATOR, ArrayContext
-from .csr import (INT32_MAX, _THREADS, _csr_kernel_tile_scan, _device_copy, _grid, _last_le,
-                  _launch_scan)
+from .csr import (
+    _THREADS,
+    INT32_MAX,
+    _csr_kernel_tile_scan,
+    _device_copy,
+    _grid,
+    _karg,
+    _kinput,
+    _last_le,
+    _launch,
+    _launch_scan,
+    _lookback_scan,
+)
 
 _ITEM_TILE = 64 if SIMULATOR else 512  # rows per CTA of the write kernel (<= 1024)
 
 
 @cuda.jit
 def _schedule_kernel_rows(row_ptr, chunk_size, num_keys, item_tile, full, keys, tile_counts):
-    """Per flattened row ``i = h*rows + r`` with ``n`` queries: ``full[0, i] = n // chunk_size``,
+    """Per flattened row ``i = h*rows + r`` with ``n`` queries: ``full[0, 0, i] = n // chunk_size``,
     ``keys[i] = num_keys - min(n % chunk_size, num_keys)`` (or -1 when the row has no partial
     chunk), and ``tile_counts[i // item_tile, 0, key] += 1``."""
     hkv = row_ptr.shape[0]
@@ -69,7 +83,7 @@ def _schedule_kernel_rows(row_ptr, chunk_size, num_keys, item_tile, full, keys, 
         n = max(int64(row_ptr[h, r + 1]) - int64(row_ptr[h, r]), int64(0))
         f = n // chunk_size
         q = n - f * chunk_size
-        full[0, i] = f
+        full[0, 0, i] = f
         key = int32(-1)
         if q > 0 and num_keys > 0:
             # Larger partial chunks first: a smaller key. q > num_keys only for a row longer than
@@ -118,7 +132,7 @@ def _schedule_kernel_write(row_ptr, row_offsets, chunk_size, full, full_off, key
         b = _last_le(row_offsets, r)  # row r is block j of sequence b
         j = r - row_offsets[b]
         start = int64(row_ptr[h, r])
-        f = int64(full[0, i])
+        f = int64(full[0, 0, i])
         # 1. full chunks, (h, r, q_begin) order.
         w = int64(full_off[0, i])
         # (bounded by the capacity, so a garbage row_ptr cannot make a thread loop for ages)
@@ -190,7 +204,7 @@ def build_schedule(row_ptr, cu_seqlens_k, block_size: int, chunk_size: int, *,
 
 
 def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=None,
-                    validate=True, item_tile=None, scan_version=2, scan_threads=None):
+                    validate=True, item_tile=None, scan_version=3, scan_threads=None):
     """``build_schedule`` with the tile size and scan exposed to the tests."""
     block_size = check_positive_int("block_size", block_size)
     chunk_size = check_positive_int("chunk_size", chunk_size)
@@ -211,7 +225,7 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
     num_keys = max(0, min(chunk_size - 1, max_len))  # possible q = n % chunk_size values
 
     ctx = ArrayContext(row_ptr)
-    d_row_ptr = ctx.input("row_ptr", row_ptr)
+    d_row_ptr = _kinput(ctx, "row_ptr", row_ptr)
     work = ctx.empty((capacity, len(WORK_COLUMNS)), np.int32)
     m = hkv * rows
     if m == 0:  # no rows, so capacity == 0 too
@@ -220,27 +234,34 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
 
     tile = item_tile or min(_ITEM_TILE, 1 << max(0, (m - 1).bit_length()))
     ntiles = -(-m // tile)
-    full = ctx.empty((1, m), np.int32)
+    full = ctx.empty((1, 1, m), np.int32)
     keys = ctx.empty((m,), np.int32)
     tile_counts = ctx.empty((ntiles, 1, num_keys), np.int32,
                             fill=0 if num_keys else None)
-    _schedule_kernel_rows[_grid(m), _THREADS](d_row_ptr, chunk_size, num_keys, tile, ctx.arg(full),
-                                              ctx.arg(keys), ctx.arg(tile_counts))
-    flag = ctx.empty((1,), np.int32)  # never read: no overflow is possible, capacity < 2**31
+    d_full, d_tile_counts = _karg(ctx, full), _karg(ctx, tile_counts)
+    _launch(_schedule_kernel_rows, _grid(m), _THREADS, d_row_ptr, chunk_size, num_keys, tile,
+            d_full, _karg(ctx, keys), d_tile_counts)
     full_off = ctx.empty((1, m + 1), np.int32)
-    _launch_scan(ctx, ctx.arg(full), ctx.arg(full_off), ctx.arg(flag), scan_version,
-                 scan_threads)
-    key_counts = ctx.empty((1, num_keys), np.int32)
-    if num_keys:
-        _csr_kernel_tile_scan[_grid(num_keys), _THREADS](ctx.arg(tile_counts),
-                                                         ctx.arg(key_counts))
     key_off = ctx.empty((1, num_keys + 1), np.int32)
-    _launch_scan(ctx, ctx.arg(key_counts), ctx.arg(key_off), ctx.arg(flag), scan_version,
-                 scan_threads)
-    _schedule_kernel_write[ntiles, tile](
-        d_row_ptr, _device_copy(row_offsets), chunk_size, ctx.arg(full),
-        ctx.arg(full_off), ctx.arg(keys), ctx.arg(tile_counts), ctx.arg(key_off),
-        ctx.arg(work), ctx.arg(num_items))
+    d_full_off, d_key_off = _karg(ctx, full_off), _karg(ctx, key_off)
+    if scan_version == 3:
+        # Two look-back launches: full-chunk offsets (full itself is kept) and the key scan
+        # (tile_counts become each tile's start inside its key group).
+        _lookback_scan(d_full, d_full_off, in_place=False, threads=scan_threads)
+        _lookback_scan(d_tile_counts, d_key_off, threads=scan_threads)
+    else:
+        flag = ctx.empty((1,), np.int32)  # never read: no overflow is possible, capacity < 2**31
+        _launch_scan(ctx, _karg(ctx, full[0]), d_full_off, _karg(ctx, flag), scan_version,
+                     scan_threads)
+        key_counts = ctx.empty((1, num_keys), np.int32)
+        if num_keys:
+            _launch(_csr_kernel_tile_scan, _grid(num_keys), _THREADS, d_tile_counts,
+                    _karg(ctx, key_counts))
+        _launch_scan(ctx, _karg(ctx, key_counts), d_key_off, _karg(ctx, flag), scan_version,
+                     scan_threads)
+    _launch(_schedule_kernel_write, ntiles, tile, d_row_ptr, _device_copy(row_offsets),
+            chunk_size, d_full, d_full_off, _karg(ctx, keys), d_tile_counts, d_key_off,
+            _karg(ctx, work), _karg(ctx, num_items))
     return ctx.output(work), ctx.output(num_items)
 
 

@@ -57,7 +57,8 @@ def assert_same_csr(got, want):
 # --- hostile shapes ---------------------------------------------------------------------------
 
 # Each row also picks the kernel path: "default" (build_csr as shipped), "tiles" (one chunk of
-# queries per tile, scan blocks of 2 threads: many tiles, many scan blocks), "v1" (row-wise
+# queries per tile, look-back scan blocks of 2 threads: many tiles, many scan blocks), "v2"
+# (count v1 into a zeroed array, tile scan + reduce-then-scan prefix sum), "v1" (row-wise
 # scatter, serial scan).
 SHAPES = [
     # id, seq_lens_q, seq_lens_k, Hkv, K, Bk, selection kwargs, path
@@ -81,6 +82,9 @@ SHAPES = [
     ("32-queries-per-chunk", [70], [70], 1, 2, 4, dict(hot=(0,)), "default"),
     ("varlen-v1", [3, 0, 6], [11, 4, 6], 2, 3, 4, dict(hot=(0,), fill=False), "v1"),
     ("skewed-v1", [20], [20], 1, 3, 4, dict(hot=(0, 1), shuffle=True), "v1"),
+    ("varlen-count-v1-scan-v2", [5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False),
+     "v2"),
+    ("skewed-count-v1-scan-v2", [40, 25], [40, 31], 2, 3, 4, dict(hot=(0,)), "v2"),
 ]
 
 
@@ -90,6 +94,10 @@ def run_path(path, I, cu_q, cu_k, bk):
     if path == "tiles":
         chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
         return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2)
+    if path == "v2":
+        chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
+        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2,
+                              count_version=1, scan_version=2)
     return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=1, scan_version=1)
 
 
@@ -156,6 +164,54 @@ def test_prefix_sum_multi_block_and_overflow_guard():
     np.testing.assert_array_equal(gpu.exclusive_prefix_sum(fits)[:, -1], [2**31 - 1, 3])
     np.testing.assert_array_equal(gpu.exclusive_prefix_sum(np.zeros((2, 0), np.int32)),
                                   np.zeros((2, 1), np.int32))
+
+
+@pytest.mark.parametrize("ntiles, segments, n, threads", [
+    (1, 1, 1, 2), (3, 2, 11, 2), (5, 3, 17, 4), (2, 1, 0, 2), (4, 2, 40, None),
+], ids=["one-entry", "six-blocks-per-segment", "odd-tiles", "empty-segment", "default-threads"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_lookback_scan_equals_numpy(ntiles, segments, n, threads, in_place):
+    rng = np.random.default_rng(ntiles * 100 + n)
+    counts = rng.integers(0, 9, size=(ntiles, segments, n)).astype(np.int32)  # [ntiles, S, n]
+    totals = counts.astype(np.int64).sum(axis=0)  # [S, n]
+    want = np.zeros((segments, n + 1), np.int64)  # [S, n+1]
+    want[:, 1:] = np.cumsum(totals, axis=1)
+    want_tiles = np.cumsum(counts, axis=0) - counts if in_place else counts  # [ntiles, S, n]
+    for _ in range(2):  # the second launch reuses the status words under a new epoch
+        tile_counts = counts.copy()
+        dst = np.full((segments, n + 1), np.iinfo(np.int32).min, np.int32)
+        gpu._lookback_scan(gpu._dev(tile_counts), gpu._dev(dst), in_place=in_place,
+                           threads=threads)
+        np.testing.assert_array_equal(dst, want)
+        np.testing.assert_array_equal(tile_counts, want_tiles)
+
+
+def test_lookback_scan_clamps_past_int32():
+    # Outside build_csr's contract (Tq*K < 2**31), but bounded: offsets clamp to int32.
+    counts = np.full((1, 1, 6), 2**30, np.int32)
+    dst = np.zeros((1, 7), np.int32)
+    gpu._lookback_scan(gpu._dev(counts), gpu._dev(dst), in_place=False, threads=2)
+    np.testing.assert_array_equal(dst[0], [0, 2**30, 2**31 - 1, 2**31 - 1, 2**31 - 1,
+                                           2**31 - 1, 2**31 - 1])
+
+
+def test_shared_count_bounds():
+    I = selection([9], [9], 1, 2, 4, seed=2)
+    plan = gpu._Plan(I, cu([9]), cu([9]), 4, True)
+    assert plan.shared_count_fits(4)
+    plan.rows = 2 * gpu._HIST_WORDS + 1  # one row more than the shared histogram holds
+    assert not plan.shared_count_fits(4)
+    plan.rows, plan.tq = 3, 1 << 16  # a tile count could reach 2**16: no 16-bit field
+    assert not plan.shared_count_fits(1 << 16) and plan.shared_count_fits((1 << 16) - 1)
+
+
+def test_too_many_rows_for_shared_count_falls_back_to_atomics(monkeypatch):
+    # A 4-word (8-row) histogram against 10 rows: build_csr must take count v1 and still be exact.
+    monkeypatch.setattr(gpu, "_HIST_WORDS", 4)
+    I = selection([40], [40], 2, 3, 4, seed=4, hot=(0,))
+    assert not gpu._Plan(I, cu([40]), cu([40]), 4, False).shared_count_fits(8)
+    assert_same_csr(gpu._build_csr(I, cu([40]), cu([40]), 4, tile_queries=8),
+                    ref.build_csr(I, cu([40]), cu([40]), 4))
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -369,10 +425,30 @@ def test_production_size_equals_reference(n, hot):
                                   np.diff(want[0], axis=1))
 
 
+@pytest.mark.gpu
+def test_fast_launch_equals_numbas_launch():
+    # _launch packs the arrays itself (_Dev); Numba's own launch must give the same counts.
+    import torch
+    from numba import cuda
+
+    I = selection([40, 25], [40, 31], 2, 3, 4, seed=6, hot=(0,))
+    plan = gpu._Plan(torch.from_numpy(I).cuda(), cu([40, 25]), cu([40, 31]), 4, False)
+    fast = plan.count(8)
+    plain = cuda.to_device(np.full(tuple(fast.shape), -7, np.int32))
+    gpu._csr_kernel_count_shared[(fast.shape[0], plan.hkv), 64](
+        cuda.to_device(I), cuda.to_device(plan.cu_q.astype(np.int32)),
+        cuda.to_device(plan.row_offsets.astype(np.int32)), 8, plain)
+    np.testing.assert_array_equal(to_numpy(fast), plain.copy_to_host())
+    view = gpu._Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
+    assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
+    assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())
+
+
 # --- offline compile check (a GPU or NVVM; not the simulator) ---------------------------------
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
-@pytest.mark.parametrize("kernel", ["_csr_kernel_count", "_csr_kernel_tile_scan",
+@pytest.mark.parametrize("kernel", ["_csr_kernel_count", "_csr_kernel_count_shared",
+                                    "_scan_kernel_lookback", "_csr_kernel_tile_scan",
                                     "_scan_kernel_serial", "_scan_kernel_reduce",
                                     "_scan_kernel_block_sums", "_scan_kernel_add_back",
                                     "_csr_kernel_scatter_tiled", "_csr_kernel_scatter_rowwise",
@@ -386,6 +462,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     i32_1, i32_2, i32_3 = i32[::1], i32[:, ::1], i32[:, :, ::1]
     sigs = {
         "_csr_kernel_count": (i32_3, i32_1, i32_1, i64, i32_3),
+        "_csr_kernel_count_shared": (i32_3, i32_1, i32_1, i64, i32_3),
+        "_scan_kernel_lookback": (i32_3, i64, i64[::1], i64, i32_2),
         "_csr_kernel_tile_scan": (i32_3, i32_2),
         "_scan_kernel_serial": (i32_2, i32_2, i32_1),
         "_scan_kernel_reduce": (i32_2, i64[:, ::1], i32_1),

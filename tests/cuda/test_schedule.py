@@ -60,8 +60,9 @@ def assert_same_schedule(got, want):
 
 # --- hostile shapes ---------------------------------------------------------------------------
 
-# Each row also picks a path: "default" (as shipped), "tiles" (two rows per tile, scan blocks of
-# two threads), "v1" (serial scans), "max_edges" (the tight capacity).
+# Each row also picks a path: "default" (as shipped), "tiles" (two rows per tile, look-back scan
+# blocks of two threads), "v1" (serial scans), "v2" (reduce-then-scan prefix sums, small tiles),
+# "max_edges" (the tight capacity).
 SHAPES = [
     # id, seq_lens_k, Bk, Hkv, hot rows per head, path
     ("one-row", [3], 4, 1, 0, "default"),
@@ -73,6 +74,8 @@ SHAPES = [
     ("Hkv=4", [40], 8, 4, 1, "v1"),
     ("no-keys", [0], 4, 2, 0, "default"),
     ("keys-of-empty-rows", [0, 9], 4, 1, 0, "max_edges"),
+    ("many-sequences-scan-v2", [7, 30, 12, 19, 9, 4], 4, 3, 2, "v2"),
+    ("every-row-hot-scan-v2", [32], 8, 2, 4, "v2"),
 ]
 
 
@@ -83,6 +86,9 @@ def run_path(path, row_ptr, cu_k, bk, chunk_size):
         return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, item_tile=2, scan_threads=2)
     if path == "v1":
         return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, scan_version=1)
+    if path == "v2":  # the three-launch prefix sums instead of the look-back scans
+        return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, item_tile=2, scan_threads=2,
+                                   scan_version=2)
     return gpu.build_schedule(row_ptr, cu_k, bk, chunk_size, max_edges=int(row_ptr[:, -1].max()))
 
 
@@ -282,8 +288,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     i32, i64 = types.int32, types.int64
     i32_1, i32_2, i32_3 = i32[::1], i32[:, ::1], i32[:, :, ::1]
     sigs = {
-        "_schedule_kernel_rows": (i32_2, i64, i64, i64, i32_2, i32_1, i32_3),
-        "_schedule_kernel_write": (i32_2, i32_1, i64, i32_2, i32_2, i32_1, i32_3, i32_2, i32_2,
+        "_schedule_kernel_rows": (i32_2, i64, i64, i64, i32_3, i32_1, i32_3),
+        "_schedule_kernel_write": (i32_2, i32_1, i64, i32_3, i32_2, i32_1, i32_3, i32_2, i32_2,
                                    i32_1),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
