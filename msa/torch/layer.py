@@ -1,0 +1,155 @@
+"""Paper Algorithm 1 as a PyTorch module: one MSA attention layer that trains.
+
+.. code-block:: text
+
+    1: Q, K, V      <- X W_q, X W_k, X W_v              gradients from the LM loss
+    2: Q_idx, K_idx <- sg(X) W_q_idx, sg(X) W_k_idx     gradients from L_KL only
+    3-4: I          <- TopK(BlockMaxPool(Q_idx, K_idx))  no gradient (exp-free top-k)
+    5: O, LSE       <- TopKAttn(Q, K, V, I)             (dense causal attention in the warmup)
+    6: output       <- O W_o
+    7: L_KL         <- KLdiv(Q_idx, K_idx, sg(Q), sg(K), I, sg(LSE))
+
+The training loop adds ``L = L_LM + lambda * sum_layers L_KL``. On CUDA tensors lines 3-5 and 7
+run the msa.cuda kernels (fused index + top-k, KV-outer attention, sparse KL and its backward);
+on CPU tensors the NumPy reference. The weights use the reference's layout (``x @ W``), so
+``MSAAttention.from_params(msa.reference.init_params(...))`` is the same layer as
+``msa.reference.msa_layer``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._checks import check_cu_seqlens, check_gqa, check_positive_int
+from . import functional as F
+
+
+class MSAOutput(NamedTuple):
+    """What :meth:`MSAAttention.forward` returns."""
+
+    output: torch.Tensor  # [T, d_model]
+    loss_kl: torch.Tensor  # 0-d: eq 10, trains only w_q_idx and w_k_idx
+    block_indices: torch.Tensor  # [T, Hkv, K] int32: the selection of lines 3-4
+    lse: torch.Tensor  # [T, Hq]: the main branch's LSE (no gradient)
+
+
+class MSAAttention(nn.Module):
+    """One MSA layer (paper Algorithm 1) over packed variable-length sequences (self-attention).
+
+    Args:
+        d_model: hidden size. num_q_heads (Hq), num_kv_heads (Hkv): GQA heads, Hq = G Hkv.
+        head_dim: D. index_dim: Didx (one index query head per group, one shared index key).
+        block_size: Bk (paper 128). topk: K blocks per query and group (paper 16).
+        scale, index_scale: softmax scales, default ``1/sqrt(D)`` and ``1/sqrt(Didx)``.
+        warmup: the indexer warmup (§3.2): dense main branch, KL on the full causal support.
+            An attribute: flip ``layer.warmup`` when the warmup ends.
+        device, dtype: of the weights (normal with variance ``1/fan_in``, as
+            ``msa.reference.init_params``).
+
+    On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
+    CUDA-core versions). The main branch's backward is PyTorch code
+    (``functional.sparse_attention_backward``); the index branch's is the KL kernel.
+    """
+
+    def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 index_dim: int, *, block_size: int = 128, topk: int = 16, scale=None,
+                 index_scale=None, warmup: bool = False, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("head_dim", head_dim),
+                            ("index_dim", index_dim)):
+            check_positive_int(name, value)
+        check_gqa(num_q_heads, num_kv_heads)
+        self.d_model, self.num_q_heads, self.num_kv_heads = d_model, num_q_heads, num_kv_heads
+        self.head_dim, self.index_dim = head_dim, index_dim
+        self.block_size = check_positive_int("block_size", block_size)
+        self.topk = check_positive_int("topk", topk)
+        self.scale, self.index_scale, self.warmup = scale, index_scale, bool(warmup)
+        kw = dict(device=device, dtype=dtype)
+
+        def weight(fan_in, fan_out):
+            w = torch.empty((fan_in, fan_out), **kw)
+            nn.init.normal_(w, std=1.0 / math.sqrt(fan_in))
+            return nn.Parameter(w)
+
+        self.w_q = weight(d_model, num_q_heads * head_dim)
+        self.w_k = weight(d_model, num_kv_heads * head_dim)
+        self.w_v = weight(d_model, num_kv_heads * head_dim)
+        self.w_o = weight(num_q_heads * head_dim, d_model)
+        self.w_q_idx = weight(d_model, num_kv_heads * index_dim)
+        self.w_k_idx = weight(d_model, index_dim)
+
+    @classmethod
+    def from_params(cls, params, *, block_size: int = 128, topk: int = 16, device=None,
+                    dtype=None, **kwargs) -> MSAAttention:
+        """The layer with the weights of a ``msa.reference.MSAParams`` (copied)."""
+        layer = cls(params.w_q.shape[0], params.num_q_heads, params.num_kv_heads,
+                    params.head_dim, params.index_dim, block_size=block_size, topk=topk,
+                    device=device, dtype=dtype or torch.float64, **kwargs)
+        with torch.no_grad():
+            for name in ("w_q", "w_k", "w_v", "w_o", "w_q_idx", "w_k_idx"):
+                getattr(layer, name).copy_(torch.from_numpy(np.asarray(getattr(params, name))))
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, "
+                f"D={self.head_dim}, Didx={self.index_dim}, block_size={self.block_size}, "
+                f"topk={self.topk}, warmup={self.warmup}")
+
+    def select(self, q_idx, k_idx, cu_seqlens):
+        """Lines 3-4: ``I [T, Hkv, K]`` int32 from the index branch (no gradient)."""
+        with torch.no_grad():
+            if q_idx.is_cuda:
+                from ..cuda.select import select_blocks_fused
+
+                cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=q_idx.device)
+                idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
+                                          self.topk, self.block_size, self.index_scale)
+                return torch.as_tensor(idx, device=q_idx.device)
+            from ..reference.index import block_scores
+            from ..reference.select import select_blocks
+
+            qi, ki = F._to_numpy(q_idx), F._to_numpy(k_idx)
+            m = block_scores(qi, ki, cu_seqlens, cu_seqlens, self.block_size,
+                             scale=self.index_scale)  # [Hkv, T, NB]
+            idx = select_blocks(m, cu_seqlens, cu_seqlens, self.topk, self.block_size)
+            return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int32))
+
+    def forward(self, x: torch.Tensor, cu_seqlens) -> MSAOutput:
+        """Algorithm 1 on ``x [T, d_model]``, sequences packed by ``cu_seqlens [B+1]``.
+
+        Returns :class:`MSAOutput` ``(output [T, d_model], loss_kl, block_indices, lse)``.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 2 or x.shape[1] != self.d_model:
+            raise ValueError(f"x must have shape [T, d_model={self.d_model}], got {tuple(x.shape)}")
+        t = int(x.shape[0])
+        cu = F.host_cu_seqlens(cu_seqlens)
+        cu, _ = check_cu_seqlens(cu, cu, t, t)
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        # line 1: main projections  [T, Hq, D], [T, Hkv, D]
+        q = (x @ self.w_q).view(t, hq, d)
+        k = (x @ self.w_k).view(t, hkv, d)
+        v = (x @ self.w_v).view(t, hkv, d)
+        # line 2: index projections on sg(X)  [T, Hkv, Didx], [T, Didx]
+        xs = x.detach()
+        q_idx = (xs @ self.w_q_idx).view(t, hkv, self.index_dim)
+        k_idx = xs @ self.w_k_idx
+        # lines 3-4: causal block max and top-k with the forced local block
+        idx = self.select(q_idx.detach(), k_idx.detach(), cu)
+        # line 5: the main branch
+        if self.warmup:
+            o, lse = F.dense_attention(q, k, v, cu, cu, self.scale)
+        else:
+            o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, self.scale)
+        # line 6
+        output = o.reshape(t, hq * d) @ self.w_o
+        # line 7: the KL on the selected support (the full causal support in the warmup)
+        loss, _ = F.kl_loss(q_idx, k_idx, q, k, None if self.warmup else idx, lse, cu, cu,
+                            self.block_size, self.scale, self.index_scale)
+        return MSAOutput(output, loss, idx, lse)

@@ -1,0 +1,206 @@
+"""msa.torch.functional: forwards equal the reference, backwards are the true gradients.
+
+CPU tensors run the NumPy reference, so float64 ``gradcheck`` checks every backward against
+finite differences. A second, independent check: the main branch's PyTorch backward against
+autograd through a plain masked softmax built from the reference's support. GPU tests (marked
+``gpu``) compare the CUDA path with the CPU one.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+torch = pytest.importorskip("torch")
+
+import msa.reference as R  # noqa: E402
+from msa.problems import make_problem  # noqa: E402
+from msa.reference.blocks import query_positions  # noqa: E402
+from msa.testing import strategies as mst  # noqa: E402
+from msa.torch import (dense_attention, kl_loss, sparse_attention,  # noqa: E402
+                       sparse_attention_backward)
+
+T = torch.from_numpy
+
+
+def select(p):
+    m = R.block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    return R.select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+
+
+def support_mask(p, I):
+    """[Tq, Hkv, Tk] bool: key j in the support of (query t, group r), from the reference."""
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    batch, pos = query_positions(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk)
+    mask = np.zeros((tq, p.num_kv_heads, tk), dtype=bool)
+    for t in range(tq):
+        b = batch[t]
+        for r in range(p.num_kv_heads):
+            for blk in I[t, r]:
+                if blk < 0:
+                    continue
+                lo = blk * p.block_size
+                hi = min((blk + 1) * p.block_size, pos[t] + 1)
+                if hi > lo:
+                    mask[t, r, p.cu_seqlens_k[b] + lo:p.cu_seqlens_k[b] + hi] = True
+    return mask
+
+
+def masked_attention(q, k, v, mask, scale):
+    """Eq 8 as a dense masked softmax in PyTorch (autograd): an independent backward."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = torch.einsum("trgd,jrd->trgj", q.view(tq, hkv, g, d), k) * scale  # [Tq, Hkv, G, Tk]
+    m = torch.as_tensor(mask)[:, :, None, :]
+    s = s.masked_fill(~m, -math.inf)
+    has = m.any(-1, keepdim=True)
+    p = torch.where(has, torch.softmax(torch.where(has, s, torch.zeros_like(s)), -1),
+                    torch.zeros_like(s))
+    p = torch.where(m, p, torch.zeros_like(p))
+    return torch.einsum("trgj,jrd->trgd", p, v).reshape(tq, hq, d)
+
+
+CASES = {
+    "one-seq": dict(seq_lens_k=(40,), seq_lens_q=None),
+    "varlen-Lq<Lk": dict(seq_lens_k=(29, 17), seq_lens_q=(11, 17)),
+    "empty-seq": dict(seq_lens_k=(0, 21, 9), seq_lens_q=(0, 5, 9)),
+    "T=1": dict(seq_lens_k=(1,), seq_lens_q=None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_sparse_attention_forward_equals_reference(case):
+    p = make_problem(**CASES[case], num_q_heads=4, num_kv_heads=2, head_dim=8, index_dim=8,
+                     block_size=8, topk=2, seed=3)
+    I = select(p)
+    o, lse = sparse_attention(T(p.q), T(p.k), T(p.v), T(I), p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    o_ref, lse_ref = R.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    np.testing.assert_array_equal(o.numpy(), o_ref)
+    np.testing.assert_array_equal(lse.numpy(), lse_ref)
+    assert not lse.requires_grad
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_sparse_attention_gradcheck(case):
+    """The PyTorch backward against finite differences of the reference forward (float64)."""
+    p = make_problem(**CASES[case], num_q_heads=2, num_kv_heads=1, head_dim=4, index_dim=4,
+                     block_size=8, topk=2, seed=5)
+    if p.q.shape[0] == 0:
+        pytest.skip("no queries")
+    I = T(select(p))
+    q, k, v = (T(x).requires_grad_() for x in (p.q, p.k, p.v))
+
+    def f(q, k, v):
+        return sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@given(mst.problems_with_indices(max_len=40, max_heads=4, max_topk=3, dims=(4, 8)))
+def test_sparse_attention_backward_equals_autograd_of_a_masked_softmax(case):
+    """Any valid selection (hot rows, -1 tails, future blocks): dq, dk, dv equal autograd
+    through a dense masked softmax on the reference's support (float64, rounding only)."""
+    p, I = case
+    scale = 1.0 / math.sqrt(p.q.shape[2])
+    q, k, v = (T(x).requires_grad_() for x in (p.q, p.k, p.v))
+    o_want = masked_attention(q, k, v, support_mask(p, I), scale)
+    do = T(np.random.default_rng(0).standard_normal(p.q.shape))
+    want = torch.autograd.grad(o_want, (q, k, v), do, allow_unused=True)
+    o, lse = sparse_attention(q, k, v, T(I), p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    np.testing.assert_allclose(o.detach().numpy(), o_want.detach().numpy(), rtol=0, atol=1e-12)
+    got = sparse_attention_backward(q.detach(), k.detach(), v.detach(), o.detach(), lse, do,
+                                    T(I), p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    for name, a, b in zip("qkv", got, want):
+        b = torch.zeros_like(a) if b is None else b
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-11, err_msg=f"d{name}")
+
+
+def test_dense_attention_equals_reference_and_gradcheck():
+    p = make_problem((13, 6), (9, 6), num_q_heads=4, num_kv_heads=2, head_dim=4, seed=1)
+    q, k, v = (T(x).requires_grad_() for x in (p.q, p.k, p.v))
+    o, lse = dense_attention(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k)
+    o_ref, lse_ref = R.dense_attention(p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k)
+    np.testing.assert_allclose(o.detach().numpy(), o_ref, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse.numpy(), lse_ref, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: dense_attention(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k)[0], (q, k, v))
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["selected", "warmup"])
+def test_kl_loss_value_gradient_and_stop_gradient(warmup):
+    p = make_problem((30, 11), (22, 11), num_q_heads=4, num_kv_heads=2, head_dim=4, index_dim=4,
+                     block_size=8, topk=2, seed=2)
+    I = None if warmup else select(p)
+    if warmup:
+        _, lse = R.dense_attention(p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k)
+    else:
+        _, lse = R.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    I_t = None if I is None else T(I)
+    q, k, lse_t = T(p.q).requires_grad_(), T(p.k).requires_grad_(), T(lse).requires_grad_()
+    qi, ki = T(p.q_idx).requires_grad_(), T(p.k_idx).requires_grad_()
+    loss, kl = kl_loss(qi, ki, q, k, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    kl_ref, loss_ref = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse, p.cu_seqlens_q,
+                                 p.cu_seqlens_k, 8)
+    np.testing.assert_array_equal(kl.numpy(), kl_ref)
+    assert float(loss.detach()) == float(loss_ref) and loss.shape == ()
+    (0.37 * loss).backward()
+    dq_ref, dk_ref = R.kl_backward(p.q, p.k, p.q_idx, p.k_idx, I, lse, p.cu_seqlens_q,
+                                   p.cu_seqlens_k, 8, grad_loss=0.37)
+    np.testing.assert_array_equal(qi.grad.numpy(), dq_ref)
+    np.testing.assert_array_equal(ki.grad.numpy(), dk_ref)
+    assert q.grad is None and k.grad is None and lse_t.grad is None  # the teacher is constant
+
+    def f(qi, ki):
+        return kl_loss(qi, ki, q, k, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)[0]
+
+    assert torch.autograd.gradcheck(f, (qi.detach().requires_grad_(),
+                                        ki.detach().requires_grad_()))
+
+
+BAD = {
+    "q-numpy": (lambda a: dict(a, q=a["q"].numpy()), TypeError, "q must be a torch.Tensor"),
+    "k-2d": (lambda a: dict(a, k=a["k"][:, 0]), ValueError, "k must have 3 dimensions"),
+    "indices-float": (lambda a: dict(a, block_indices=a["block_indices"].double()), TypeError,
+                      "block_indices must be an integer tensor"),
+    "cu-wrong-total": (lambda a: dict(a, cu_seqlens_q=[0, 3]), ValueError, "cu_seqlens_q"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_names_the_argument(case):
+    change, error, match = BAD[case]
+    p = make_problem((8,), num_q_heads=2, num_kv_heads=1, head_dim=4, block_size=4, topk=1)
+    args = change(dict(q=T(p.q), k=T(p.k), v=T(p.v), block_indices=T(select(p)),
+                       cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, block_size=4))
+    with pytest.raises(error, match=match):
+        sparse_attention(**args)
+
+
+# --- the CUDA path (real GPU) -------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_forward_and_backward_match_the_cpu_path(dtype):
+    """bf16/fp32 CUDA tensors (the msa.cuda kernels forward, the PyTorch backward on the GPU)
+    against the float64 CPU path on the same rounded values."""
+    p = make_problem((700, 300), num_q_heads=8, num_kv_heads=2, head_dim=64, index_dim=64,
+                     block_size=64, topk=4, seed=7)
+    I = select(p)
+    dt = getattr(torch, dtype)
+    cpu = [T(x).to(dt).double().requires_grad_() for x in (p.q, p.k, p.v)]
+    gpu = [x.detach().to(dt).cuda().requires_grad_() for x in cpu]
+    do = torch.randn(p.q.shape, dtype=torch.float64)
+    o_c, lse_c = sparse_attention(*cpu, T(I), p.cu_seqlens_q, p.cu_seqlens_k, 64)
+    o_g, lse_g = sparse_attention(*gpu, T(I).cuda(), p.cu_seqlens_q, p.cu_seqlens_k, 64)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-4
+    np.testing.assert_allclose(o_g.double().cpu().detach().numpy(), o_c.detach().numpy(),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse_g.double().cpu().numpy(), lse_c.numpy(), atol=tol, rtol=tol)
+    g_c = torch.autograd.grad(o_c, cpu, do)
+    g_g = torch.autograd.grad(o_g, gpu, do.to(dt).cuda())
+    for a, b in zip(g_g, g_c):
+        scale = float(b.abs().max())
+        np.testing.assert_allclose(a.double().cpu().numpy(), b.numpy(), atol=tol * 4 * scale,
+                                   rtol=0)
