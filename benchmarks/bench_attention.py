@@ -20,7 +20,12 @@ sequence of N tokens (Lq = Lk = N).
    baseline's own FLOPs (4 * Hq * D * N(N+1)/2) are reported beside it. Peak torch-allocated
    memory of one call next to each time. The MSA time is also split into CSR + schedule, K1 and
    K2 (CUDA events around each stage, one query chunk).
-2. MSA prefill (``msa.cuda.attention.msa_prefill``: index branch + top-k + sparse attention,
+2. K1 alone, versions side by side (``--k1-versions``, default 3, 2, 1: registers, shared-memory
+   tensor cores, CUDA cores) at N = 32K, ``uniform``: CSR + schedule, K1 and K2 timed by CUDA
+   events on one query chunk (the last 16K queries against every key), each version behind
+   its own correctness gate (the chunk's last 512 outputs against the gather implementation);
+   K1 TFLOP/s = 4 * Hq * D * S_chunk / K1 time, with ``vs_v2`` = v2 time / this time.
+3. MSA prefill (``msa.cuda.attention.msa_prefill``: index branch + top-k + sparse attention,
    Didx = 128) against dense causal SDPA at N in {128K, 1M} (1M: one timed run each; dense SDPA
    takes ~36 s there).
 
@@ -229,9 +234,12 @@ def _error_row(case, impl, exc):
                 trace=traceback.format_exc(limit=6))
 
 
-def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=16384):
+def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=16384, gate=False,
+                    tile_rows=None):
     """ms of CSR + schedule, K1 and K2 for the last ``max_queries`` queries (one query chunk of
-    ``sparse_attention``, against every key), CUDA events around each stage."""
+    ``sparse_attention``, against every key), CUDA events around each stage. With ``gate``, the
+    chunk's last 512 outputs are first compared with ``gather_attention`` (rel err in the
+    result; ValueError above ``GATE_REL``, before any timing)."""
     import numpy as np
     import torch
 
@@ -241,10 +249,11 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
 
     n = q.shape[0]
     c = min(n, max_queries)
+    ref = gather_attention(q, k, v, I, n - min(c, 512), n) if gate else None
     q, I = q[n - c:], I[n - c:]
     cu_q, cu_k = np.array([0, c], np.int32), np.array([0, n], np.int32)
     spec = A._Spec(q, k, v)
-    plan = A._K1Plan(spec, BK, version, None)
+    plan = A._K1Plan(spec, BK, version, tile_rows)
     chunk = -(-2 * TOPK * BK // plan.positions) * plan.positions
     scale = 1.0 / math.sqrt(D)
     ctx = A.ArrayContext(q, k, v, I)
@@ -277,11 +286,20 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
         return [ev[i].elapsed_time(ev[i + 1]) for i in range(3)]
 
     run()  # warm-up
+    extra = {}
+    if gate:
+        torch.cuda.synchronize()
+        err = _rel_err(o[c - ref.shape[0]:], ref)
+        if not err < GATE_REL:
+            raise ValueError(f"correctness gate failed: rel err {err:.3g} >= {GATE_REL}")
+        extra["gate_rel_err"] = err
     times = sorted((run() for _ in range(3)), key=sum)[1]
     flops = 4 * HQ * D * visible_tokens(I, t_offset=n - c)
     del o_part, lse_part
     part_bytes = 2 if bf16_partials else 4
-    return dict(breakdown_queries=c, csr_schedule_ms=times[0], k1_ms=times[1], k2_ms=times[2],
+    return dict(extra, version=plan.version, tile_rows=plan.rows, breakdown_queries=c,
+                csr_schedule_ms=times[0],
+                k1_ms=times[1], k2_ms=times[2],
                 k1_TFLOPs=flops / times[1] / 1e9,
                 # bytes K2 moves: every O_s read once (all K slots are used here) + bf16 O written
                 k2_GBps=(part_bytes * TOPK + 2) * c * HQ * D / times[2] / 1e6)
@@ -379,7 +397,40 @@ def bench_sparse(n, pattern, args):
     return rows
 
 
-# -- 2. MSA prefill -------------------------------------------------------------------------------
+# -- 2. K1 versions side by side ------------------------------------------------------------------
+
+def bench_k1(n, pattern, args):
+    """K1 of each version in ``args.k1_versions`` on one query chunk (``stage_breakdown``),
+    each behind its own correctness gate; one failing version does not stop the others."""
+    import torch
+
+    case = f"K1 N={n // 1024}K {pattern}"
+    rows = []
+    q, k, v = _qkv(n, seed=3)
+    I = make_selection(pattern, n, seed=3)
+    print(f"== {case}", flush=True)
+    # v3 also at 64-row tiles: 4 warps and 104 KB of shared memory, two CTAs per SM
+    configs = [(version, None) for version in args.k1_versions]
+    configs += [(3, 64)] if 3 in args.k1_versions else []
+    for version, tile_rows in configs:
+        impl = f"K1 v{version}" + (f" T={tile_rows}" if tile_rows else "") + " (bf16 partials)"
+        try:
+            r = stage_breakdown(q, k, v, I, version, "bfloat16", gate=True, tile_rows=tile_rows)
+            rows.append(dict(case=case, impl=impl, ms=r["k1_ms"], TFLOPs=r["k1_TFLOPs"], **r))
+        except Exception as exc:
+            rows.append(_error_row(case, impl, exc))
+        torch.cuda.empty_cache()
+    v2 = next((r["ms"] for r in rows if r.get("version") == 2 and r.get("ms")), None)
+    # "vs_v2": v2's K1 time / this K1 time (> 1: faster than v2)
+    for r in rows:
+        if v2 and r.get("ms"):
+            r["vs_v2"] = v2 / r["ms"]
+    del q, k, v, I
+    torch.cuda.empty_cache()
+    return rows
+
+
+# -- 3. MSA prefill -------------------------------------------------------------------------------
 
 def bench_prefill(n, args):
     import torch
@@ -433,7 +484,10 @@ def main(argv=None):
     p.add_argument("--sizes", default="32768,131072", help="sparse attention N, comma separated")
     p.add_argument("--patterns", default="uniform,sink+local+random,skewed")
     p.add_argument("--prefill-sizes", default="131072,1048576")
-    p.add_argument("--versions", default="2,1", help="K1 versions to time (first = breakdown)")
+    p.add_argument("--versions", default="3,2,1",
+                   help="K1 versions to time end to end (first = breakdown)")
+    p.add_argument("--k1-sizes", default="32768", help="N of the K1 side-by-side section")
+    p.add_argument("--k1-versions", default="3,2,1", help="K1 versions side by side")
     p.add_argument("--partials", default="bfloat16,float32",
                    help="partial dtypes to time with the first version (the others: the first)")
     p.add_argument("--v1-max-n", type=int, default=32768, help="time K1 v1 up to this N")
@@ -447,11 +501,14 @@ def main(argv=None):
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     args = p.parse_args(argv)
     args.versions = [int(x) for x in args.versions.split(",") if x]
+    args.k1_versions = [int(x) for x in args.k1_versions.split(",") if x]
     args.partials = [x for x in args.partials.split(",") if x]
     t_start = time.time()
     rows = []
-    cases = [("sparse", int(n), pat) for n in args.sizes.split(",") if n
-             for pat in args.patterns.split(",") if pat]
+    # K1 side by side first: the cheapest section, and the one a kernel change is judged by
+    cases = [("k1", int(n), "uniform") for n in args.k1_sizes.split(",") if n]
+    cases += [("sparse", int(n), pat) for n in args.sizes.split(",") if n
+              for pat in args.patterns.split(",") if pat]
     cases += [("prefill", int(n), None) for n in args.prefill_sizes.split(",") if n]
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, Didx=D_IDX, dtype="bfloat16",
                   args={k: v for k, v in vars(args).items()})
@@ -462,14 +519,19 @@ def main(argv=None):
             rows.append(dict(case=name, impl="-", error=f"skipped: over --budget-s {args.budget_s}"))
             continue
         try:
-            rows += bench_sparse(n, pattern, args) if kind == "sparse" else bench_prefill(n, args)
+            if kind == "sparse":
+                rows += bench_sparse(n, pattern, args)
+            elif kind == "k1":
+                rows += bench_k1(n, pattern, args)
+            else:
+                rows += bench_prefill(n, args)
         except Exception as exc:
             rows.append(_error_row(name, "setup", exc))
         print(f"   [{time.time() - t_start:.0f} s] {name}", flush=True)
         # written after every case, so that a timeout still leaves the results so far
         write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
     print_table(rows, ["case", "impl", "ms", "TFLOPs", "peak_GiB", "msa_speedup", "gate_rel_err",
-                       "k1_ms", "k1_TFLOPs", "k2_ms", "csr_schedule_ms", "error"])
+                       "k1_ms", "k1_TFLOPs", "vs_v2", "k2_ms", "csr_schedule_ms", "error"])
     write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
     return rows
 

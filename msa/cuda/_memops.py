@@ -24,10 +24,15 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    8``; lane ``4 g + t`` receives word ``t`` of row ``g`` of the
                                    four matrices (the mma B/A fragment layout). Called by all
                                    32 lanes together
+``ldmatrix_x4_trans(a, flat)``     ``ldmatrix...x4.trans``: the same four matrices, transposed:
+                                   lane ``4 g + t`` receives, from each matrix, the 16-bit
+                                   elements ``[2t][g]`` (low half) and ``[2t+1][g]`` (high
+                                   half), i.e. the mma B fragment of a matrix stored with its
+                                   ``k`` index along the rows (V of ``P V`` stored row-major)
 =================================  =============================================================
 
-Under the simulator ``cp_async16`` copies at once and ``ldmatrix_x4`` gathers the row addresses
-with ``shfl_sync`` (``msa.cuda._simwarp``).
+Under the simulator ``cp_async16`` copies at once and ``ldmatrix_x4``/``ldmatrix_x4_trans``
+gather the row addresses with ``shfl_sync`` (``msa.cuda._simwarp``).
 """
 
 from __future__ import annotations
@@ -92,6 +97,26 @@ if SIMULATOR:
         r2 = cuda.shfl_sync(0xFFFFFFFF, flat, 16 + g)
         r3 = cuda.shfl_sync(0xFFFFFFFF, flat, 24 + g)
         return f[r0 + t], f[r1 + t], f[r2 + t], f[r3 + t]
+
+    @cuda.jit(device=True)
+    def _trans_word(f, flat, m, g, t):
+        """Elements ``[2t][g]`` and ``[2t+1][g]`` of matrix ``m`` as one word (low, high)."""
+        lo_row = cuda.shfl_sync(0xFFFFFFFF, flat, 8 * m + 2 * t)
+        hi_row = cuda.shfl_sync(0xFFFFFFFF, flat, 8 * m + 2 * t + 1)
+        shift = 16 * (g & 1)
+        lo = (int(f[lo_row + (g >> 1)]) >> shift) & 0xFFFF
+        hi = (int(f[hi_row + (g >> 1)]) >> shift) & 0xFFFF
+        return np.uint32(lo | (hi << 16))
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_trans(a, flat):
+        """Simulator twin: column ``g`` of every matrix, fetched from the lanes owning its rows."""
+        lane = cuda.threadIdx.x & 31
+        g = lane >> 2
+        t = lane & 3
+        f = a.reshape(-1)
+        return (_trans_word(f, flat, 0, g, t), _trans_word(f, flat, 1, g, t),
+                _trans_word(f, flat, 2, g, t), _trans_word(f, flat, 3, g, t))
 
 else:
     from llvmlite import ir
@@ -191,6 +216,26 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
             asm = ir.InlineAsm(
                 fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
+                "=r,=r,=r,=r,r", side_effect=True)
+            res = builder.call(asm, [_shared_address(builder, ptr)])
+            outs = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, signature.return_type, outs)
+
+        return sig, codegen
+
+    @intrinsic
+    def ldmatrix_x4_trans(typingctx, a, flat):
+        """Four 8x8 b16 matrices from shared memory, transposed, into the mma B layout."""
+        if not (_u32_array(a) and isinstance(flat, types.Integer)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(a, flat)
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1],
+                                   signature.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+            asm = ir.InlineAsm(
+                fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
                 "=r,=r,=r,=r,r", side_effect=True)
             res = builder.call(asm, [_shared_address(builder, ptr)])
             outs = [builder.extract_value(res, k) for k in range(4)]

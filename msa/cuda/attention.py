@@ -15,7 +15,7 @@ cut), the block-local softmax, ``O = P V``; write ``O_s`` and ``L_s`` into the s
 assigned. Items with ``q_count <= 0`` (the padding of a device-built schedule) do nothing. No
 float atomics: every partial has its own slot, so reruns are bitwise identical.
 
-Versions (``version=None`` picks the fastest that supports the inputs):
+Versions:
 
 ===  =========================================================================================
 v    idea
@@ -32,7 +32,23 @@ v    idea
      of tile i+1 are prefetched into L1 while tile i computes. fp16/bf16 only, ``D`` and ``Bk``
      multiples of 16 (up to 256). About 168 KB of dynamic shared memory at D = Bk = 128,
      R = 128 (one CTA of 8 warps per SM); 168 registers, no spills (sm_90, offline ptxas).
+3    tensor cores with S, P and O in registers (FlashAttention-2 style): warp w owns rows
+     16w..16w+15 of the tile and keeps their scores (``Bk/2`` fp32 per lane), computes the
+     causal mask, the row max and sum (``shfl_xor`` over the quad that holds a row) and
+     ``P = 2**(S scale log2 e - m)`` in registers; P packed to 16-bit pairs is already the A
+     fragment of ``O = P V`` (the C layout of two n-tiles of S is the A layout of one k-step).
+     K and V row-major in shared memory (B fragments by ``ldmatrix.x4``, V's by
+     ``ldmatrix.x4.trans``), Q tiles gathered by ``cp.async`` into two buffers (tile i+1 lands
+     while tile i computes; A fragments by ``ldmatrix.x4``), one barrier per tile; O in
+     registers, in two column halves at D = 128. fp16/bf16, D and Bk multiples of 16 up to
+     128. 136 KB of dynamic shared memory at D = Bk = 128, R = 128 (one CTA of 8 warps per
+     SM); 168 registers, no spills, at D = 128 with Bk = 128 (every D, Bk in {16, 32, 64, 128}
+     at most 168; sm_90, offline ptxas). Inputs that are not 16-byte aligned are copied by
+     plain loads instead of ``cp.async``.
 ===  =========================================================================================
+
+``version=None`` takes ``DEFAULT_TC_VERSION`` (2 until version 3 has been validated on a GPU)
+for fp16/bf16 inputs it supports, version 2 for the other tensor-core shapes, else version 1.
 
 Memory: ``O_part`` is ``K*Tq*Hq*D`` values (fp32: 16 GiB at 32K tokens, 64 GiB at 128K in the
 paper configuration). ``sparse_attention`` therefore processes the queries in chunks whose
@@ -60,18 +76,24 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
+from ._memops import (cp_async16, cp_async_commit, cp_async_wait_all, is_aligned16, ldmatrix_x4,
+                      ldmatrix_x4_trans)
 from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE_V2 = 256
+# The tensor-core version ``version=None`` picks where it applies (v3 falls back to v2 for
+# D or Bk above 128).
+DEFAULT_TC_VERSION = 2
 # Default budget for one query chunk's partials in sparse_attention (bytes).
 MAX_PARTIAL_BYTES = 4 << 30
 # Tile rows T (query positions x G heads per tile): the paper's 128 on a GPU; the simulator runs
 # every thread as a Python thread, so its tiles are as small as the kernels allow.
-DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128}
+DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128,
+                     3: 16 if SIMULATOR else 128}
 _THREADS_V1 = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
 _LOG2E = 1.4426950408889634
@@ -540,6 +562,297 @@ def _k1_kernel_mma(block_size: int, head_dim: int, group: int, positions: int, b
     return _k1_kernel_v2
 
 
+# K1 v3: tensor cores with S, P and O in registers (FlashAttention-2 style)
+
+V3_MAX_HEAD_DIM = 128
+V3_MAX_BLOCK_SIZE = 128
+
+
+def _v3_layout(block_size, head_dim, rows):
+    """Row stride (32-bit words), word offsets of sV and sQ, and total bytes of K1 v3's shared
+    memory: sK [Bk rows] and sV [Bk rows] row-major (V's B fragments come from
+    ``ldmatrix.trans``), sQ two buffers of R rows (tile i+1 is gathered while tile i computes).
+    Rows of ``D/2 + 4`` words: 16-byte aligned for ``cp.async``, and the 8 rows x 16 bytes of
+    an ``ldmatrix`` phase hit 32 different banks."""
+    ld = head_dim // 2 + 4
+    off_v = block_size * ld
+    off_q = 2 * block_size * ld
+    total = off_q + 2 * rows * ld
+    return ld, off_v, off_q, 4 * total
+
+
+def _v3_o_parts(head_dim):
+    """Column parts of O in K1 v3: two above D = 64 (at D = 128 all 64 accumulators at once
+    take 255 registers on sm_90, in two parts of 32 the kernel takes 168; offline ptxas)."""
+    return 2 if head_dim > 64 and (head_dim // 8) % 4 == 0 else 1
+
+
+if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
+    @cuda.jit(device=True)
+    def _v3_smem():
+        return cuda.shared.array(0, uint32)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _v3_smem():
+        """The dynamic shared memory, 16-byte aligned (``cp.async``, ``ldmatrix``)."""
+        return cuda.shared.array(0, uint32, alignment=16)
+
+
+@cuda.jit(device=True)
+def _copy16_plain(dst, d, src, s, nbytes):
+    """``cp_async16``'s contract by ordinary loads and stores (inputs not 16-byte aligned)."""
+    dw = src.shape[2]
+    row = s // (src.shape[1] * dw)
+    head = (s // dw) % src.shape[1]
+    w = s % dw
+    for e in range(4):
+        dst[d + e] = src[row, head, w + e] if nbytes > 0 else uint32(0)
+
+
+@cuda.jit(device=True)
+def _nothing():
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
+                   bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1):
+    """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
+    copied by ``cp.async`` or by plain loads when they are not 16-byte aligned).
+
+    Arguments as v2's kernel (uint32 views of q, k, v; with ``bf16_partials`` ``o_part`` is a
+    uint32 view ``[K, Tq, Hq, D/2]``), without the run-time constants: every loop over
+    fragments here has a compile-time trip count and is unrolled, so that the accumulator
+    arrays are registers."""
+    Bk, D, G, P = block_size, head_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    assert R % 16 == 0 and NW <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
+    LD, OFF_V, OFF_Q, _ = _v3_layout(Bk, D, R)
+    DW = D // 2  # words per row of Q/K/V
+    QBUF = R * LD  # words per Q buffer
+    PIECES = DW // 4  # 16-byte pieces per row
+    HALF = PIECES // 2  # pieces a thread gathers: two threads per query row (NT = 2R)
+    NS = Bk // 8  # n-tiles of S (8 keys each): 4 fp32 registers per lane each
+    NO = D // 8  # n-tiles of O (8 dims each)
+    KS = D // 16  # k-steps of S = Q Kᵀ
+    KP = Bk // 16  # k-steps of O = P V
+    NO_PART = NO // o_parts  # n-tiles of O per part (even: ldmatrix.x4.trans loads two)
+    O_PARTS = o_parts
+    assert NO_PART % 2 == 0 and NO_PART * o_parts == NO
+    S_REGS, P_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO_PART  # register arrays (constant sizes)
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    copy16 = cp_async16 if use_async else _copy16_plain
+    commit = cp_async_commit if use_async else _nothing
+    wait_all = cp_async_wait_all if use_async else _nothing
+    BF16_PARTIALS = bf16_partials
+
+    @cuda.jit(device=True, inline=True)
+    def gather(smem, q, h, row, half, t, dst_buf):
+        """Start copying this thread's half of query row ``row`` (token ``t``, zeros if -1)."""
+        src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
+        dst = OFF_Q + dst_buf * QBUF + row * LD + half * HALF * 4
+        for u in range(HALF):
+            copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
+
+    @cuda.jit
+    def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
+        smem = _v3_smem()
+        s_acc = cuda.local.array(S_REGS, float32)
+        p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V mma
+        o_acc = cuda.local.array(O_REGS, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = o_part.shape[0]
+        h, q_begin, q_count, b, j, key0, nk = _item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        if q_count <= 0:
+            return  # the whole CTA: padding item
+        key_pos0 = j * Bk
+        scale_log2 = scale  # the launcher passes scale * log2(e): exp(x) = 2**(x log2 e)
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)  # Lk - Lq: bottom-right
+        num_tiles = (q_count + P - 1) // P
+        hkv = k.shape[1]
+
+        # The K/V block (keys past the sequence: zeros, so that 0 * V stays 0).
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
+            copy16(smem, c * LD + w, k, src, 16 if ok else 0)
+            copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
+        # Tile 0's queries; thread tid gathers half of row tid // 2 of every tile.
+        g_row = tid // 2
+        g_half = tid % 2
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
+        t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+        gather(smem, q, h, g_row, g_half, t_g, 0)
+        commit()
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, g_row, R)
+
+        # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
+        r_top = 16 * warp + g4
+        r_bot = r_top + 8
+        tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_top, R)
+        tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_bot, R)
+        # ldmatrix row addresses of this lane (matrix lane // 8, row lane % 8 of it): A of Q and
+        # B of V (.trans) take matrices (rows 0-7, 8-15) x (words 0-3, 4-7); B of K takes
+        # (words 0-3, 4-7) x (keys 0-7, 8-15), i.e. two n-tiles a load.
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
+        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+        v_lane = OFF_V + l_rows * LD + (lane >> 4) * 4
+
+        for tile in range(num_tiles):
+            buf = tile % 2
+            wait_all()
+            cuda.syncthreads()  # tile's queries (and K/V) landed; all warps are past tile - 1
+            if tile + 1 < num_tiles:  # the buffer of tile - 1 is free: gather tile + 1 into it
+                t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                gather(smem, q, h, g_row, g_half, t_g, 1 - buf)
+            commit()
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                       g_row, R)
+            t_top, s_top, pos_top = _check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
+            t_bot, s_bot, pos_bot = _check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_top, R)
+            tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_bot, R)
+
+            # S = Q Kᵀ (raw scores, fp32 registers).
+            for i in range(S_REGS):
+                s_acc[i] = float32(0.0)
+            qa = OFF_Q + buf * QBUF + a_lane
+            for ks in range(KS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                for n2 in range(NS // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
+                    n = 8 * n2
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
+                                         s_acc[n + 2], s_acc[n + 3])
+                    s_acc[n] = d0
+                    s_acc[n + 1] = d1
+                    s_acc[n + 2] = d2
+                    s_acc[n + 3] = d3
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
+                                         s_acc[n + 6], s_acc[n + 7])
+                    s_acc[n + 4] = d0
+                    s_acc[n + 5] = d1
+                    s_acc[n + 6] = d2
+                    s_acc[n + 7] = d3
+
+            # Token-level causal mask (and keys past the sequence): key c of the block is
+            # visible to a row iff c <= lim; rows without a query have pos = -1: nothing.
+            lim_top = min(pos_top - key_pos0, nk - 1)
+            lim_bot = min(pos_bot - key_pos0, nk - 1)
+            m_top = _NEG_INF
+            m_bot = _NEG_INF
+            for i in range(NS):
+                c = 8 * i + 2 * t4
+                for e in range(2):
+                    if c + e > lim_top:
+                        s_acc[4 * i + e] = _NEG_INF
+                    if c + e > lim_bot:
+                        s_acc[4 * i + 2 + e] = _NEG_INF
+                    m_top = max(m_top, s_acc[4 * i + e])
+                    m_bot = max(m_bot, s_acc[4 * i + 2 + e])
+            # the quad's four lanes hold the row: combine their maxima
+            m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 1))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
+            m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
+            # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN)
+            mb_top = m_top * scale_log2 if m_top > _NEG_INF else float32(0.0)
+            mb_bot = m_bot * scale_log2 if m_bot > _NEG_INF else float32(0.0)
+            # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
+            # 2j+1 is the A layout of k-step j of P V.
+            l_top = float32(0.0)
+            l_bot = float32(0.0)
+            for i in range(NS):
+                p0 = exp2(s_acc[4 * i] * scale_log2 - mb_top)
+                p1 = exp2(s_acc[4 * i + 1] * scale_log2 - mb_top)
+                p2 = exp2(s_acc[4 * i + 2] * scale_log2 - mb_bot)
+                p3 = exp2(s_acc[4 * i + 3] * scale_log2 - mb_bot)
+                l_top += p0 + p1
+                l_bot += p2 + p3
+                p_frag[2 * i] = pack(p0, p1)
+                p_frag[2 * i + 1] = pack(p2, p3)
+            l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 1)
+            l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 1)
+            l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 2)
+            l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 2)
+
+            # O = P V (fp32 registers), B fragments of V by ldmatrix.trans; O_s = O / l into
+            # the rows' slots (0 when nothing is visible). In O_PARTS column parts of D / O_PARTS
+            # (fewer live accumulators; each V fragment is still loaded once).
+            inv_top = float32(1.0) / l_top if l_top > float32(0.0) else float32(0.0)
+            inv_bot = float32(1.0) / l_bot if l_bot > float32(0.0) else float32(0.0)
+            hq_top = h * G + r_top % G
+            hq_bot = h * G + r_bot % G
+            for part in range(O_PARTS):
+                for i in range(O_REGS):
+                    o_acc[i] = float32(0.0)
+                for kp in range(KP):
+                    a0 = p_frag[4 * kp]
+                    a1 = p_frag[4 * kp + 1]
+                    a2 = p_frag[4 * kp + 2]
+                    a3 = p_frag[4 * kp + 3]
+                    for n2 in range(NO_PART // 2):
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(
+                            smem, v_lane + 16 * kp * LD + 8 * (part * (NO_PART // 2) + n2))
+                        n = 8 * n2
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, o_acc[n], o_acc[n + 1],
+                                             o_acc[n + 2], o_acc[n + 3])
+                        o_acc[n] = d0
+                        o_acc[n + 1] = d1
+                        o_acc[n + 2] = d2
+                        o_acc[n + 3] = d3
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, o_acc[n + 4], o_acc[n + 5],
+                                             o_acc[n + 6], o_acc[n + 7])
+                        o_acc[n + 4] = d0
+                        o_acc[n + 5] = d1
+                        o_acc[n + 6] = d2
+                        o_acc[n + 7] = d3
+                for i in range(NO_PART):
+                    d = 8 * (part * NO_PART + i) + 2 * t4
+                    if BF16_PARTIALS:
+                        if t_top >= 0:
+                            o_part[s_top, t_top, hq_top, d // 2] = pack_bf16x2(
+                                o_acc[4 * i] * inv_top, o_acc[4 * i + 1] * inv_top)
+                        if t_bot >= 0:
+                            o_part[s_bot, t_bot, hq_bot, d // 2] = pack_bf16x2(
+                                o_acc[4 * i + 2] * inv_bot, o_acc[4 * i + 3] * inv_bot)
+                    else:
+                        if t_top >= 0:
+                            o_part[s_top, t_top, hq_top, d] = o_acc[4 * i] * inv_top
+                            o_part[s_top, t_top, hq_top, d + 1] = o_acc[4 * i + 1] * inv_top
+                        if t_bot >= 0:
+                            o_part[s_bot, t_bot, hq_bot, d] = o_acc[4 * i + 2] * inv_bot
+                            o_part[s_bot, t_bot, hq_bot, d + 1] = o_acc[4 * i + 3] * inv_bot
+            # L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible)
+            if t4 == 0:
+                if t_top >= 0:
+                    lse = _NEG_INF
+                    if l_top > float32(0.0):
+                        lse = (mb_top + math.log2(l_top)) * float32(_LN2)
+                    lse_part[s_top, t_top, hq_top] = lse
+                if t_bot >= 0:
+                    lse = _NEG_INF
+                    if l_bot > float32(0.0):
+                        lse = (mb_bot + math.log2(l_bot)) * float32(_LN2)
+                    lse_part[s_bot, t_bot, hq_bot] = lse
+
+    return _k1_kernel_v3
+
 
 def _device_copy(host):
     """A small host array on the device (the simulator indexes NumPy directly)."""
@@ -595,25 +908,40 @@ class _K1Plan:
             why_not_v2 = f"head dim D={d} (must be a multiple of 16)"
         elif bk % 16 or bk > MAX_BLOCK_SIZE_V2:
             why_not_v2 = f"block_size={bk} (must be a multiple of 16, at most {MAX_BLOCK_SIZE_V2})"
+        why_not_v3 = why_not_v2
+        if why_not_v3 is None and d > V3_MAX_HEAD_DIM:
+            why_not_v3 = f"head dim D={d} (at most {V3_MAX_HEAD_DIM}: O lives in registers)"
+        elif why_not_v3 is None and bk > V3_MAX_BLOCK_SIZE:
+            why_not_v3 = f"block_size={bk} (at most {V3_MAX_BLOCK_SIZE}: S lives in registers)"
         if version is None:
-            version = 1 if why_not_v2 else 2
+            if why_not_v2:
+                version = 1
+            elif DEFAULT_TC_VERSION == 3 and why_not_v3 is None:
+                version = 3
+            else:
+                version = 2
         if version not in VERSIONS:
             raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
-        if version == 2 and why_not_v2:
-            raise ValueError(f"version=2 (tensor cores) does not support {why_not_v2}; use version=1")
+        why_not = {2: why_not_v2, 3: why_not_v3}.get(version)
+        if why_not:
+            raise ValueError(f"version={version} (tensor cores) does not support {why_not}; use "
+                             f"version=1" + ("" if why_not_v2 else " or 2"))
         if tile_rows is None:
             tile_rows = DEFAULT_TILE_ROWS[version]
         tile_rows = check_positive_int("tile_rows", tile_rows, high=128)
-        if version == 2 and tile_rows not in (16, 32, 64, 128):
-            raise ValueError(f"tile_rows must be 16, 32, 64 or 128 for version=2, got {tile_rows}")
+        if version >= 2 and tile_rows not in (16, 32, 64, 128):
+            raise ValueError(f"tile_rows must be 16, 32, 64 or 128 for version={version}, got "
+                             f"{tile_rows}")
         positions = -(-tile_rows // g)  # ceil(T / G) query positions x G heads per tile
         limit = _mma.DEVICE_SMEM_LIMIT - _mma.STATIC_RESERVE  # dynamic shared memory
         if version == 1:
             while positions > 1 and _v1_layout(bk, d, positions * g)[3] > limit:
                 positions //= 2
             smem = _v1_layout(bk, d, positions * g)[3]
-        else:
+        elif version == 2:
             smem = _v2_layout(bk, d, positions * g)[2]
+        else:
+            smem = _v3_layout(bk, d, positions * g)[3]
         if smem > limit:
             raise ValueError(
                 f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d} and "
@@ -623,11 +951,11 @@ class _K1Plan:
         self.spec = spec
 
     def inputs(self, ctx, q, k, v):
-        """Kernel views of q, k, v: uint32 word views for v2, element views for v1."""
+        """Kernel views of q, k, v: uint32 word views for v2/v3, element views for v1."""
         views = []
         for name, x in (("q", q), ("k", k), ("v", v)):
             arr = ctx.input(name, x)
-            if self.version == 2:
+            if self.version >= 2:
                 arr = arr.view(np.uint32)  # [T, H, D/2]: two 16-bit values per load
             elif self.spec.bf16 and str(arr.dtype) not in ("uint16", "int16"):
                 arr = arr.view(np.uint16)
@@ -647,6 +975,16 @@ class _K1Plan:
                                        _THREADS_V1, spec.bf16, bf16_partials)
             _mma.launch(kernel, num_items, _THREADS_V1, self.smem, q, k, v, work, q_indices,
                         slots, cu_q, cu_k, np.float32(scale), o_part, lse_part)
+        elif self.version == 3:
+            if bf16_partials:
+                o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
+            # cp.async needs 16-byte aligned rows: D % 16 == 0 keeps slices of aligned arrays
+            # aligned; an input that is not falls back to plain loads
+            aligned = all(is_aligned16(x) for x in (q, k, v))
+            kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
+                                    bf16_partials, aligned, _v3_o_parts(spec.d))
+            _mma.launch(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
+                        slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part)
         else:
             if bf16_partials:
                 o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
@@ -666,7 +1004,7 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
 
     One CTA per work item (see the module docstring); equal to
     ``msa.reference.attention.attention_partials`` up to float32 rounding (and the 16-bit
-    rounding of P in version 2).
+    rounding of P in versions 2 and 3).
 
     Args:
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
@@ -677,10 +1015,11 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` (read on the host).
         block_size: Bk >= 1. topk: K >= 1, the number of slots.
         scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
-        version: 1 (CUDA cores) or 2 (tensor cores, fp16/bf16, D and Bk multiples of 16);
-            ``None`` picks 2 when it applies.
+        version: 1 (CUDA cores), 2 (tensor cores, fp16/bf16, D and Bk multiples of 16) or 3
+            (tensor cores, registers; also D, Bk <= 128); ``None`` picks
+            ``DEFAULT_TC_VERSION`` (then 2) when it applies, else 1.
         tile_rows: rows T of a query tile (``ceil(T/G)`` positions x G heads); default 128 for
-            version 2 (16, 32, 64 or 128) and 64 for version 1 on a GPU.
+            versions 2 and 3 (16, 32, 64 or 128) and 64 for version 1 on a GPU.
         validate: check the work items against the CSR and the problem on host copies
             (``msa.reference.attention``'s checks: one device-to-host copy of ``work``,
             ``q_indices`` and ``partial_slots``). ``False`` skips that; bad entries are then

@@ -3,13 +3,14 @@
 The reference's CSR and schedule are fed to K1 (DESIGN §5: test selection on its own, then feed
 its indices), so that only the attention arithmetic is compared. Floats use
 ``msa.testing.tolerance``: the oracle is the reference in float64 on the exact values the kernel
-got (16-bit inputs widened), the baseline the reference in float32. Version 2 (tensor cores)
-also rounds the probabilities P to the input's 16-bit type before ``P V``, as FlashAttention
-does; that adds at most ``u * max|v|`` (``u`` the 16-bit unit roundoff) to ``o``, which its
+got (16-bit inputs widened), the baseline the reference in float32. Versions 2 and 3 (tensor
+cores) also round the probabilities P to the input's 16-bit type before ``P V``, as
+FlashAttention does; that adds at most ``u * max|v|`` (``u`` the 16-bit unit roundoff) to ``o``, which its
 bound allows for explicitly (``p_floor``). Outputs the launchers allocate start as NaN.
 
 The ``mma`` shim is tested on its own against NumPy (``test_mma_*``): under the simulator that
-checks the twin, on a GPU the inline PTX, with the same fragment-loading code.
+checks the twin, on a GPU the inline PTX, with the same fragment-loading code; likewise
+``ldmatrix_x4``/``ldmatrix_x4_trans`` (``msa.cuda._memops``), which feed version 3's fragments.
 
 ``big`` tests (GPU only) run the paper configuration (Hq=64, Hkv=4, D=128, Bk=128, K=16) at 8K
 tokens against the reference.
@@ -36,7 +37,7 @@ from msa.reference.schedule import build_schedule
 from msa.testing.backends import to_numpy
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
-U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in version 2
+U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in versions 2, 3
 
 
 
@@ -101,7 +102,7 @@ def as_float(o, kind):
 
 
 def p_floor(p_kind, version, v, oracle, bf16_partials=False):
-    """``floor_ulps`` (in units of float32 eps x max|oracle|) covering K1 v2's 16-bit P and
+    """``floor_ulps`` (in units of float32 eps x max|oracle|) covering K1 v2/v3's 16-bit P and
     bf16 partials.
 
     ``|sum_j p_j d_j v_j| / l <= u max|v|`` for relative roundings ``|d_j| <= u`` (``u`` the
@@ -110,7 +111,7 @@ def p_floor(p_kind, version, v, oracle, bf16_partials=False):
     """
     finite = np.isfinite(oracle)
     scale = float(np.abs(oracle[finite]).max()) if finite.any() else 0.0
-    u = U16.get(p_kind, 0.0) if version == 2 else 0.0
+    u = U16.get(p_kind, 0.0) if version >= 2 else 0.0
     u += U16["bfloat16"] if bf16_partials else 0.0
     if scale == 0 or u == 0:
         return 4.0
@@ -172,7 +173,7 @@ K1_CASES = [
 ]
 
 
-@pytest.mark.parametrize("version,kind", [(1, "float32"), (2, "float16")])
+@pytest.mark.parametrize("version,kind", [(1, "float32"), (2, "float16"), (3, "float16")])
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel,chunk,pad", [c[1:] for c in K1_CASES],
                          ids=[c[0] for c in K1_CASES])
 def test_k1_matches_reference_partials(lq, lk, hq, hkv, d, bk, topk, sel, chunk, pad, version,
@@ -189,15 +190,42 @@ def test_k1_v1_odd_head_dim_and_block():
 
 def test_k1_bf16(bf16_as_uint16):
     p, I = problem([21], [30], 4, 2, 16, 16, 2, seed=4)
+    run_k1(p, I, "bfloat16", 3)
     run_k1(p, I, "bfloat16", 2)
     run_k1(p, I, "bfloat16", 1)
 
 
-def test_k1_tile_rows_do_not_change_the_result():
-    """Tiles are an execution order: 16 and 32 rows give bitwise the same partials (v2)."""
+@pytest.mark.parametrize("o_parts", [1, 2])
+def test_k1_v3_several_fragments(o_parts, monkeypatch):
+    """D = Bk = 32 on two warps: two k-steps and two n-tile pairs in both mma stages (the
+    unrolled register indexing), and O in one or two column parts."""
+    monkeypatch.setattr(gpu, "_v3_o_parts", lambda d: o_parts)
+    p, I = problem([20], [45], 2, 1, 32, 32, 2, seed=5)
+    run_k1(p, I, "float16", 3, chunk_size=16, tile_rows=32)
+
+
+def test_k1_v3_unaligned_inputs_use_plain_loads(monkeypatch):
+    """Inputs not 16-byte aligned take the plain-load copy instead of ``cp.async``."""
+    seen = []
+    real = gpu._k1_kernel_reg
+
+    def spy(*args):
+        seen.append(args[6])  # use_async
+        return real(*args)
+
+    monkeypatch.setattr(gpu, "is_aligned16", lambda x: False)
+    monkeypatch.setattr(gpu, "_k1_kernel_reg", spy)
+    p, I = problem([9], [21], 4, 1, 16, 16, 2, seed=6)
+    run_k1(p, I, "float16", 3, chunk_size=4)
+    assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_k1_tile_rows_do_not_change_the_result(version):
+    """Tiles are an execution order: 16 and 32 rows give bitwise the same partials."""
     p, I = problem([30], [30], 2, 1, 16, 16, 2, seed=5)
-    a = run_k1(p, I, "float16", 2, tile_rows=16)
-    b = run_k1(p, I, "float16", 2, tile_rows=32)
+    a = run_k1(p, I, "float16", version, tile_rows=16)
+    b = run_k1(p, I, "float16", version, tile_rows=32)
     for x, y in zip(a, b):
         assert x.tobytes() == y.tobytes()
 
@@ -246,19 +274,23 @@ def test_sparse_v1_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
                          [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES],
                          ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES])
-def test_sparse_v2_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
+@pytest.mark.parametrize("version", [2, 3])
+def test_sparse_tensor_cores_match_reference(lq, lk, hq, hkv, d, bk, topk, sel, version):
     p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
-    run_sparse(p, I, "float16", 2)
+    run_sparse(p, I, "float16", version)
 
 
-def test_sparse_bf16(bf16_as_uint16):
+@pytest.mark.parametrize("version", [2, 3])
+def test_sparse_bf16(bf16_as_uint16, version):
     p, I = problem([12, 9], [20, 9], 4, 2, 16, 16, 2, seed=8)
-    run_sparse(p, I, "bfloat16", 2)
+    run_sparse(p, I, "bfloat16", version)
 
 
 @pytest.mark.parametrize("kind,version,partials", [("float16", 2, "bfloat16"),
+                                                   ("float16", 3, "bfloat16"),
                                                    ("float32", 1, "bfloat16"),
-                                                   ("bfloat16", 2, "float32")])
+                                                   ("bfloat16", 2, "float32"),
+                                                   ("bfloat16", 3, "float32")])
 def test_sparse_partial_dtypes(kind, version, partials, request):
     """bf16 partials (half the bytes between K1 and K2) for any input, fp32 ones for bf16."""
     if kind == "bfloat16":
@@ -347,6 +379,13 @@ def test_sparse_v2_property(s):
     run_sparse(p, I, "float16", 2)
 
 
+@settings(max_examples=5)  # the twin mma and ldmatrix cost simulator barriers per call
+@given(s=small_shapes)
+def test_sparse_v3_property(s):
+    p, I = _draw_problem(s)
+    run_sparse(p, I, "float16", 3)
+
+
 # --- the MSA prefill: index + top-k + sparse attention --------------------------------------------
 
 def test_msa_prefill_matches_reference_pipeline():
@@ -379,7 +418,8 @@ def _bad_input_problem():
 @pytest.mark.parametrize("case", ["q-rank", "k-v-shape", "k-dtype", "q-float64", "G=3", "G=32",
                                   "Hkv-not-dividing", "D=0", "D=512", "k-head-dim",
                                   "block-indices-shape", "block-indices-float",
-                                  "block-indices-range", "version-2-float32", "version-3",
+                                  "block-indices-range", "version-2-float32", "version-3-float32",
+                                  "version-3-D=256", "version-4",
                                   "tile-rows", "block-size", "scale", "cu-seqlens",
                                   "shared-memory", "partial-dtype"])
 def test_sparse_attention_rejects_bad_inputs(case):
@@ -406,7 +446,13 @@ def test_sparse_attention_rejects_bad_inputs(case):
                                 dict(block_indices=I.astype(np.float32))),
         "block-indices-range": (ValueError, "block_indices", dict(block_indices=I + 5)),
         "version-2-float32": (ValueError, "version", {}),
-        "version-3": (ValueError, "version", {}),
+        "version-3-float32": (ValueError, "version", {}),
+        # v3 keeps O in registers: D <= 128 (v2 takes D = 256)
+        "version-3-D=256": (ValueError, "version", dict(
+            q=np.zeros((6, 4, 256), np.float16), k=np.zeros((6, 2, 256), np.float16),
+            v=np.zeros((6, 2, 256), np.float16), block_size=16,
+            block_indices=np.zeros((6, 2, 1), np.int32))),
+        "version-4": (ValueError, "version", {}),
         "tile-rows": (ValueError, "tile_rows", {}),
         "block-size": (ValueError, "block_size", dict(block_size=0)),
         "scale": (ValueError, "scale", {}),
@@ -422,8 +468,10 @@ def test_sparse_attention_rejects_bad_inputs(case):
     args.update(override)
     if case == "version-2-float32":
         kw = dict(version=2)
-    elif case == "version-3":
+    elif case in ("version-3-float32", "version-3-D=256"):
         kw = dict(version=3)
+    elif case == "version-4":
+        kw = dict(version=4)
     elif case == "tile-rows":
         kw = dict(version=1, tile_rows=500)
     elif case == "scale":
@@ -567,6 +615,58 @@ def test_bit_helpers_match_numpy():
     assert ok.all(), (x[~ok], e2[~ok], want_e2[~ok])
 
 
+@functools.lru_cache(maxsize=None)
+def _ldmatrix_kernel(trans):
+    from msa.cuda._memops import ldmatrix_x4, ldmatrix_x4_trans
+
+    load = ldmatrix_x4_trans if trans else ldmatrix_x4
+
+    @cuda.jit
+    def four_matrices(words, rows, out):
+        """Lane l names row l % 8 of matrix l // 8 (word offset ``rows[l]`` of ``s``)."""
+        s = cuda.shared.array(512, uint32)
+        lane = cuda.threadIdx.x
+        for i in range(lane, 512, 32):
+            s[i] = words[i]
+        cuda.syncthreads()
+        r0, r1, r2, r3 = load(s, rows[lane])
+        out[lane, 0] = r0
+        out[lane, 1] = r1
+        out[lane, 2] = r2
+        out[lane, 3] = r3
+
+    return four_matrices
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["ldmatrix_x4", "ldmatrix_x4_trans"])
+def test_ldmatrix_x4_matches_numpy(trans):
+    """Four 8x8 matrices of 16-bit values at scattered 16-byte aligned rows: lane ``4g + t``
+    gets word ``t`` of row ``g`` of each (``x4``), or the elements ``[2t][g]``, ``[2t+1][g]``
+    (``x4.trans``), low half first."""
+    rng = np.random.default_rng(7)
+    halves = rng.integers(0, 1 << 16, size=1024, dtype=np.uint16)
+    words = halves.view(np.uint32).copy()  # 512 words = 128 rows of 4 words
+    rows = 4 * rng.permutation(128)[:32].astype(np.int32)  # word offset of each lane's row
+    out = np.zeros((32, 4), np.uint32)
+    if SIMULATOR:
+        _ldmatrix_kernel(trans)[1, 32](words, rows, out)
+    else:
+        d_out = cuda.to_device(out)
+        _ldmatrix_kernel(trans)[1, 32](cuda.to_device(words), cuda.to_device(rows), d_out)
+        out = d_out.copy_to_host()
+    # matrix m, element [i][c]: 16-bit value c of the row lane 8m + i names
+    mats = np.stack([np.stack([halves[2 * rows[8 * m + i]: 2 * rows[8 * m + i] + 8]
+                               for i in range(8)]) for m in range(4)])  # [4, 8, 8] uint16
+    want = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for m in range(4):
+            lo, hi = ((mats[m, 2 * t, g], mats[m, 2 * t + 1, g]) if trans
+                      else (mats[m, g, 2 * t], mats[m, g, 2 * t + 1]))
+            want[lane, m] = int(lo) | (int(hi) << 16)
+    np.testing.assert_array_equal(out, want)
+
+
 # --- big: the paper configuration on a real GPU -------------------------------------------------
 
 def _big_problem(lq, lk, hq, hkv, d, bk, topk, seed):
@@ -597,7 +697,7 @@ def _paper_config_8k():
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("version", [3, 2, 1])
 def test_big_paper_configuration_8k(version):
     """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 8K sequence, bf16 (torch), sink + random."""
     torch = pytest.importorskip("torch")
@@ -612,8 +712,8 @@ def test_big_paper_configuration_8k(version):
 
 @pytest.mark.big
 def test_big_varlen_g8_d64_fp16():
-    """Three sequences (one with Lq < Lk), G=8, D=64, K=8, fp16, both versions, and the query
-    chunking path (several chunks) bitwise equal to one chunk."""
+    """Three sequences (one with Lq < Lk), G=8, D=64, K=8, fp16, every version, and the query
+    chunking path (several chunks) bitwise equal to one chunk (versions 2 and 3)."""
     q, k, v, I, cu_q, cu_k = _big_problem([3000, 1500, 2048], [3000, 4000, 2048], 32, 4, 64, 128,
                                           8, seed=1)
     q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
@@ -621,24 +721,47 @@ def test_big_varlen_g8_d64_fp16():
     oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, 128)
     baseline = (baseline[0].astype(np.float16), baseline[1])
     outs = {}
-    for version in (2, 1):
+    for version in (3, 2, 1):
         o, lse = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=version)
         check_o_lse(o, lse, oracle, baseline, "float16", version, v32, factor=4.0,
                     name=f" v{version}")
         outs[version] = (o, lse)
-    o2, lse2 = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=2,
-                                    max_partial_bytes=8 * 32 * 64 * 4 * 1000, validate=False)
-    assert o2.tobytes() == outs[2][0].tobytes() and lse2.tobytes() == outs[2][1].tobytes()
+    for version in (3, 2):
+        o2, lse2 = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=version,
+                                        max_partial_bytes=8 * 32 * 64 * 4 * 1000, validate=False)
+        assert o2.tobytes() == outs[version][0].tobytes()
+        assert lse2.tobytes() == outs[version][1].tobytes()
 
 
 @pytest.mark.big
-def test_big_reruns_bitwise_identical():
+@pytest.mark.parametrize("version", [3, 2])
+@pytest.mark.parametrize("d,bk,tile_rows", [(64, 32, 128), (64, 64, 64), (128, 64, 32),
+                                            (32, 16, 16)])
+def test_big_tensor_core_shapes(version, d, bk, tile_rows):
+    """The other D, Bk and tile sizes of the tensor-core kernels (D = 64 at Bk = 32 once failed
+    to launch: static + dynamic shared memory past 48 KB), bf16, G = 16 with bf16 partials."""
+    torch = pytest.importorskip("torch")
+    q, k, v, I, cu_q, cu_k = _big_problem([1500, 700], [1500, 2100], 32, 2, d, bk, 8, seed=3)
+    q32, k32, v32 = (bf16_bits_to_f32(f32_to_bf16_bits(x)) for x in (q, k, v))
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, bk)
+    baseline = (bf16_bits_to_f32(f32_to_bf16_bits(baseline[0])), baseline[1])
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q32, k32, v32))
+    o, lse = gpu.sparse_attention(tq, tk, tv, torch.from_numpy(I).cuda(), cu_q, cu_k, bk,
+                                  version=version, tile_rows=tile_rows, validate=False)
+    o_bits = o.view(torch.int16).cpu().numpy().view(np.uint16)
+    check_o_lse(o_bits, lse.cpu().numpy(), oracle, baseline, "bfloat16", version, v32,
+                factor=4.0, bf16_partials=True)
+
+
+@pytest.mark.big
+@pytest.mark.parametrize("version", [None, 3])
+def test_big_reruns_bitwise_identical(version):
     torch = pytest.importorskip("torch")
     q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=2)
     args = (_torch_bf16(q), _torch_bf16(k), _torch_bf16(v), torch.from_numpy(I).cuda(), cu_q,
             cu_k, 128)
-    o1, l1 = gpu.sparse_attention(*args, validate=False)
-    o2, l2 = gpu.sparse_attention(*args, validate=False)
+    o1, l1 = gpu.sparse_attention(*args, version=version, validate=False)
+    o2, l2 = gpu.sparse_attention(*args, version=version, validate=False)
     assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2)
 
 
@@ -646,6 +769,7 @@ def test_big_reruns_bitwise_identical():
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
+                                    "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
                                     "k1-v1-bf16", "k2-bf16-out"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
@@ -667,6 +791,15 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     elif kernel == "k1-v2-fp16-D64":
         fn = gpu._k1_kernel_mma(128, 64, 4, 32, False)
         sig = (words, words, words, *index, *parts, i32, i32)
+    elif kernel == "k1-v3-bf16":
+        fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, False, True, gpu._v3_o_parts(128))
+        sig = (words, words, words, *index, *parts)
+    elif kernel == "k1-v3-bf16-partials":
+        fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, True, True, gpu._v3_o_parts(128))
+        sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1])
+    elif kernel == "k1-v3-fp16-D64-plain":
+        fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
+        sig = (words, words, words, *index, *parts)
     elif kernel == "k1-v1-bf16":
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
@@ -684,5 +817,7 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
 
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
     assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"
-    if kernel.startswith("k1-v2") and _mma.MMA_BACKEND == "ptx":
+    if kernel.startswith(("k1-v2", "k1-v3")) and _mma.MMA_BACKEND == "ptx":
         assert "mma.sync.aligned.m16n8k16" in ptx
+    if kernel.startswith("k1-v3"):
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
