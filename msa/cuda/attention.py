@@ -47,7 +47,7 @@ v    idea
      plain loads instead of ``cp.async``.
 ===  =========================================================================================
 
-``version=None`` takes ``DEFAULT_TC_VERSION`` (2 until version 3 has been validated on a GPU)
+``version=None`` takes ``DEFAULT_TC_VERSION`` (3)
 for fp16/bf16 inputs it supports, version 2 for the other tensor-core shapes, else version 1.
 
 Memory: ``O_part`` is ``K*Tq*Hq*D`` values (fp32: 16 GiB at 32K tokens, 64 GiB at 128K in the
@@ -87,7 +87,7 @@ MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE_V2 = 256
 # The tensor-core version ``version=None`` picks where it applies (v3 falls back to v2 for
 # D or Bk above 128).
-DEFAULT_TC_VERSION = 2
+DEFAULT_TC_VERSION = 3
 # Default budget for one query chunk's partials in sparse_attention (bytes).
 MAX_PARTIAL_BYTES = 4 << 30
 # Tile rows T (query positions x G heads per tile): the paper's 128 on a GPU; the simulator runs
