@@ -127,10 +127,74 @@ ax.set(xticks=range(21), xlabel="block (colour = lane that scans it)", ylabel="s
 plt.show()
 
 # %% [markdown]
+# ## One list for the whole warp, and a good start (`warp2`, `warp3`)
+#
+# The paper's heap makes every lane keep its own $k - 1$ best, sift at its own time (divergent
+# lanes, local memory) and merge in $k - 1$ shuffle rounds. msa's faster kernels keep **one** list
+# for the warp instead: lane $j$ holds the row's $j$-th best so far, sorted, and its last entry is a
+# **threshold** shared by all lanes. A lane reads 16 scores per batch (four 128-bit loads); one
+# comparison each and one warp vote reject the batch unless some score reaches the threshold. A
+# score that beats it is *inserted*: the entries below it move down one lane (one shuffle) and the
+# threshold rises. On random rows most of the cost is in those insertions, and most insertions
+# happen at the start, while the threshold is still low.
+#
+# * `warp2` starts the list from the first score of each lane (32 scores, one bitonic sort).
+# * `warp3` (the default) starts it from each lane's **best of its first 16 scores**: the
+#   $(k-1)$-th best of 32 maxima is a much higher threshold. A lane's best is then removed from
+#   its own scores, which is exact: it is either in the list already (it must not enter twice) or
+#   below the threshold, which only rises. Comparisons are written with bitwise operators so that
+#   the compiler predicates them instead of branching.
+#
+# Counting the insertions in plain Python for random rows (the 128-bit layout: in a batch of 512,
+# lane $\ell$ reads blocks $b_0 + 128u + 4\ell + e$, $u, e < 4$; slots drained one at a time,
+# lanes in order, as the kernels do):
+
+# %%
+def list_insertions(row_scores, kmax, seed):
+    """(insertions, kept blocks) of the warp-wide list on one row of distinct finite scores.
+
+    seed "first slot": warp2's start (each lane's first score); "lane best": warp3's (each lane's
+    best of its first 16 scores). The seeds never enter again.
+    """
+    n = len(row_scores)
+    key = lambda b: (row_scores[b], -b)  # a higher score first, ties to the smaller block
+    kept, inserted, seeds = [], 0, set()
+    for b0 in range(0, n, 512):
+        slots = [[b0 + 128 * u + 4 * lane + e for lane in range(32)] for u in range(4) for e in range(4)]
+        if b0 == 0:
+            per_lane = [[s[lane] for s in slots if s[lane] < n] for lane in range(32)]
+            pick = (lambda own: own[0]) if seed == "first slot" else (lambda own: max(own, key=key))
+            seeds = {pick(own) for own in per_lane if own}
+            kept = sorted(seeds, key=key, reverse=True)[:kmax]
+        for slot in slots:
+            for b in slot:
+                if b < n and b not in seeds and (len(kept) < kmax or key(b) > key(kept[-1])):
+                    kept = sorted(kept + [b], key=key, reverse=True)[:kmax]
+                    inserted += 1
+    return inserted, sorted(kept)
+
+
+rng_rows = np.random.default_rng(3)
+insertion_rows, seed_lists_exact = [], True
+for nb, n_rows in ((1024, 24), (8192, 4)):
+    counts = {"first slot": [], "lane best": []}
+    for _ in range(n_rows):
+        row = rng_rows.standard_normal(nb - 1).astype(np.float32)  # blocks 0..NB-2: the candidates
+        best = sorted(np.argsort(-row, kind="stable")[:15].tolist())
+        for seed in counts:
+            count, kept = list_insertions(row, 15, seed)
+            counts[seed].append(count)
+            seed_lists_exact &= kept == best
+    insertion_rows.append((nb, n_rows, f"{np.mean(counts['first slot']):.1f}",
+                           f"{np.mean(counts['lane best']):.1f}"))
+nbtools.table(["NB", "random rows", "insertions per row, warp2 start", "warp3 start"], insertion_rows)
+
+# %% [markdown]
 # ## The kernel against the reference
 #
 # `msa.cuda.select.select_blocks` must return *exactly* the reference's integers, including the tie
-# rule; every kernel version is checked (`v1`: one thread per row; `warp`: the paper's heap). Scores
+# rule; every kernel version is checked: `v1` (one thread per row), `warp` (the paper's heap),
+# `warp2` and `warp3` (the warp-wide list; `warp3` is the default). Scores
 # rounded to integers make ties frequent. `select_blocks_fused` runs eq 6 and eq 7 together, never
 # holding all of $M$, and must equal `select_blocks(block_scores(...))`. Tiny sizes in the simulator
 # (every simulated thread is a Python thread), larger on a GPU.
@@ -153,6 +217,7 @@ if select_cuda is None:
 else:
     import msa.cuda.select as cuda_select
 
+    print("versions:", cuda_select.VERSIONS, " default:", cuda_select.DEFAULT_VERSION)
     for version in cuda_select.VERSIONS:
         assert_exact(select_cuda(M_k, *kargs, version=version), I_ref, name=f"select_blocks {version}")
         kernel_results[version] = True
@@ -172,8 +237,8 @@ else:
 # `torch.topk(M, k)` is what a PyTorch user would call. It is not the same function (no causal
 # candidate set, no forced local block, no tie rule), but it does the same amount of work per row, so
 # it is the baseline. One sequence of $N$ tokens, $H_{kv} = 4$, $B_k = 128$, $k = 16$, float32 scores;
-# median of CUDA-event timings after a warm-up. In the simulator timings mean nothing, so none
-# are shown.
+# median of CUDA-event timings after a warm-up; the three warp kernels side by side (the paper's
+# heap, `warp2`, the default `warp3`). In the simulator timings mean nothing, so none are shown.
 
 # %%
 timings = []
@@ -198,16 +263,21 @@ else:
             times.append(start.elapsed_time(end))
         return sorted(times)[reps // 2]
 
+    import msa.cuda.select as cuda_select
+
     for n in (8192, 32768, 131072):
         Mt = torch.randn(4, n, n // 128, device="cuda")
         cu_t = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        t_msa = median_ms(lambda: select_cuda(Mt, cu_t, cu_t, 16, 128))
         t_torch = median_ms(lambda: torch.topk(Mt, 16, dim=-1))
-        gbps = Mt.numel() * 4 / (t_msa * 1e-3) / 1e9  # every score read once
-        timings.append((n, f"{Mt.shape[0] * n:,}", n // 128, f"{t_msa:.3f}", f"{gbps:.0f}", f"{t_torch:.3f}",
-                        f"{t_torch / t_msa:.2f}x"))
+        for version in ("warp", "warp2", "warp3"):
+            t_msa = median_ms(lambda: select_cuda(Mt, cu_t, cu_t, 16, 128, version=version))
+            gbps = Mt.numel() * 4 / (t_msa * 1e-3) / 1e9  # every score read once
+            name = version + (" (default)" if version == cuda_select.DEFAULT_VERSION else "")
+            timings.append((n, f"{Mt.shape[0] * n:,}", n // 128, name, f"{t_msa:.3f}", f"{gbps:.0f}",
+                            f"{t_torch:.3f}", f"{t_torch / t_msa:.2f}x"))
         del Mt
-    nbtools.table(["N", "rows (Hkv x N)", "B", "msa ms", "msa GB/s (scores read)", "torch.topk ms", "speedup"], timings)
+    nbtools.table(["N", "rows (Hkv x N)", "B", "msa kernel", "msa ms", "msa GB/s (scores read)", "torch.topk ms",
+                   "speedup"], timings)
 
 # %% [markdown]
 # ## Agreement check
@@ -216,6 +286,10 @@ else:
 nbtools.check("exp-free: softmax(M), 3M + 1 and exp(M) select the same blocks as M", all(same.values()))
 nbtools.check("the warp-heap trace selects the same blocks as msa.reference.select_blocks",
               trace_row == one_row.tolist(), f"{trace_row}")
+nbtools.check("the warp-wide list keeps the true top k - 1 from either start (random rows)", seed_lists_exact)
+nbtools.check("warp3's start needs fewer insertions than warp2's at every NB",
+              all(float(r[3]) < float(r[2]) for r in insertion_rows),
+              "; ".join(f"NB={r[0]}: {r[2]} -> {r[3]}" for r in insertion_rows))
 for name, why_not in (("select_blocks", why), ("select_blocks_fused", why_fused)):
     if why_not:
         print(f"kernel check skipped for {name}: {why_not}")

@@ -48,15 +48,27 @@ def _cu(lens):
 def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
     """M [Hkv, Tq, NB] of one kind: ``distinct`` (a permutation), ``ties`` (values in {0, 1, 2}),
     ``garbage`` (ties plus -inf, NaN and +inf anywhere, finite values on future blocks) or
-    ``realistic`` (distinct on visible blocks, -inf after the local block, as block_scores) or
-    ``ascending`` (each block beats every earlier one: the most insertions)."""
+    ``realistic`` (distinct on visible blocks, -inf after the local block, as block_scores),
+    ``ascending`` (each block beats every earlier one: the most insertions), ``descending``
+    (each block loses to every earlier one), ``equal`` (one score everywhere), ``sparse``
+    (-inf and NaN but for a few finite scores: fewer candidates than K - 1, most lanes of a
+    warp without one) or ``lanes4``/``lanes1`` (block ``b`` scores the warp lane that reads it
+    in warp2/warp3's 128-bit/scalar layout, ``(b % 128) // 4`` / ``b % 32``: every lane's best
+    occurs 16 times in its own slots, all tied)."""
     rng = np.random.default_rng(seed)
     tq, nb = int(cu_q[-1]), max_blocks(cu_k, block_size)
     shape = (hkv, tq, nb)
     if kind in ("distinct", "realistic"):
         M = (rng.permutation(hkv * tq * nb).reshape(shape) - hkv * tq * nb // 2) / 8.0
-    elif kind == "ascending":
-        M = np.broadcast_to(np.arange(nb, dtype=np.float64), shape).copy()
+    elif kind in ("ascending", "descending", "lanes4", "lanes1"):
+        b = np.arange(nb)
+        row = {"ascending": b, "descending": -b, "lanes4": (b % 128) // 4, "lanes1": b % 32}[kind]
+        M = np.broadcast_to(row.astype(np.float64), shape).copy()
+    elif kind == "equal":
+        M = np.full(shape, 0.25)
+    elif kind == "sparse":
+        M = np.where(rng.random(shape) < 0.5, -np.inf, np.nan)
+        M[rng.random(shape) < 0.02] = 1.0  # ties among the few candidates
     else:
         M = rng.integers(0, 3, shape).astype(np.float64)
     if kind == "garbage":
@@ -98,6 +110,20 @@ TABLE = {
     "K=33-two-winners-per-lane": ([1], [400], 1, 8, 33, "ties", np.float32),
     "long-row-NB=700": ([2], [700], 1, 1, 16, "ties", np.float32),
     "ascending-every-block-inserted": ([1], [72], 1, 1, 16, "ascending", np.float32),
+    # warp3's seed (each lane's best of its first 16 slots, sorted across the warp, then removed
+    # from the lane's slots): ties inside a lane and across lanes, lanes without a candidate,
+    # a seed that already holds the answer or only the worst, K - 1 = 1 and lists of 31, 33 and 63 entries.
+    "seed-all-equal-NB=600": ([1], [600], 1, 1, 16, "equal", np.float32),
+    "seed-all-equal-K=64-NB=300": ([1], [300], 1, 1, 64, "equal", np.float32),
+    "seed-lane-ties-vec": ([2], [520], 1, 1, 16, "lanes4", np.float32),
+    "seed-lane-ties-scalar": ([2], [521], 1, 1, 16, "lanes1", np.float32),
+    "seed-lane-ties-K=34-wide": ([1], [520], 1, 1, 34, "lanes4", np.float32),
+    "seed-sparse-nan-inf": ([3], [300], 1, 1, 16, "sparse", np.float32),
+    "seed-descending-holds-answer": ([1], [600], 1, 1, 16, "descending", np.float32),
+    "seed-ascending-new-best-later": ([1], [600], 1, 1, 16, "ascending", np.float32),
+    "seed-K=2": ([2], [300], 1, 1, 2, "ties", np.float32),
+    "seed-K=32": ([1], [512], 1, 1, 32, "distinct", np.float32),
+    "seed-K=64-distinct": ([1], [1100], 1, 1, 64, "distinct", np.float32),
 }
 
 
@@ -341,6 +367,19 @@ def test_select_blocks_nb_16384(topk):
 
 
 @pytest.mark.big
+@pytest.mark.parametrize("nb", [1024, 8192])
+def test_select_blocks_benchmark_rows(nb):
+    # The benchmark's rows (random normal float32, every block visible, K = 16) on 512 rows,
+    # plus the same rows rounded to 1/4 (ties at the cutoff): warp2 and warp3 exactly.
+    rng = np.random.default_rng(nb)
+    cu_q, cu_k = _cu([256]), _cu([nb * 256])  # Bk = 256: the 256 queries are all in block NB-1
+    M = rng.standard_normal((2, 256, nb)).astype(np.float32)
+    for scores in (M, np.round(4 * M) / 4):
+        for version in ("warp2", "warp3"):
+            _check(scores, cu_q, cu_k, 16, 256, version)
+
+
+@pytest.mark.big
 def test_select_blocks_fused_production_sizes_bf16():
     torch = pytest.importorskip("torch")
     q64, k64, cu_q, cu_k = _index_problem([2048], [8192], 4, 128, 128, seed=5)
@@ -367,5 +406,5 @@ def test_select_blocks_rows_of_every_length():
     cu = _cu([300])
     M = rng.standard_normal((3, 300, 300)).astype(np.float32)
     for topk in (1, 2, 31, 32, 33, 64):
-        for version in ("warp", "warp2"):
+        for version in ("warp", "warp2", "warp3"):
             _check(M, cu, cu, topk, 1, version)
