@@ -221,8 +221,32 @@ def _launch(kernel, grid, block, *args):
     if compiled is None:
         sig = tuple(_nbtypes.int64 if t is int else t for t in types)
         compiled = _compiled[(kernel, types)] = kernel.compile(sig)
-    griddim, blockdim = _dims(grid, block)
-    compiled.launch(args, griddim, blockdim, 0, 0)
+    if _FAST_LAUNCH:
+        griddim, blockdim = _dims(grid, block)
+        try:
+            compiled.launch(args, griddim, blockdim, _default_stream(), 0)
+            return
+        except (TypeError, AttributeError):
+            # A Numba whose internal launch takes other arguments: fails while packing the
+            # arguments, before anything is queued; from now on use the dispatcher.
+            _FAST_LAUNCH.clear()
+    kernel[grid, block](*args)
+
+
+_FAST_LAUNCH = [True]  # emptied if the compiled kernel's launch() is not the expected one
+
+
+_STREAM = []
+
+
+def _default_stream():
+    """The legacy default stream (handle 0) as the ``cuda.core`` stream object that the compiled
+    kernel's ``launch`` wants (what Numba's dispatcher passes: ``driver._to_core_stream(0)``)."""
+    if not _STREAM:
+        from numba.cuda.cudadrv import driver
+
+        _STREAM.append(driver._to_core_stream(0))
+    return _STREAM[0]
 
 
 class _LookbackState:

@@ -439,6 +439,7 @@ def test_fast_launch_equals_numbas_launch():
         cuda.to_device(I), cuda.to_device(plan.cu_q.astype(np.int32)),
         cuda.to_device(plan.row_offsets.astype(np.int32)), 8, plain)
     np.testing.assert_array_equal(to_numpy(fast), plain.copy_to_host())
+    assert gpu._FAST_LAUNCH, "the direct launch failed and fell back to Numba's dispatcher"
     view = gpu._Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
     assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
     assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())
