@@ -58,7 +58,7 @@ def main() -> int:
            and np.array_equal(w[:len(work_ref)], work_ref))
 
     o_ref, lse_ref = R.sparse_attention(p.q, p.k, p.v, idx_ref, cq, ck, bk)
-    for version, cast in ((1, dev), (2, bf)):
+    for version, cast in ((1, dev), (2, bf), (3, bf)):
         op, lp = C.attention_partials(cast(p.q), cast(p.k), cast(p.v), work, q_ind, slots, dev(cq),
                                       dev(ck), bk, k, version=version)
         o, lse = C.combine_partials(op, lp)
