@@ -10,6 +10,9 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    be a multiple of 4 and ``a``'s data 16-byte aligned (the
                                    launcher checks ``is_aligned16``); the array is read-only for
                                    the whole kernel
+``load_u32x4(a, flat)``            the same for the four uint32 ``a.flat[flat:flat+4]``
+                                   (``ld.global.nc.v4.u32``), e.g. eight bf16 values viewed
+                                   as uint32 words; same alignment and read-only contract
 ``cp_async16(dst, d, src, s, n)``  ``cp.async.cg.shared.global``: 16 bytes (four uint32) of the
                                    global ``src.flat[s:s+4]`` into the shared ``dst.flat[d:d+4]``
                                    without passing through registers; ``n`` (0 or 16) bytes are
@@ -68,6 +71,13 @@ if SIMULATOR:
         """Simulator twin: the four elements as NumPy float32 scalars."""
         f = a.reshape(-1)
         return f[flat], f[flat + 1], f[flat + 2], f[flat + 3]
+
+    @cuda.jit(device=True)
+    def load_u32x4(a, flat):
+        """Simulator twin: the four elements as NumPy uint32 scalars."""
+        f = a.reshape(-1)
+        return (np.uint32(f[flat]), np.uint32(f[flat + 1]), np.uint32(f[flat + 2]),
+                np.uint32(f[flat + 3]))
 
     @cuda.jit(device=True)
     def cp_async16(dst, d, src, s, nbytes):
@@ -135,6 +145,30 @@ else:
             index = context.cast(builder, args[1], signature.args[1], types.intp)
             ptr = builder.gep(ary.data, [index])
             vec = ir.VectorType(ir.FloatType(), 4)
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
+                                         ir.PointerType(vec, addrspace=1))
+            load = builder.load(gptr, align=16)
+            # read-only for the kernel's lifetime: lets NVPTX use the non-coherent path (LDG)
+            load.set_metadata("invariant.load", builder.module.add_metadata([]))
+            outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
+                    for k in range(4)]
+            return context.make_tuple(builder, signature.return_type, outs)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32x4(typingctx, a, flat):
+        """``a.flat[flat:flat+4]`` of a C-contiguous uint32 array in one 128-bit global load."""
+        if not (isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
+                and isinstance(flat, types.Integer)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(a, flat)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            ptr = builder.gep(ary.data, [index])
+            vec = ir.VectorType(ir.IntType(32), 4)
             gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
                                          ir.PointerType(vec, addrspace=1))
             load = builder.load(gptr, align=16)

@@ -13,6 +13,17 @@ v1   one warp per (query, head): every lane reduces the K slot LSEs itself (K br
      no shuffles), then the lanes split ``D`` and accumulate ``w_s * O_s`` slot by slot in
      registers, in slot order (deterministic, no atomics); unused slots (``L_s = -inf``) are
      skipped, so whatever their ``O_s`` holds (NaN, garbage) never reaches the output.
+v2   memory bound done right: one warp per (query, head). The LSE part once per row: lane
+     ``s`` holds ``L_s`` (and ``L_{s+32}`` for K > 32), max and sum by ``shfl_xor`` butterflies,
+     ``w_s = exp(L_s - L)`` broadcast from lane ``s``. The partials move in 16-byte loads
+     (``ld.global.nc.v4``: 8 bf16 or 4 float32 values a lane): a slot row of ``D`` values
+     takes ``lps = D/8`` (bf16) or ``D/4`` lanes (rounded up to a power of two, at most 32),
+     so the warp works on ``32/lps`` slots at once (bf16, D=128: lanes 0-15 take the even
+     slots, 16-31 the odd ones), each lane issuing the loads of ``UNROLL`` slots before its
+     first FMA. The groups' sums meet in a fixed ``shfl_xor`` butterfly (commutative pairs,
+     so every lane gets the same bits). Deterministic; differs from v1 only in the order of
+     the float32 sums. Needs ``D * itemsize`` a multiple of 16, 16-byte aligned partials,
+     4-byte aligned outputs and ``K <= 64``; otherwise the launcher runs v1.
 ===  =========================================================================================
 
 K2 is memory bound: it reads ``K*Tq*Hq*D`` partial values once (4 bytes each, 2 with bf16
@@ -26,19 +37,29 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from .._checks import check_array, dtype_of
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from ._mma import bf16_to_f32, f32_to_bf16
+from ._memops import data_address, is_aligned16, load_f32x4, load_u32x4
+from ._mma import bf16_to_f32, f32_to_bf16, pack_bf16x2, pack_f16x2
+from ._warp import FULL_MASK, warp_max, warp_sum
 
-VERSIONS = (1,)
-DEFAULT_VERSION = 1
+VERSIONS = (1, 2)
+DEFAULT_VERSION = 2
 # Lanes per (query, head) and rows per CTA. The simulator runs every thread as a Python thread,
 # so it gets fewer, wider lanes (the kernel is the same; only the constants change).
 _LANES = 4 if SIMULATOR else 32
 _ROWS_PER_CTA = 4
 _NEG_INF = float32(-math.inf)
+# v2: warps (rows) per CTA, slots whose loads a lane issues before using them, most slots
+_V2_WARPS = 2 if SIMULATOR else 4
+# at least 8 CTAs (32 warps) per SM: caps ptxas at 64 registers (72 unbounded, no spill at 64)
+_V2_MIN_CTAS = 8
+_V2_JIT = {} if SIMULATOR else {"launch_bounds": (32 * _V2_WARPS, _V2_MIN_CTAS)}
+_V2_UNROLL = 4
+_V2_MAX_SLOTS = 64
+_UNUSED = float32(-1.0)  # a broadcast weight that marks an unused slot (real ones are >= 0)
 
 OUT_KINDS = ("float32", "float16", "bfloat16")
 
@@ -121,6 +142,160 @@ def _combine_kernel_warp(head_dim: int, lanes: int, rows_per_cta: int, bf16_part
     return _combine_kernel_v1
 
 
+@cuda.jit(device=True)
+def _fma_bf16x2(acc, at, w, word):
+    """``acc[at:at+2] += w * (the two bf16 of word, low half first)``."""
+    acc[at] += w * bf16_to_f32(word)
+    acc[at + 1] += w * bf16_to_f32(word >> 16)
+
+
+@cuda.jit(device=True)
+def _fma_f32(acc, at, w, x):
+    acc[at] += w * x
+
+
+@cuda.jit(device=True)
+def _store_f32(out, t, h, at, acc, k):
+    """float32 outputs: ``out[t, h, at] = acc[k]`` (one value)."""
+    out[t, h, at] = acc[k]
+
+
+@cuda.jit(device=True)
+def _store_bf16x2(out, t, h, at, acc, k):
+    """bf16 outputs viewed as uint32 words: word ``at`` holds values ``acc[k], acc[k+1]``."""
+    out[t, h, at] = pack_bf16x2(acc[k], acc[k + 1])
+
+
+@cuda.jit(device=True)
+def _store_f16x2(out, t, h, at, acc, k):
+    out[t, h, at] = pack_f16x2(acc[k], acc[k + 1])
+
+
+def _v2_layout(head_dim: int, bf16_part: bool):
+    """``(vals, nvec, lps, groups, per_lane)``: values per 16-byte vector, vectors per slot row,
+    lanes per slot (power of two <= 32), slots in flight per warp, vectors per lane."""
+    vals = 8 if bf16_part else 4
+    nvec = head_dim // vals
+    lps = 1
+    while lps < min(nvec, 32):
+        lps *= 2
+    return vals, nvec, lps, 32 // lps, -(-nvec // lps)
+
+
+@functools.cache
+def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: bool,
+                        warps_per_cta: int, unroll: int):
+    """K2 v2 specialised for ``D``, the partials' and outputs' types and ``K > 32``.
+
+    ``o_vec`` is ``o_part`` as uint32 words (bf16) or float32; ``out`` is float32 or, for
+    16-bit outputs (``out_code`` ``"bf16"``/``"f16"``), viewed as uint32 pairs.
+    """
+    vals, nvec, lps, groups, per_lane = _v2_layout(head_dim, bf16_part)
+    words = 4  # elements of o_vec per 16-byte vector
+    row_elems = head_dim // 2 if bf16_part else head_dim
+    nacc = per_lane * vals
+    nbuf = unroll * per_lane * words
+    buf_t = uint32 if bf16_part else float32
+    load16 = load_u32x4 if bf16_part else load_f32x4
+    fma = _fma_bf16x2 if bf16_part else _fma_f32
+    per_word = 2 if bf16_part else 1  # values per element of o_vec
+    store = {"f32": _store_f32, "bf16": _store_bf16x2, "f16": _store_f16x2}[out_code]
+    out_per_elem = 1 if out_code == "f32" else 2
+    out_elems = vals // out_per_elem  # elements of out per vector
+
+    @cuda.jit(**_V2_JIT)
+    def _combine_kernel_v2(o_vec, lse_part, out, lse_out):
+        num_slots = lse_part.shape[0]
+        num_q = lse_part.shape[1]
+        num_heads = lse_part.shape[2]
+        lane = cuda.threadIdx.x % 32
+        row = cuda.blockIdx.x * warps_per_cta + cuda.threadIdx.x // 32
+        if row >= num_q * num_heads:
+            return  # the whole warp: rows are warp-uniform
+        t = row // num_heads
+        h = row % num_heads
+        sub = lane % lps
+        g = lane // lps
+        # LSE part, once per row: lane s holds L_s (and L_{s+32})
+        l0 = _NEG_INF
+        if lane < num_slots:
+            l0 = lse_part[lane, t, h]
+        l1 = _NEG_INF
+        if two_lse and lane + 32 < num_slots:
+            l1 = lse_part[lane + 32, t, h]
+        a = warp_max(max(l0, l1))
+        acc = cuda.local.array(nacc, float32)
+        for i in range(nacc):
+            acc[i] = float32(0.0)
+        lse = _NEG_INF
+        if a > _NEG_INF:  # warp-uniform
+            e = float32(0.0)
+            if l0 > _NEG_INF:
+                e = float32(math.exp(l0 - a))
+            if l1 > _NEG_INF:
+                e += float32(math.exp(l1 - a))
+            # the sum is >= 1 (the max's own term), so the log is finite
+            lse = a + float32(math.log(warp_sum(e)))
+            w0 = _UNUSED
+            if l0 > _NEG_INF:
+                w0 = float32(math.exp(l0 - lse))
+            w1 = _UNUSED
+            if l1 > _NEG_INF:
+                w1 = float32(math.exp(l1 - lse))
+            slot_stride = num_q * num_heads * row_elems
+            base = row * row_elems
+            buf = cuda.local.array(nbuf, buf_t)
+            ws = cuda.local.array(unroll, float32)
+            rounds = (num_slots + groups - 1) // groups
+            for r0 in range(0, rounds, unroll):
+                # issue the loads of `unroll` slots first ...
+                for u in range(unroll):
+                    s = g + groups * (r0 + u)
+                    w = cuda.shfl_sync(FULL_MASK, w0, s & 31)
+                    if two_lse:
+                        w_hi = cuda.shfl_sync(FULL_MASK, w1, s & 31)
+                        if s >= 32:
+                            w = w_hi
+                    if s >= num_slots:
+                        w = _UNUSED
+                    ws[u] = w
+                    if w >= float32(0.0):  # uniform over the slot's lanes; O_s of -inf is never read
+                        for i in range(per_lane):
+                            j = sub + lps * i
+                            if j < nvec:
+                                x0, x1, x2, x3 = load16(o_vec, s * slot_stride + base + j * words)
+                                at = (u * per_lane + i) * words
+                                buf[at] = x0
+                                buf[at + 1] = x1
+                                buf[at + 2] = x2
+                                buf[at + 3] = x3
+                # ... then use them, slot by slot in this group's order
+                for u in range(unroll):
+                    w = ws[u]
+                    if w >= float32(0.0):
+                        for i in range(per_lane):
+                            if sub + lps * i < nvec:
+                                for k in range(words):
+                                    fma(acc, (i * words + k) * per_word, w,
+                                        buf[(u * per_lane + i) * words + k])
+            # the groups' sums, in a fixed butterfly: every lane ends with the same bits
+            off = lps
+            while off < 32:
+                for i in range(nacc):
+                    acc[i] += cuda.shfl_xor_sync(FULL_MASK, acc[i], off)
+                off *= 2
+        if g == 0:
+            for i in range(per_lane):
+                j = sub + lps * i
+                if j < nvec:
+                    for k in range(out_elems):
+                        store(out, t, h, j * out_elems + k, acc, i * vals + k * out_per_elem)
+        if lane == 0:
+            lse_out[t, h] = lse
+
+    return _combine_kernel_v2
+
+
 def _check_partials(o_part, lse_part):
     """Validate shapes and dtypes; return ``(K, Tq, Hq, D, bf16_partials)``."""
     check_array("o_part", o_part, ndim=4)
@@ -138,18 +313,44 @@ def launch_combine(ctx, o_part_arg, lse_part_arg, out_arg, lse_arg, *, head_dim,
                    bf16_out, version=DEFAULT_VERSION):
     """Launch K2 on kernel-ready arrays (used by ``combine_partials`` and ``attention``).
 
-    ``out_arg``/``lse_arg`` may be views of larger outputs (a query chunk of them).
+    ``out_arg``/``lse_arg`` may be views of larger outputs (a query chunk of them). Version 2
+    runs its 16-byte-load kernel where ``vector_path_ok`` allows, v1 otherwise (same results up
+    to the float32 summation order).
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    num_slots = int(lse_part_arg.shape[0])
     rows = int(lse_part_arg.shape[1]) * int(lse_part_arg.shape[2])
     if rows == 0:
+        return
+    if version == 2 and vector_path_ok(o_part_arg, out_arg, head_dim, bf16_part, num_slots):
+        out_code = ("bf16" if bf16_out else
+                    "f16" if np.dtype(out_arg.dtype) == np.float16 else "f32")
+        kernel = _combine_kernel_vec(int(head_dim), bool(bf16_part), out_code,
+                                     num_slots > 32, _V2_WARPS, _v2_unroll(head_dim, bf16_part))
+        o_vec = o_part_arg.view(np.uint32) if bf16_part else o_part_arg
+        out_vec = out_arg if out_code == "f32" else out_arg.view(np.uint32)
+        grid = -(-rows // _V2_WARPS)
+        kernel[grid, 32 * _V2_WARPS](o_vec, lse_part_arg, out_vec, lse_arg)
         return
     kernel = _combine_kernel_warp(int(head_dim), _LANES, _ROWS_PER_CTA, bool(bf16_part),
                                   bool(bf16_out))
     grid = -(-rows // _ROWS_PER_CTA)
     kernel[grid, _LANES * _ROWS_PER_CTA](o_part_arg, lse_part_arg, out_arg, lse_arg)
 
+
+def _v2_unroll(head_dim: int, bf16_part: bool) -> int:
+    """Slots a lane loads before using them: ``_V2_UNROLL`` vectors' worth (at least 1 slot)."""
+    return max(1, _V2_UNROLL // _v2_layout(head_dim, bf16_part)[4])
+
+
+def vector_path_ok(o_part_arg, out_arg, head_dim, bf16_part, num_slots) -> bool:
+    """Whether K2 v2's 16-byte loads apply: ``D * itemsize`` a multiple of 16 (D % 8 == 0 for
+    bf16, D % 4 == 0 for float32 partials), 16-byte aligned partials, 4-byte aligned outputs
+    (16-bit outputs are written as uint32 pairs) and ``1 <= K <= 64``. Else v2 runs v1."""
+    itemsize = 2 if bf16_part else 4
+    return (head_dim > 0 and (head_dim * itemsize) % 16 == 0 and 1 <= num_slots <= _V2_MAX_SLOTS
+            and is_aligned16(o_part_arg) and data_address(out_arg) % 4 == 0)
 
 def combine_partials(o_part, lse_part, out_dtype=None, *, version: int = DEFAULT_VERSION):
     """Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
