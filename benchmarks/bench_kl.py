@@ -9,15 +9,19 @@ block plus K-1 earlier blocks uniformly at random (ascending, -1 padded for earl
 Timed, each the median of several runs between CUDA events after a warm-up:
 
 * ``msa_fwd``: ``msa.cuda.kl.kl_loss`` (kl and loss); ``msa_bwd``: ``kl_backward`` (dq_idx,
-  dk_idx, its CSR build included); ``msa_fwd+bwd`` = both calls back to back. Every version of
-  ``msa.cuda.kl.VERSIONS`` (v1 only up to ``--v1-max-n``: it is the simple one);
+  dk_idx, its CSR build included); ``msa_fwd+bwd`` = both calls back to back;
+  ``msa_loss_and_backward``: ``kl_loss_and_backward``, the training step's one call (v3 scores
+  the support with the teacher once: its FLOPs count the scores once). Every version of
+  ``msa.cuda.kl.VERSIONS`` (v1 only up to ``--v1-max-n``, default 0 = never: it is the simple
+  one and takes minutes; v2 up to ``--v2-max-n``, default 32K);
 * ``attention_fwd``: ``msa.cuda.attention.sparse_attention`` on the same selection (CSR +
   schedule + K1 + K2), the main branch's forward that produces the ``lse`` the KL reuses; the
   target is KL forward + backward <= 1.5x this;
 * ``torch_fwd+bwd``: the same loss in PyTorch (per chunk of queries: gather the support's keys,
   teacher = mean of the heads' ``exp(S - lse)``, student ``log_softmax``, KL, ``backward``
   into float32 leaves ``q_idx``, ``k_idx``), float32 math (TF32 off) on the same bf16 inputs;
-  the target is >= 10x slower than ``msa_fwd+bwd``.
+  the target is >= 10x slower than ``msa_fwd+bwd``. Timed with ``--torch-reps`` calls per size
+  (default 3 at the first size, 1 after: one call at 128K takes ~25 s), recorded as ``reps``.
 
 Useful FLOPs, with ``S = sum_{t, r} |support(t, r)|`` (query, group, key) triples: forward
 ``2 S (G D + Didx)`` (teacher and student scores); backward ``2 S (G D + Didx) + 4 S Didx``
@@ -219,6 +223,7 @@ def bench(n, args):
     s = support_size(I, n)
     fwd_flops = 2 * s * (G * D + D_IDX)
     bwd_flops = 2 * s * (G * D + D_IDX) + 4 * s * D_IDX
+    fused_flops = 2 * s * (G * D + D_IDX) + 4 * s * D_IDX  # scores once, dS k_idx, dS^T q_idx
     attn_flops = 4 * HQ * D * s / HKV
 
     # The main branch forward: its LSE feeds the KL (and it is the yardstick of the target).
@@ -234,6 +239,7 @@ def bench(n, args):
         _, lse = attention()
         _log(f"{case}: attention compiled and run")
         attn_ms = cuda_time_ms(attention, warmup=1, reps=args.reps)
+        _log(f"{case}: attention fwd {attn_ms:.2f} ms")
         rows.append(_row(case, "attention_fwd", attn_ms, attn_flops, _peak(attention)))
     except Exception as exc:  # not written yet or failing: the KL still gets its LSE
         rows.append(_error_row(case, "attention_fwd", exc))
@@ -249,18 +255,22 @@ def bench(n, args):
         torch.backends.cuda.matmul.allow_tf32 = False
         want = torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I, lse)
         _log(f"{case}: PyTorch reference computed")
-        if n <= args.torch_max_n:
+        reps = _torch_reps(args, n)
+        if n <= args.torch_max_n and reps > 0:
+            # the reference call above was the warm-up; one call at 128K takes ~25 s, so the
+            # reps are per size (--torch-reps) and recorded in the row
             torch_ms = cuda_time_ms(lambda: torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I,
-                                                     lse), warmup=0, reps=args.torch_reps)
-            _log(f"{case}: PyTorch timed, {torch_ms:.1f} ms")
-            rows.append(_row(case, "torch_fwd+bwd", torch_ms, fwd_flops + bwd_flops,
-                             _peak(lambda: torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I,
-                                                    lse))))
+                                                     lse), warmup=0, reps=reps)
+            _log(f"{case}: PyTorch timed, {torch_ms:.1f} ms ({reps} reps)")
+            peak = _peak(lambda: torch_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], I, lse)) \
+                if reps > 1 else None  # one more call only where it is cheap
+            rows.append(_row(case, "torch_fwd+bwd", torch_ms, fwd_flops + bwd_flops, peak,
+                             reps=reps))
     except Exception as exc:
         rows.append(_error_row(case, "torch_fwd+bwd", exc))
 
     for version in gpu_kl.VERSIONS[::-1]:
-        if version == 1 and n > args.v1_max_n:
+        if (version == 1 and n > args.v1_max_n) or (version == 2 and n > args.v2_max_n):
             continue
         try:
             def fwd(version=version):
@@ -295,7 +305,40 @@ def bench(n, args):
                              **ratios, **gate))
         except Exception as exc:
             rows.append(_error_row(case, f"msa_v{version}", exc))
+            continue
+        try:  # the training step's call: loss and gradients together (v3 scores once)
+            def fused(version=version):
+                return gpu_kl.kl_loss_and_backward(*a, version=version, validate=False)
+
+            _, loss, dq, dk = fused()
+            gate = {}
+            if want is not None:
+                gate = dict(err_loss=abs(float(loss) - float(want[0])) / abs(float(want[0])),
+                            err_dq=_rel(dq, want[1]), err_dk=_rel(dk, want[2]))
+                if max(gate.values()) > GATE_REL:
+                    rows.append(dict(case=case, impl=f"msa_v{version}_loss_and_backward",
+                                     error="correctness gate", **gate))
+                    continue
+            one_ms = cuda_time_ms(fused, warmup=1, reps=args.reps)
+            _log(f"{case}: msa v{version} kl_loss_and_backward {one_ms:.2f} ms")
+            ratios = {}
+            if attn_ms:
+                ratios["vs_attention_fwd"] = one_ms / attn_ms
+            if torch_ms:
+                ratios["speedup_vs_torch"] = torch_ms / one_ms
+            rows.append(_row(case, f"msa_v{version}_loss_and_backward", one_ms, fused_flops,
+                             _peak(fused), **ratios, **gate))
+        except Exception as exc:
+            rows.append(_error_row(case, f"msa_v{version}_loss_and_backward", exc))
     return rows
+
+
+def _torch_reps(args, n):
+    """PyTorch reps at size ``n``: the entry of ``--torch-reps`` at n's place in ``--sizes``."""
+    sizes = [int(x) for x in args.sizes.split(",")]
+    reps = [int(x) for x in str(args.torch_reps).split(",")]
+    i = sizes.index(n) if n in sizes else len(sizes) - 1
+    return reps[min(i, len(reps) - 1)]
 
 
 def main(argv=None):
@@ -303,9 +346,16 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/kl.json")
     p.add_argument("--sizes", default="32768,131072", help="N, comma separated")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--torch-reps", type=int, default=3)
+    p.add_argument("--torch-reps", default="3,1",
+                   help="PyTorch timing reps per size of --sizes, comma separated (the last "
+                        "repeats; 0 skips the timing, the correctness reference still runs)")
     p.add_argument("--torch-max-n", type=int, default=131072, help="time PyTorch up to this N")
-    p.add_argument("--v1-max-n", type=int, default=32768, help="time kernel v1 up to this N")
+    p.add_argument("--v1-max-n", type=int, default=0,
+                   help="time kernel v1 up to this N (default 0: skipped; its compile and run "
+                        "take minutes at 32K)")
+    p.add_argument("--v2-max-n", type=int, default=32768,
+                   help="time kernel v2 up to this N (a 128K call takes seconds: it would "
+                        "spend a minute of the run)")
     args = p.parse_args(argv)
     results = []
     t_start = time.time()
@@ -318,7 +368,11 @@ def main(argv=None):
     print_table(results, ["case", "impl", "ms", "tflops", "peak_gib", "vs_attention_fwd",
                           "speedup_vs_torch", "err_loss", "err_dq", "err_dk", "error"])
     config = dict(Hq=HQ, Hkv=HKV, D=D, Didx=D_IDX, Bk=BK, K=TOPK, dtype="bfloat16",
-                  selection="local + uniform random", gate_rel=GATE_REL)
+                  selection="local + uniform random", gate_rel=GATE_REL, reps=args.reps,
+                  torch_reps={n: _torch_reps(args, int(n)) for n in args.sizes.split(",")},
+                  v1_max_n=args.v1_max_n, v2_max_n=args.v2_max_n,
+                  note="PyTorch is timed with torch_reps calls per size (median); the first "
+                       "call, the correctness reference, is its warm-up")
     write_json(args.out, results, config=config)
     return results
 

@@ -12,11 +12,11 @@ from .attention import attention_partials, msa_prefill, sparse_attention
 from .combine import combine_partials
 from .csr import build_csr, csr_histogram, csr_scatter, exclusive_prefix_sum
 from .index import block_scores
-from .kl import kl_backward, kl_loss
+from .kl import kl_backward, kl_loss, kl_loss_and_backward
 from .schedule import build_schedule
 from .select import select_blocks, select_blocks_fused
 
 __all__ = ["block_scores", "select_blocks", "select_blocks_fused",
            "csr_histogram", "exclusive_prefix_sum", "csr_scatter", "build_csr", "build_schedule",
            "attention_partials", "combine_partials", "sparse_attention", "msa_prefill",
-           "kl_loss", "kl_backward"]
+           "kl_loss", "kl_backward", "kl_loss_and_backward"]

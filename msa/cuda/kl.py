@@ -10,21 +10,37 @@ the blocks ``block_indices[t, r]`` (every visible key in the warmup, ``block_ind
     \\log P^{idx}_j = S^{idx}_j - \\mathrm{LSE}^{idx}
 
 The teacher's normaliser is the main branch's LSE (given, from ``sparse_attention``: no second
-softmax pass); the student's ``LSE^idx`` is computed online in the same pass over the keys. With
-``m`` the running maximum of ``S^idx`` and ``l = sum_j exp(S^idx_j - m)`` (so that
-``LSE^idx = m + log l``), one pass accumulates
+softmax pass); the student's ``LSE^idx`` is computed online in the same pass over the keys. A
+*run* of keys (one thread's or one slot's) keeps ``m`` (the running maximum of ``S^idx``),
+``l = sum_j exp(S^idx_j - m)``, ``C = sum_j P_j`` and ``D = sum_j P_j (log P_j - (S^idx_j - m))``
+(``D <- D + C (m' - m)`` when the maximum grows to ``m'``), and ends as the *state*
+``(m, l, C, K)`` with ``K = D + C log l = sum_j P_j (log P_j - log P^{idx,run}_j)``: the run's KL
+against its own student normaliser ``LSE_run = m + log l``. Two states merge exactly, in a fixed
+tree or in slot order, since ``LSE - LSE_i = log1p(x_j / x_i)`` with ``x_i = l_i e^{m_i - m}``:
 
 .. math::
 
-    A = \\sum_j P_j \\log P_j, \\quad B = \\sum_j P_j (S^{idx}_j - m), \\quad C = \\sum_j P_j
+    K = K_1 + K_2 + C_1 \\log(1 + x_2 / x_1) + C_2 \\log(1 + x_1 / x_2), \\quad
+    l = x_1 + x_2, \\quad C = C_1 + C_2
 
-and then ``KL = sum_j P_j (log P_j - S^idx_j + LSE^idx) = A - (B + C m) + C (m + log l)
-= A - B + C log l``. Keeping ``B`` relative to the running maximum (``B <- B - C (m' - m)`` when
-the maximum grows to ``m'``) keeps every term small and cancels ``m`` exactly. ``P_j = 0``
-(an underflowed teacher) contributes nothing to ``A``, ``B`` or ``C`` (``0 log 0 = 0``); an empty
-support gives ``KL = 0``. Two partial states ``(m, l, A, B, C)`` merge like flash attention's
-``(m, l)``, with ``B`` re-based to the larger maximum, so threads can reduce in a fixed tree.
-``C`` is 1 up to rounding when ``lse`` is the teacher's own LSE on this support.
+and the KL of (query, group) is the ``K`` of the state of its whole support. ``P_j = 0`` (an
+underflowed teacher) contributes nothing to ``D`` or ``C`` (``0 log 0 = 0``); an empty support
+(``l = 0``, the merge's identity) gives ``KL = 0``. ``C`` is 1 up to rounding when ``lse`` is
+the teacher's own LSE on this support.
+
+Accuracy. The first GPU run (N = 8K selected / 2K warmup, Hq=16, Hkv=4, D=Didx=64, Bk=128,
+K=16) had v1's ``kl`` at 25x the error of the float32 NumPy reference and v2's ``dk_idx`` at
+7-10x. An emulation of the kernels' float32 order in NumPy reproduced both (23.9x and 7.9x on
+the 2K warmup) and located them: one running ``(m, l, A = sum P log P, B = sum P (S^idx - m),
+C)`` over all 2K keys with ``KL = A - B + C log l`` has terms of size ``log N`` (~7) cancelling
+to a KL of ~0.7, and sequential float32 sums of ``n`` terms drift like ``sqrt(n)`` ulps (about
+``1.8e-6`` relative at ``n`` = 2K); a key's ``dk_idx`` summed ``Tq Hkv`` (8K) terms in one
+chain where the baseline's BLAS sums chains of a few hundred. Hence: runs of at most one slot
+(v1) or ``Bk / NT`` keys (v2, v3) with Kahan-compensated ``l, D, C``; the state merge above
+(whose terms are of the size of the KL, not of ``log N``); ``dk_idx`` summed in runs of
+``_FOLD`` terms folded into a compensated sum. Emulated, ``kl`` is then 0.7x and ``dk_idx``
+0.1x the baseline's error. The simulator cannot show this (``math.exp`` of a float32 returns
+a Python float there, so its sums run in float64); the ``big`` GPU tests do.
 
 Backward (eq 10-11): ``dS_j = g (P^idx_j - P_j) / (Tq Hkv)`` on the support,
 ``dq_idx = s_idx sum_j dS_j k_idx_j``, ``dk_idx_j = s_idx sum_{t, r} dS_{t,r,j} q_idx_{t,r}``.
@@ -58,12 +74,14 @@ v    idea
 3    KV-outer on tensor cores, the paper's K1 order (§4.2): per query chunk, the k2q CSR and
      the hot-row schedule (``msa.cuda.schedule``, items of at most ``2 K Bk`` queries); one CTA
      per work item loads the key block (K and K_idx) into shared memory once and walks its
-     queries in tiles of ``P = ceil(128/G)`` positions x ``G`` heads: ``S = Q Kᵀ`` and
-     ``S^idx = Q_idx K_idxᵀ`` by ``mma.sync.m16n8k16`` (fp32 accumulate, ``msa.cuda._mma``),
-     each head's ``exp(S - LSE)`` and the student logits in shared memory, then per position
-     (``2G`` lanes) the slot's state ``(m, l, A, B, C)`` (forward), ``(m, l)`` (``LSE^idx``) or
-     ``dS`` and the slot's ``dq_idx`` partial (backward), into per-slot buffers that a
-     Q-outer pass merges in slot order. ``dk_idx`` as v2. fp16/bf16 only.
+     queries in tiles of ``P = ceil(128/G)`` positions x ``G`` heads (rows copied by 16-byte
+     ``cp.async``, all in flight at once; plain loads for inputs not 16-byte aligned):
+     ``S = Q Kᵀ`` and ``S^idx = Q_idx K_idxᵀ`` by ``mma.sync.m16n8k16`` (fp32 accumulate,
+     ``msa.cuda._mma``), each head's ``exp(S - LSE)`` and the student logits in shared
+     memory, then per position (``2G`` lanes) the slot's state ``(m, l, C, K)`` (forward),
+     ``(m, l)`` (``LSE^idx``) or ``dS``, the slot's ``dq_idx`` partial and KL term
+     (backward), into per-slot buffers that a Q-outer pass merges in slot order. ``dk_idx``
+     as v2. fp16/bf16 only. ``kl_loss_and_backward`` skips the forward's teacher pass.
 ===  =========================================================================================
 
 All accumulate in fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits), any ``G`` (v3: 1, 2, 4,
@@ -99,6 +117,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
 from .attention import _item_fields
+from ._memops import cp_async16, cp_async_commit, cp_async_wait_all, is_aligned16
 from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                    mma_f16_m16n8k16)
 
@@ -115,7 +134,8 @@ MAX_DS_BYTES = 4 << 30
 # barrier costs milliseconds there, so it gets fewer; the kernels are the same.
 _THREADS_V1 = 32 if SIMULATOR else 128
 _ROW_THREADS = 8 if SIMULATOR else 128
-_KEY_TILE = 4 if SIMULATOR else 8  # v2 dk: keys x dims per thread, squared
+_KEY_TILE = (4, 4) if SIMULATOR else (8, 8)  # v2 dk: keys x dims per thread
+_FOLD = 16  # dk_idx: terms summed plainly before a Kahan-compensated fold
 _MEAN_THREADS = 32 if SIMULATOR else 512
 # v2 dk: CSR entries (queries) staged in shared memory per step, and the float budget of the
 # warmup's staged query heads (G*D floats per entry).
@@ -185,43 +205,66 @@ def _block_range(I, t, r, s, warmup, block_size, pos):
 
 
 @cuda.jit(device=True)
-def _rebase(m, l, b, c, m_new):
-    """``(l, B)`` of a partial state with maximum ``m`` re-expressed against ``m_new >= m``."""
-    if m == _NEG_INF:
-        return float32(0.0), float32(0.0)
-    return l * math.exp(m - m_new), b - c * (m_new - m)
+def _kahan_add(s, e, x):
+    """``(s, e) + x`` Kahan-compensated: the sum is ``s - e`` (``e`` the lost low-order part)."""
+    y = x - e
+    t = s + y
+    return t, (t - s) - y
 
 
 @cuda.jit(device=True)
-def _accumulate(m, l, a, b, c, p, s_idx):
-    """Add one key (teacher ``P_j = p``, student logit ``S^idx_j = s_idx``) to the state."""
-    # m_new = max(m, S_idx); l, B re-based to it
+def _accumulate(m, l, le, d, de, c, ce, p, s_idx):
+    """Add one key (teacher ``P_j = p``, student logit ``S^idx_j = s_idx``) to a run's
+    Kahan-compensated sums ``(m, l - le, D - de, C - ce)``, ``D = sum P (log P - (S^idx - m))``."""
+    # m' = max(m, S_idx): l scales by exp(m - m'), D grows by C (m' - m)
     if s_idx > m:
-        l, b = _rebase(m, l, b, c, s_idx)
+        if m > _NEG_INF:
+            f = math.exp(m - s_idx)
+            l *= f
+            le *= f
+            d, de = _kahan_add(d, de, c * (s_idx - m))
         m = s_idx
-    l += math.exp(s_idx - m)
+    l, le = _kahan_add(l, le, math.exp(s_idx - m))
     if p > float32(0.0):  # 0 log 0 = 0: an underflowed teacher adds nothing
-        a += p * math.log(p)
-        b += p * (s_idx - m)
-        c += p
-    return m, l, a, b, c
+        d, de = _kahan_add(d, de, p * (math.log(p) - (s_idx - m)))
+        c, ce = _kahan_add(c, ce, p)
+    return m, l, le, d, de, c, ce
 
 
 @cuda.jit(device=True)
-def _merge(m1, l1, a1, b1, c1, m2, l2, a2, b2, c2):
-    """Merge two partial states ``(m, l, A, B, C)`` (module docstring) into one."""
-    m = max(m1, m2)
-    l1, b1 = _rebase(m1, l1, b1, c1, m)
-    l2, b2 = _rebase(m2, l2, b2, c2, m)
-    return m, l1 + l2, a1 + a2, b1 + b2, c1 + c2
-
-
-@cuda.jit(device=True)
-def _kl_value(l, a, b, c):
-    """``KL = A - B + C log l``; an empty support (``l = 0``) gives 0."""
+def _finish(m, l, le, d, de, c, ce):
+    """A run's sums as a state ``(m, l, C, K)``, ``K = D + C log l`` = the run's KL against
+    its own student normaliser (module docstring); an empty run is ``(-inf, 0, 0, 0)``."""
+    l -= le
+    c -= ce
+    d -= de
     if l > float32(0.0):
-        return a - b + c * math.log(l)
-    return float32(0.0)
+        return m, l, c, d + c * math.log(l)
+    return _NEG_INF, float32(0.0), float32(0.0), float32(0.0)
+
+
+@cuda.jit(device=True)
+def _gap(m, m_self, x_self, l_self, x_other):
+    """``LSE - LSE_self = log(1 + x_other / x_self) >= 0`` of a merge (``x = l e^{m_self - m}``);
+    written out when ``x_self`` underflows (the maximum's side has ``x >= 1``)."""
+    if x_self > float32(1e-30):
+        return math.log1p(x_other / x_self)
+    return (m - m_self) + (math.log(x_other) - math.log(l_self))
+
+
+@cuda.jit(device=True)
+def _merge(m1, l1, c1, k1, m2, l2, c2, k2):
+    """Merge two states ``(m, l, C, K)``: ``K = K1 + K2 + C1 (LSE - LSE1) + C2 (LSE - LSE2)``
+    (module docstring); an empty state (``l = 0``) is the identity."""
+    if l2 <= float32(0.0):
+        return m1, l1, c1, k1
+    if l1 <= float32(0.0):
+        return m2, l2, c2, k2
+    m = max(m1, m2)
+    x1 = l1 * math.exp(m1 - m)
+    x2 = l2 * math.exp(m2 - m)
+    k = (k1 + k2) + (c1 * _gap(m, m1, x1, l1, x2) + c2 * _gap(m, m2, x2, l2, x1))
+    return m, x1 + x2, c1 + c2, k
 
 
 @cuda.jit(device=True)
@@ -230,6 +273,20 @@ def _student_lse(m, l):
     if l > float32(0.0):
         return m + math.log(l)
     return float32(0.0)
+
+
+@cuda.jit(device=True)
+def _fold_every(acc, comp, part, n):
+    """After the ``n``-th term of a run, every ``_FOLD`` terms: ``acc - comp += part`` (Kahan,
+    elementwise) and ``part = 0``; returns the count within the run. Long sums (``dk_idx``: up
+    to ``Tq Hkv`` terms) so grow their rounding error like ``sqrt(n / _FOLD)`` ulps at most
+    ``_FOLD`` deep, instead of ``sqrt(n)``."""
+    if n < _FOLD:
+        return n
+    for i in range(acc.shape[0]):
+        acc[i], comp[i] = _kahan_add(acc[i], comp[i], part[i])
+        part[i] = float32(0.0)
+    return 0
 
 
 # =============================================================================================
@@ -284,19 +341,21 @@ def _kl_kernel_thread_rows(kind: str, group: int, head_dim: int, index_dim: int)
         t = i // hkv
         r = i % hkv
         key0, pos, _ = _query_row(cu_q, cu_k, t)
-        m = _NEG_INF
-        l = float32(0.0)
-        a = float32(0.0)
-        b = float32(0.0)
-        c = float32(0.0)
+        zero = float32(0.0)
+        # one state per slot (its keys in a Kahan-compensated run), merged in slot order
+        mt, lt, ct, kt = _NEG_INF, zero, zero, zero
         nslots = pos // block_size + 1 if warmup else I.shape[2]
         for s in range(nslots):
             kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
+            m, l, le, d, de, c, ce = _NEG_INF, zero, zero, zero, zero, zero, zero
             for kp in range(kk0, kk1):
                 j = key0 + kp
-                m, l, a, b, c = _accumulate(m, l, a, b, c, teacher(q, t, r, lse, k, j, scale),
-                                            student(q_idx, t, r, k_idx, j, index_scale))
-        kl[t, r] = _kl_value(l, a, b, c)
+                m, l, le, d, de, c, ce = _accumulate(
+                    m, l, le, d, de, c, ce, teacher(q, t, r, lse, k, j, scale),
+                    student(q_idx, t, r, k_idx, j, index_scale))
+            m, l, c, kk = _finish(m, l, le, d, de, c, ce)
+            mt, lt, ct, kt = _merge(mt, lt, ct, kt, m, l, c, kk)
+        kl[t, r] = kt
 
     return _kl_kernel_thread_rows_v1
 
@@ -321,19 +380,22 @@ def _kl_kernel_thread_rows_grad(kind: str, group: int, head_dim: int, index_dim:
         r = i % hkv
         key0, pos, lk = _query_row(cu_q, cu_k, t)
         nslots = pos // block_size + 1 if warmup else I.shape[2]
-        # LSE^idx over the support (index scores only)
+        # LSE^idx over the support (index scores only; l Kahan-compensated)
         m = _NEG_INF
         l = float32(0.0)
+        le = float32(0.0)
         for s in range(nslots):
             kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
             for kp in range(kk0, kk1):
                 x = student(q_idx, t, r, k_idx, key0 + kp, index_scale)
                 if x > m:
                     if m > _NEG_INF:
-                        l *= math.exp(m - x)
+                        f = math.exp(m - x)
+                        l *= f
+                        le *= f
                     m = x
-                l += math.exp(x - m)
-        lse_i = _student_lse(m, l)
+                l, le = _kahan_add(l, le, math.exp(x - m))
+        lse_i = _student_lse(m, l - le)
         lse_idx[t, r] = lse_i
         # dS_j = coef (P_idx_j - P_j); dq_idx = index_scale sum_j dS_j k_idx_j, keys in order
         acc = cuda.local.array(DI, float32)
@@ -376,6 +438,7 @@ def _kl_kernel_thread_keys(kind: str, group: int, head_dim: int, index_dim: int,
     Warmup: every query of the sequence that sees the key, ``dS`` recomputed.
     """
     DI = index_dim
+    DC = min(DI, 16)  # dims per chunk
     teacher, student = _global_score_fns(kind, group, head_dim, index_dim)
     to_f32 = _loader(kind)
 
@@ -397,27 +460,39 @@ def _kl_kernel_thread_keys(kind: str, group: int, head_dim: int, index_dim: int,
         q_lo = int(cu_q[b])
         q_hi = int(cu_q[b + 1])
         shift = lk - (q_hi - q_lo)  # query t sits at key position shift + t - q_lo
-        acc = cuda.local.array(DI, float32)
-        for d in range(DI):
-            acc[d] = float32(0.0)
-        for r in range(hkv):
-            if warmup:
-                for t in range(q_lo + max(0, kp - shift), q_hi):
-                    p = teacher(q, t, r, lse, k, j, scale)
-                    x = student(q_idx, t, r, k_idx, j, index_scale)
-                    dsv = coef * (math.exp(x - lse_idx[t, r]) - p)
-                    for d in range(DI):
-                        acc[d] += dsv * to_f32(q_idx[t, r, d])
-            else:
-                for e in range(int(row_ptr[r, row]), int(row_ptr[r, row + 1])):
-                    t = int(q_indices[r, e])
-                    s = int(slots[r, e])
-                    if 0 <= t < q_idx.shape[0] and 0 <= s < ds.shape[2]:
-                        dsv = ds[t, r, s, jj]
-                        for d in range(DI):
-                            acc[d] += dsv * to_f32(q_idx[t, r, d])
-        for d in range(DI):
-            dk[j, d] += acc[d] * index_scale
+        # a key sums up to Tq Hkv terms: runs of _FOLD entries, folded into a Kahan sum; DC
+        # dims at a time keep the three sums in registers (the warmup recomputes dS per chunk)
+        acc = cuda.local.array(DC, float32)
+        comp = cuda.local.array(DC, float32)
+        part = cuda.local.array(DC, float32)
+        for d0 in range(0, DI, DC):
+            for dd in range(DC):
+                acc[dd] = float32(0.0)
+                comp[dd] = float32(0.0)
+                part[dd] = float32(0.0)
+            n = 0
+            for r in range(hkv):
+                if warmup:
+                    for t in range(q_lo + max(0, kp - shift), q_hi):
+                        p = teacher(q, t, r, lse, k, j, scale)
+                        x = student(q_idx, t, r, k_idx, j, index_scale)
+                        dsv = coef * (math.exp(x - lse_idx[t, r]) - p)
+                        for dd in range(DC):
+                            part[dd] += dsv * to_f32(q_idx[t, r, min(d0 + dd, DI - 1)])
+                        n = _fold_every(acc, comp, part, n + 1)
+                else:
+                    for e in range(int(row_ptr[r, row]), int(row_ptr[r, row + 1])):
+                        t = int(q_indices[r, e])
+                        s = int(slots[r, e])
+                        if 0 <= t < q_idx.shape[0] and 0 <= s < ds.shape[2]:
+                            dsv = ds[t, r, s, jj]
+                            for dd in range(DC):
+                                part[dd] += dsv * to_f32(q_idx[t, r, min(d0 + dd, DI - 1)])
+                            n = _fold_every(acc, comp, part, n + 1)
+            _fold_every(acc, comp, part, _FOLD)
+            for dd in range(DC):
+                if d0 + dd < DI:
+                    dk[j, d0 + dd] += (acc[dd] - comp[dd]) * index_scale
 
     return _kl_kernel_thread_keys_v1
 
@@ -478,36 +553,32 @@ def _row_loads(kind: str, group: int, head_dim: int, index_dim: int, threads: in
 
 
 @cuda.jit(device=True)
-def _tree_merge(red, tid, nt, m, l, a, b, c):
-    """Merge the CTA's per-thread states in a fixed tree (``nt`` a power of two); every thread
-    gets the total. ``red``: shared float32 [5, nt]."""
+def _tree_merge(red, tid, nt, m, l, c, k):
+    """Merge the CTA's per-thread states ``(m, l, C, K)`` in a fixed tree (``nt`` a power of
+    two); every thread gets the total. ``red``: shared float32 [4, nt]."""
     red[0, tid] = m
     red[1, tid] = l
-    red[2, tid] = a
-    red[3, tid] = b
-    red[4, tid] = c
+    red[2, tid] = c
+    red[3, tid] = k
     cuda.syncthreads()
     stride = nt // 2
     while stride > 0:
         if tid < stride:
-            m, l, a, b, c = _merge(red[0, tid], red[1, tid], red[2, tid], red[3, tid],
-                                   red[4, tid], red[0, tid + stride], red[1, tid + stride],
-                                   red[2, tid + stride], red[3, tid + stride],
-                                   red[4, tid + stride])
+            m, l, c, k = _merge(red[0, tid], red[1, tid], red[2, tid], red[3, tid],
+                                red[0, tid + stride], red[1, tid + stride],
+                                red[2, tid + stride], red[3, tid + stride])
             red[0, tid] = m
             red[1, tid] = l
-            red[2, tid] = a
-            red[3, tid] = b
-            red[4, tid] = c
+            red[2, tid] = c
+            red[3, tid] = k
         cuda.syncthreads()
         stride //= 2
     m = red[0, 0]
     l = red[1, 0]
-    a = red[2, 0]
-    b = red[3, 0]
-    c = red[4, 0]
+    c = red[2, 0]
+    k = red[3, 0]
     cuda.syncthreads()  # red may be reused
-    return m, l, a, b, c
+    return m, l, c, k
 
 
 @functools.lru_cache(maxsize=None)
@@ -524,7 +595,7 @@ def _kl_kernel_cta_rows(kind: str, group: int, head_dim: int, index_dim: int, th
         sq = cuda.shared.array(GD, float32)
         sqi = cuda.shared.array(DI, float32)
         slse = cuda.shared.array(G, float32)
-        red = cuda.shared.array((5, NT), float32)
+        red = cuda.shared.array((4, NT), float32)
         tid = cuda.threadIdx.x
         hkv = kl.shape[1]
         t = cuda.blockIdx.x // hkv
@@ -532,21 +603,21 @@ def _kl_kernel_cta_rows(kind: str, group: int, head_dim: int, index_dim: int, th
         key0, pos, _ = _query_row(cu_q, cu_k, t)
         load(q, q_idx, lse, t, r, tid, sq, sqi, slse)
         cuda.syncthreads()
-        m = _NEG_INF
-        l = float32(0.0)
-        a = float32(0.0)
-        b = float32(0.0)
-        c = float32(0.0)
+        zero = float32(0.0)
+        # each thread's keys in one Kahan-compensated run, then the states in a fixed tree
+        m, l, le, d, de, c, ce = _NEG_INF, zero, zero, zero, zero, zero, zero
         nslots = pos // block_size + 1 if warmup else I.shape[2]
         for s in range(nslots):
             kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
             for kp in range(kk0 + tid, kk1, NT):
                 j = key0 + kp
-                m, l, a, b, c = _accumulate(m, l, a, b, c, teacher(sq, 0, slse, 0, k, j, r, scale),
-                                            student(sqi, 0, k_idx, j, index_scale))
-        m, l, a, b, c = _tree_merge(red, tid, NT, m, l, a, b, c)
+                m, l, le, d, de, c, ce = _accumulate(
+                    m, l, le, d, de, c, ce, teacher(sq, 0, slse, 0, k, j, r, scale),
+                    student(sqi, 0, k_idx, j, index_scale))
+        m, l, c, kk = _finish(m, l, le, d, de, c, ce)
+        m, l, c, kk = _tree_merge(red, tid, NT, m, l, c, kk)
         if tid == 0:
-            kl[t, r] = _kl_value(l, a, b, c)
+            kl[t, r] = kk
 
     return _kl_kernel_cta_rows_v2
 
@@ -570,7 +641,7 @@ def _kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: in
         sq = cuda.shared.array(GD, float32)
         sqi = cuda.shared.array(DI, float32)
         slse = cuda.shared.array(G, float32)
-        red = cuda.shared.array((5, NT), float32)
+        red = cuda.shared.array((4, NT), float32)
         sds = cuda.shared.array(NT, float32)
         tid = cuda.threadIdx.x
         hkv = dq.shape[1]
@@ -582,19 +653,22 @@ def _kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: in
         nslots = pos // block_size + 1 if warmup else I.shape[2]
         zero = float32(0.0)
 
-        # LSE^idx over the support (index scores only)
+        # LSE^idx over the support (index scores only, l Kahan-compensated per thread)
         m = _NEG_INF
         l = zero
+        le = zero
         for s in range(nslots):
             kk0, kk1 = _block_range(I, t, r, s, warmup, block_size, pos)
             for kp in range(kk0 + tid, kk1, NT):
                 x = student(sqi, 0, k_idx, key0 + kp, index_scale)
                 if x > m:
                     if m > _NEG_INF:
-                        l *= math.exp(m - x)
+                        f = math.exp(m - x)
+                        l *= f
+                        le *= f
                     m = x
-                l += math.exp(x - m)
-        m, l, _, _, _ = _tree_merge(red, tid, NT, m, l, zero, zero, zero)
+                l, le = _kahan_add(l, le, math.exp(x - m))
+        m, l, _, _ = _tree_merge(red, tid, NT, m, l - le, zero, zero)
         lse_i = _student_lse(m, l)
         if tid == 0:
             lse_idx[t, r] = lse_i
@@ -650,12 +724,12 @@ def _key_tiles(block_size: int, index_dim: int):
     """``(TJ, TD, threads)`` of the v2 dk kernel: each thread owns a register tile of ``TJ``
     keys x ``TD`` dims of the block's ``Bk x Didx`` outputs (8 x 8 on a GPU, 4 x 4 in the
     simulator; larger for huge blocks so that a CTA has at most 1024 threads)."""
-    tile = _KEY_TILE
+    tj, td = _KEY_TILE
     while True:
-        threads = -(-block_size // tile) * -(-index_dim // tile)
+        threads = -(-block_size // tj) * -(-index_dim // td)
         if threads <= 1024:
-            return tile, tile, threads
-        tile *= 2
+            return tj, td, threads
+        tj, td = 2 * tj, 2 * td
 
 
 @functools.lru_cache(maxsize=None)
@@ -679,8 +753,13 @@ def _kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, bl
     GW = G if warmup else 1
     # shared array sizes must be compile-time constants
     E_DI, E_BK, E_QW, E_GW = EB * DI, EB * Bk, EB * QW, EB * GW
+    # three register tiles (sum, compensation, batch partial): at 8 x 8 about 254 registers
+    # (offline ptxas, sm_90), which 256 threads can have; more threads must spill to launch
+    options = {}
+    if NT > 256 and not SIMULATOR:
+        options = {"max_registers": 65536 // NT // 8 * 8}
 
-    @cuda.jit
+    @cuda.jit(**options)
     def _kl_kernel_cta_keys_v2(q, k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
                                cu_q, cu_k, row_offsets, block_size, scale, index_scale, coef, dk):
         sqi = cuda.shared.array(E_DI, float32)
@@ -706,9 +785,12 @@ def _kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, bl
         zero = float32(0.0)
         ta = tid // ND
         tc = tid % ND
-        acc = cuda.local.array(TT, float32)
+        acc = cuda.local.array(TT, float32)  # Kahan sum (acc - comp) of the batches' partials
+        comp = cuda.local.array(TT, float32)
+        part = cuda.local.array(TT, float32)
         for i in range(TT):
             acc[i] = zero
+            comp[i] = zero
         sj = cuda.local.array(TJ, float32)
         sd = cuda.local.array(TD, float32)
         for r in range(hkv):
@@ -776,7 +858,10 @@ def _kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, bl
                             x = coef * (math.exp(s_idx - slse_i[e]) - p)
                         sds[i] = x
                     cuda.syncthreads()
-                # dk_idx[key, d] += dS[e, key] q_idx[e, d], entries in CSR order
+                # dk_idx[key, d] += dS[e, key] q_idx[e, d], entries in CSR order; the batch's
+                # partial folded into the compensated sum (a key block may have Tq Hkv entries)
+                for i in range(TT):
+                    part[i] = zero
                 for e in range(ne):
                     for u in range(TJ):
                         sj[u] = sds[e * Bk + min(ta + NJ * u, Bk - 1)]
@@ -784,14 +869,17 @@ def _kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, bl
                         sd[v] = sqi[e * DI + min(tc + ND * v, DI - 1)]
                     for u in range(TJ):
                         for v in range(TD):
-                            acc[u * TD + v] += sj[u] * sd[v]
+                            part[u * TD + v] += sj[u] * sd[v]
+                for i in range(TT):
+                    acc[i], comp[i] = _kahan_add(acc[i], comp[i], part[i])
                 cuda.syncthreads()
         for u in range(TJ):
             jj = ta + NJ * u
             for v in range(TD):
                 d = tc + ND * v
                 if jj < nk and d < DI:
-                    dk[key0 + kk0 + jj, d] += acc[u * TD + v] * index_scale
+                    i = u * TD + v
+                    dk[key0 + kk0 + jj, d] += (acc[i] - comp[i]) * index_scale
 
     return _kl_kernel_cta_keys_v2
 
@@ -846,15 +934,62 @@ def _csr_entry(q_indices, slots, cu_q, cu_k, h, b, e, topk):
     return t, s, (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
 
 
+if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
+    @cuda.jit(device=True)
+    def _v3_smem_words():
+        return cuda.shared.array(0, uint32)
+
+    @cuda.jit(device=True)
+    def _v3_smem_floats():
+        return cuda.shared.array(0, float32)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _v3_smem_words():
+        """The dynamic shared memory as uint32, 16-byte aligned (``cp.async``)."""
+        return cuda.shared.array(0, uint32, alignment=16)
+
+    @cuda.jit(device=True, inline=True)
+    def _v3_smem_floats():
+        """The same bytes as float32."""
+        return cuda.shared.array(0, float32, alignment=16)
+
+
+@cuda.jit(device=True)
+def _copy16_words3(dst, d, src, s, nbytes):
+    """``cp_async16``'s contract by plain loads and stores, for a [T, H, W] ``src`` (inputs not
+    16-byte aligned)."""
+    dw = src.shape[2]
+    row = s // (src.shape[1] * dw)
+    head = (s // dw) % src.shape[1]
+    w = s % dw
+    for e in range(4):
+        dst[d + e] = src[row, head, w + e] if nbytes > 0 else uint32(0)
+
+
+@cuda.jit(device=True)
+def _copy16_words2(dst, d, src, s, nbytes):
+    """As ``_copy16_words3`` for a [T, W] ``src``."""
+    row = s // src.shape[1]
+    w = s % src.shape[1]
+    for e in range(4):
+        dst[d + e] = src[row, w + e] if nbytes > 0 else uint32(0)
+
+
+@cuda.jit(device=True)
+def _no_op():
+    pass
+
+
 @functools.lru_cache(maxsize=None)
 def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
-                   group: int, positions: int):
+                   group: int, positions: int, use_async: bool = False):
     """v3, one CTA per work item (a key block and up to ``chunk`` of the queries that chose it).
 
-    Modes: ``"stats"`` writes each (query, slot)'s state ``(m, l, A, B, C)`` over the block's
+    Modes: ``"stats"`` writes each (query, slot)'s state ``(m, l, C, K)`` over the block's
     keys (forward); ``"student"`` only ``(m, l)`` (no teacher: the backward's ``LSE^idx``);
-    ``"grad"`` writes ``dS`` of the block into the buffer and the slot's ``dq_idx`` partial
-    ``sum_j dS_j k_idx_j``.
+    ``"grad"`` writes ``dS`` of the block into the buffer, the slot's ``dq_idx`` partial
+    ``sum_j dS_j k_idx_j`` and, into ``part[0]``, its KL term
+    ``sum_j P_j (log P_j - S^idx_j + LSE^idx)`` (``kl_loss_and_backward``).
     """
     Bk, D, DI, G, P = block_size, head_dim, index_dim, group, positions
     R = P * G
@@ -873,16 +1008,26 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
     ACC = 4 * NG
     N_TILES_I = Bk // 8  # student n-tiles, spread over the warps
     STUDENT_ITERS = -(-((PP // 16) * N_TILES_I) // NW)
+    PIECES = DW // 4  # 16-byte pieces of a row of Q / K (copied by cp.async, all in flight)
+    PIECES_I = DIW // 4
+    copy16 = cp_async16 if use_async else _copy16_words3
+    copy16_2d = cp_async16 if use_async else _copy16_words2
+    commit = cp_async_commit if use_async else _no_op
+    wait_all = cp_async_wait_all if use_async else _no_op
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
     inv_g = float32(1.0 / G)
 
-    @cuda.jit
+    # the student pass's 47 KB of shared memory (paper sizes) leaves room for two CTAs per SM
+    # if each keeps to 128 registers (offline ptxas: 162 uncapped, 128 capped without spills)
+    options = {"max_registers": 128} if mode == "student" and not SIMULATOR else {}
+
+    @cuda.jit(**options)
     def _kl_kernel_mma_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q, cu_k,
                           scale, index_scale, coef, part, ds, dq_part):
         """q, k, q_idx, k_idx: uint32 views (two 16-bit values per word)."""
-        smem = cuda.shared.array(0, uint32)
-        sf = cuda.shared.array(0, float32)  # the same bytes as float32
+        smem = _v3_smem_words()
+        sf = _v3_smem_floats()  # the same bytes as float32
         row_t = cuda.shared.array(R, int32)
         row_slot = cuda.shared.array(R, int32)
         row_pos = cuda.shared.array(R, int32)
@@ -900,19 +1045,20 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
             return  # the whole CTA: a padding item
 
         # The key block, once: K (teacher) and K_idx row-major; keys past the sequence are 0.
+        # 16-byte copies, all in flight at once (waited for with the first tile's).
+        hkv = k.shape[1]
         if teacher:
-            for i in range(tid, Bk * DW, NT):
-                c = i // DW
-                w = uint32(0)
-                if c < nk:
-                    w = uint32(k[key0 + c, h, i % DW])
-                smem[c * LDK + i % DW] = w
-        for i in range(tid, Bk * DIW, NT):
-            c = i // DIW
-            w = uint32(0)
-            if c < nk:
-                w = uint32(k_idx[key0 + c, i % DIW])
-            smem[OFF_KI + c * LDKI + i % DIW] = w
+            for i in range(tid, Bk * PIECES, NT):
+                c = i // PIECES
+                w = 4 * (i % PIECES)
+                copy16(smem, c * LDK + w, k, ((key0 + min(c, nk - 1)) * hkv + h) * DW + w,
+                       16 if c < nk else 0)
+        for i in range(tid, Bk * PIECES_I, NT):
+            c = i // PIECES_I
+            w = 4 * (i % PIECES_I)
+            copy16_2d(smem, OFF_KI + c * LDKI + w, k_idx, (key0 + min(c, nk - 1)) * DIW + w,
+                      16 if c < nk else 0)
+        commit()
 
         for tile in range((q_count + P - 1) // P):
             cuda.syncthreads()  # the previous tile is done with the row table and the tiles
@@ -938,21 +1084,21 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
                     t = row_t[p * G]
                     pos_lse_i[p] = lse_idx[t, h] if t >= 0 else float32(0.0)
             if teacher:
-                for i in range(tid, R * DW, NT):
-                    r = i // DW
+                hq = q.shape[1]
+                for i in range(tid, R * PIECES, NT):
+                    r = i // PIECES
+                    w = 4 * (i % PIECES)
                     t = row_t[r]
-                    w = uint32(0)
-                    if t >= 0:
-                        w = uint32(q[t, h * G + r % G, i % DW])
-                    smem[OFF_Q + r * LDK + i % DW] = w
-            for i in range(tid, PP * DIW, NT):
-                p = i // DIW
-                w = uint32(0)
-                if p < P:
-                    t = row_t[p * G]
-                    if t >= 0:
-                        w = uint32(q_idx[t, h, i % DIW])
-                smem[OFF_QI + p * LDKI + i % DIW] = w
+                    copy16(smem, OFF_Q + r * LDK + w, q,
+                           (max(t, 0) * hq + h * G + r % G) * DW + w, 16 if t >= 0 else 0)
+            for i in range(tid, PP * PIECES_I, NT):
+                p = i // PIECES_I
+                w = 4 * (i % PIECES_I)
+                t = row_t[p * G] if p < P else -1
+                copy16(smem, OFF_QI + p * LDKI + w, q_idx, (max(t, 0) * hkv + h) * DIW + w,
+                       16 if t >= 0 else 0)
+            commit()
+            wait_all()
             cuda.syncthreads()
 
             if teacher:
@@ -1028,6 +1174,7 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
             slot = row_slot[p * G]
             if mode == "grad":
                 lse_i = pos_lse_i[p]
+                kl_run = float32(0.0)  # sum_j P_j (log P_j - S_idx_j + LSE_idx): LSE_idx is known
                 for cc in range(li, Bk, TP):
                     x = sf[OFF_SI + p * LDP + cc]
                     dsv = float32(0.0)
@@ -1035,10 +1182,20 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
                         pj = float32(0.0)
                         for gg in range(G):
                             pj += sf[OFF_P + (p * G + gg) * LDP + cc]
-                        dsv = coef * (math.exp(x - lse_i) - pj * inv_g)
+                        pj *= inv_g
+                        dsv = coef * (math.exp(x - lse_i) - pj)
+                        if pj > float32(0.0):
+                            kl_run += pj * (math.log(pj) - (x - lse_i))
                     sf[OFF_SI + p * LDP + cc] = dsv
                     if t >= 0:
                         ds[t, h, slot, cc] = dsv
+                # the slot's KL term over the TP lanes (a + b = b + a: partners agree bitwise)
+                off = TP // 2
+                while off > 0:
+                    kl_run += cuda.shfl_xor_sync(_FULL_MASK, kl_run, off)
+                    off //= 2
+                if li == 0 and t >= 0:
+                    part[0, slot, t, h] = kl_run
                 cuda.syncthreads()
                 # dq_idx partial of the slot: sum_j dS_j k_idx_j, keys in order; a thread owns
                 # the two dims of a word of K_idx
@@ -1054,38 +1211,35 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
                         dq_part[slot, t, h, 2 * w] = acc_lo * index_scale
                         dq_part[slot, t, h, 2 * w + 1] = acc_hi * index_scale
             else:
-                m = _NEG_INF
-                l = float32(0.0)
-                a = float32(0.0)
-                bb = float32(0.0)
-                c = float32(0.0)
+                zero = float32(0.0)
+                m, l, le, d, de, c, ce = _NEG_INF, zero, zero, zero, zero, zero, zero
                 for cc in range(li, Bk, TP):
                     x = sf[OFF_SI + p * LDP + cc]
                     if x > _NEG_INF:
-                        pj = float32(0.0)
+                        pj = zero
                         if teacher:
                             for gg in range(G):
                                 pj += sf[OFF_P + (p * G + gg) * LDP + cc]
-                        m, l, a, bb, c = _accumulate(m, l, a, bb, c, pj * inv_g, x)
+                        m, l, le, d, de, c, ce = _accumulate(m, l, le, d, de, c, ce, pj * inv_g,
+                                                             x)
+                m, l, c, kk = _finish(m, l, le, d, de, c, ce)
                 off = TP // 2
                 while off > 0:
                     m2 = cuda.shfl_xor_sync(_FULL_MASK, m, off)
                     l2 = cuda.shfl_xor_sync(_FULL_MASK, l, off)
-                    a2 = cuda.shfl_xor_sync(_FULL_MASK, a, off)
-                    b2 = cuda.shfl_xor_sync(_FULL_MASK, bb, off)
                     c2 = cuda.shfl_xor_sync(_FULL_MASK, c, off)
+                    k2 = cuda.shfl_xor_sync(_FULL_MASK, kk, off)
                     # the lower lane's state first, so both partners hold the same bits
                     if li & off:
-                        m, l, a, bb, c = _merge(m2, l2, a2, b2, c2, m, l, a, bb, c)
+                        m, l, c, kk = _merge(m2, l2, c2, k2, m, l, c, kk)
                     else:
-                        m, l, a, bb, c = _merge(m, l, a, bb, c, m2, l2, a2, b2, c2)
+                        m, l, c, kk = _merge(m, l, c, kk, m2, l2, c2, k2)
                     off //= 2
                 if li == 0 and t >= 0:
                     part[0, slot, t, h] = m
                     part[1, slot, t, h] = l
-                    part[2, slot, t, h] = a
-                    part[3, slot, t, h] = bb
-                    part[4, slot, t, h] = c
+                    part[2, slot, t, h] = c
+                    part[3, slot, t, h] = kk
 
     return _kl_kernel_mma_v3
 
@@ -1113,15 +1267,14 @@ def _kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out)
     nblocks = (lk + block_size - 1) // block_size
     m = _NEG_INF
     l = float32(0.0)
-    a = float32(0.0)
-    b = float32(0.0)
     c = float32(0.0)
+    k = float32(0.0)
     for s in range(I.shape[2]):
         if _slot_valid(I, t, r, s, nblocks):
-            m, l, a, b, c = _merge(m, l, a, b, c, part[0, s, tl, r], part[1, s, tl, r],
-                                   part[2, s, tl, r], part[3, s, tl, r], part[4, s, tl, r])
+            m, l, c, k = _merge(m, l, c, k, part[0, s, tl, r], part[1, s, tl, r],
+                                part[2, s, tl, r], part[3, s, tl, r])
     if want_kl:
-        out[t, r] = _kl_value(l, a, b, c)
+        out[t, r] = k
     else:
         out[t, r] = _student_lse(m, l)
 
@@ -1145,6 +1298,26 @@ def _kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
         if _slot_valid(I, t, r, s, nblocks):
             acc += dq_part[s, tl, r, d]
     dq[t, r, d] = acc
+
+
+@cuda.jit
+def _kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
+    """v3 ``kl_loss_and_backward``: ``kl[t, r] = sum_s part[0, s, t, r]`` (the grad mode's
+    per-slot KL terms) in slot order, one thread per (query, group) of the chunk."""
+    hkv = kl.shape[1]
+    i = cuda.grid(1)
+    if i >= part.shape[2] * hkv:
+        return
+    tl = i // hkv
+    r = i % hkv
+    t = t0 + tl
+    _, _, lk = _query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    acc = float32(0.0)
+    for s in range(I.shape[2]):
+        if _slot_valid(I, t, r, s, nblocks):
+            acc += part[0, s, tl, r]
+    kl[t, r] = acc
 
 
 # =============================================================================================
@@ -1466,11 +1639,18 @@ class _Plan:
         num_items = int(work.shape[0])
         if num_items == 0:
             return
-        kernel = _kl_kernel_mma(mode, self.kind == "bfloat16", self.block_size, self.d,
-                                self.d_idx, self.group, self.positions)
         words = [x.view(np.uint32) for x in (self.q[t0:t1], self.k[k_lo:k_hi],
                                              self.q_idx[t0:t1], self.k_idx[k_lo:k_hi])]
-        _mma.launch(kernel, num_items, 2 * self.rows, self.smem, *words, lse[t0:t1],
+        # cp.async needs 16-byte aligned rows: D, Didx % 16 == 0 keep slices of aligned arrays
+        # aligned; inputs that are not take plain loads
+        aligned = all(is_aligned16(x) for x in words)
+        kernel = _kl_kernel_mma(mode, self.kind == "bfloat16", self.block_size, self.d,
+                                self.d_idx, self.group, self.positions, aligned)
+        # the student pass needs no K, Q or P tiles: its smaller footprint fits more CTAs per SM
+        pad = -(-self.positions // 16) * 16
+        smem = _v3_layout(self.block_size, self.d, self.d_idx, self.rows, pad,
+                          mode != "student")[2]
+        _mma.launch(kernel, num_items, 2 * self.rows, smem, *words, lse[t0:t1],
                     lse_idx[t0:t1], work, q_indices, slots, _device_copy(cu_q_c),
                     _device_copy(cu_k_c), np.float32(self.scale), np.float32(self.index_scale),
                     coef, part, ds, dq_part)
@@ -1505,30 +1685,38 @@ def _kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
             _kl_v3(p, p.teacher_lse(), kl_arg)
         else:
             p.launch_kl(p.teacher_lse(), kl_arg)
-        _kl_kernel_mean(_MEAN_THREADS)[1, _MEAN_THREADS](kl_arg.reshape(p.tq * p.hkv),
-                                                         ctx.arg(loss))
-    kl = ctx.output(kl)
+        _mean_into(kl_arg, ctx.arg(loss), p.tq * p.hkv)
+    return ctx.output(kl), _loss_output(ctx, loss)
+
+
+def _loss_output(ctx, loss):
+    """The [1] loss buffer as the caller gets it: a NumPy float32 scalar, else a 0-d array."""
     loss = ctx.output(loss)
     if isinstance(loss, np.ndarray):
-        return kl, np.float32(loss[0])
+        return np.float32(loss[0])
     try:
-        return kl, loss.reshape(())
+        return loss.reshape(())
     except Exception:  # a Numba device array may refuse 0-d shapes: keep [1]
-        return kl, loss
+        return loss
+
+
+def _mean_into(kl_arg, loss_arg, n):
+    """eq 10: ``loss[0] = mean(kl)`` over ``n`` elements (one CTA, fixed order)."""
+    _kl_kernel_mean(_MEAN_THREADS)[1, _MEAN_THREADS](kl_arg.reshape(n), loss_arg)
 
 
 def _kl_v3(p, lse, kl):
     """v3 forward: per query chunk, each (query, slot)'s state over its block, then the slots
     merged in order into ``kl``."""
     ctx = p.ctx
-    per_query = 5 * p.hkv * p.topk * 4
+    per_query = 4 * p.hkv * p.topk * 4
     part_buf = None
     dummy4 = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
     for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, MAX_DS_BYTES):
         tc = t1 - t0
         if part_buf is None:
-            part_buf = ctx.arg(ctx.empty((5 * p.topk * tc * p.hkv,), np.float32))
-        part = part_buf[:5 * p.topk * tc * p.hkv].reshape(5, p.topk, tc, p.hkv)
+            part_buf = ctx.arg(ctx.empty((4 * p.topk * tc * p.hkv,), np.float32))
+        part = part_buf[:4 * p.topk * tc * p.hkv].reshape(4, p.topk, tc, p.hkv)
         work, _, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
         p.launch_v3("stats", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
                     kl, np.float32(0.0), part, dummy4, dummy4)
@@ -1542,8 +1730,8 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     .. math:: L_{KL} = \\frac{1}{T_q H_{kv}} \\sum_{t, r} D_{KL}(P_{t,r} \\| P^{idx}_{t,r})
 
     One pass over each (query, group)'s support computes the student's LSE online next to the
-    sums ``A, B, C`` of the module docstring (v3: one state per selected block, merged over the
-    slots); the teacher is normalised by the given main-branch ``lse`` (no second softmax
+    state ``(m, l, C, K)`` of the module docstring (runs of keys merged in a fixed order); the
+    teacher is normalised by the given main-branch ``lse`` (no second softmax
     pass). Equal to ``msa.reference.kl.kl_loss`` up to float32 rounding.
 
     Args:
@@ -1592,8 +1780,9 @@ def _check_grad_loss(grad_loss) -> float:
 
 def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
                  scale=None, index_scale=None, grad_loss=1.0, *, version=None, validate=True,
-                 max_ds_bytes=None, bf16_bits=False):
-    """``kl_backward`` with ``bf16_bits`` (see ``_kl_loss``)."""
+                 max_ds_bytes=None, bf16_bits=False, with_kl=False):
+    """``kl_backward`` with ``bf16_bits`` (see ``_kl_loss``); ``with_kl`` returns
+    ``(kl, loss, dq_idx, dk_idx)`` (``kl_loss_and_backward``)."""
     from .attention import query_chunks
     from .csr import build_csr
     from ..reference.blocks import block_row_offsets
@@ -1607,12 +1796,27 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     ctx = p.ctx
     dq = ctx.empty((p.tq, p.hkv, p.d_idx), np.float32)
     dk = ctx.empty((p.tk, p.d_idx), np.float32, fill=0.0 if p.tk * p.d_idx else None)
+    kl = ctx.empty((p.tq, p.hkv), np.float32) if with_kl else None
+    loss = ctx.empty((1,), np.float32, fill=0.0 if p.tq == 0 else None) if with_kl else None
+
+    def result():
+        grads = (ctx.output(dq), ctx.output(dk))
+        return (ctx.output(kl), _loss_output(ctx, loss)) + grads if with_kl else grads
+
     if p.tq == 0:
-        return ctx.output(dq), ctx.output(dk)
+        return result()
     lse_arg = p.teacher_lse()
     dq_arg, dk_arg = ctx.arg(dq), ctx.arg(dk)
     lse_idx = ctx.arg(ctx.empty((p.tq, p.hkv), np.float32))
     coef = np.float32(grad_loss / (p.tq * p.hkv))
+    kl_arg = ctx.arg(kl) if with_kl else None
+    if with_kl:
+        if p.version == 3:  # its grad pass writes the KL terms: no teacher pass of its own
+            _kl_backward_v3(p, lse_arg, coef, lse_idx, dq_arg, dk_arg, max_ds_bytes, kl_arg)
+            _mean_into(kl_arg, ctx.arg(loss), p.tq * p.hkv)
+            return result()
+        p.launch_kl(lse_arg, kl_arg)
+        _mean_into(kl_arg, ctx.arg(loss), p.tq * p.hkv)
 
     if p.warmup:
         dummy_ds = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
@@ -1623,11 +1827,11 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
             p.launch_keys(lse_arg, lse_idx, dummy_csr, dummy_csr, dummy_csr, dummy_ds, p.d_cu_q,
                           p.d_cu_k, _device_copy(row_offsets.astype(np.int32)),
                           int(row_offsets[-1]), coef, p.q_idx, p.k_idx, dk_arg)
-        return ctx.output(dq), ctx.output(dk)
+        return result()
 
     if p.version == 3:
         _kl_backward_v3(p, lse_arg, coef, lse_idx, dq_arg, dk_arg, max_ds_bytes)
-        return ctx.output(dq), ctx.output(dk)
+        return result()
 
     per_query = p.hkv * p.topk * p.block_size * 4
     q_chunk = max(1, min(p.tq, max_ds_bytes // per_query))
@@ -1646,17 +1850,18 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
                       _kernel_array(slots), ds, _device_copy(cu_q_c), _device_copy(cu_k_c),
                       _device_copy(row_offsets.astype(np.int32)), int(row_offsets[-1]), coef,
                       p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], dk_arg[k_lo:k_hi])
-    return ctx.output(dq), ctx.output(dk)
+    return result()
 
 
-def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes):
+def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
     """v3 backward, per query chunk: the student's LSE (KV-outer, index scores only, slots
-    merged), then dS and the per-slot dq_idx partials (KV-outer, tensor cores), dq_idx summed
-    over the slots in order, dk_idx by v2's key-block kernel from the dS buffer."""
+    merged), then dS, the per-slot dq_idx partials and KL terms (KV-outer, tensor cores),
+    dq_idx (and ``kl`` if given) summed over the slots in order, dk_idx by v2's key-block
+    kernel from the dS buffer."""
     from ..reference.blocks import block_row_offsets
 
     ctx = p.ctx
-    per_query = p.hkv * p.topk * (p.block_size + p.d_idx + 5) * 4
+    per_query = p.hkv * p.topk * (p.block_size + p.d_idx + 4) * 4
     bufs = None
     dummy4 = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
     zero = np.float32(0.0)
@@ -1667,8 +1872,8 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes):
         tc = t1 - t0
         if bufs is None:
             bufs = [ctx.arg(ctx.empty((n * tc * p.hkv * p.topk,), np.float32))
-                    for n in (5, p.block_size, p.d_idx)]
-        part = bufs[0][:5 * p.topk * tc * p.hkv].reshape(5, p.topk, tc, p.hkv)
+                    for n in (4, p.block_size, p.d_idx)]
+        part = bufs[0][:4 * p.topk * tc * p.hkv].reshape(4, p.topk, tc, p.hkv)
         ds = bufs[1][:tc * p.hkv * p.topk * p.block_size].reshape(tc, p.hkv, p.topk,
                                                                   p.block_size)
         dq_part = bufs[2][:p.topk * tc * p.hkv * p.d_idx].reshape(p.topk, tc, p.hkv, p.d_idx)
@@ -1677,8 +1882,12 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes):
                     lse_idx, zero, part, dummy4, dummy4)
         p.combine_states(part, t0, False, lse_idx)
         p.launch_v3("grad", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
-                    lse_idx, coef, dummy4, ds, dq_part)
+                    lse_idx, coef, part, ds, dq_part)
         p.combine_dq(dq_part, t0, dq)
+        if kl is not None:
+            n = tc * p.hkv
+            _kl_kernel_combine_kl[_blocks(n, _THREADS_V1), _THREADS_V1](
+                part, p.I, p.d_cu_q, p.d_cu_k, p.block_size, t0, kl)
         row_offsets = block_row_offsets(cu_k_c, p.block_size)
         if int(row_offsets[-1]) == 0:
             continue
@@ -1718,3 +1927,28 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
     return _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
                         block_size, scale, index_scale, grad_loss, version=version,
                         validate=validate, max_ds_bytes=max_ds_bytes)
+
+
+def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                         block_size, scale=None, index_scale=None, grad_loss=1.0, *,
+                         version=None, validate=True, max_ds_bytes=None):
+    """Paper eq 9-11 in one call: :func:`kl_loss` and :func:`kl_backward` on the same inputs.
+
+    The training step needs both; v3 then scores the support with the teacher once instead of
+    twice: the backward's pass, which knows ``LSE^idx``, also sums each slot's
+    ``P_j (log P_j - S^idx_j + LSE^idx)`` (summed over the slots in order: the same value as
+    ``kl_loss`` up to rounding, not bitwise). v1, v2 and the warmup run the forward kernel
+    and then the backward on one validated plan.
+
+    Arguments as :func:`kl_backward`.
+
+    Returns:
+        ``(kl, loss, dq_idx, dk_idx)`` as :func:`kl_loss` and :func:`kl_backward` return them.
+        Bitwise identical on reruns.
+
+    Raises:
+        As :func:`kl_backward`.
+    """
+    return _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                        block_size, scale, index_scale, grad_loss, version=version,
+                        validate=validate, max_ds_bytes=max_ds_bytes, with_kl=True)
