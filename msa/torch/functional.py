@@ -17,9 +17,10 @@ function                      gradients
 ``dense_attention``           plain PyTorch causal GQA attention with its LSE (the indexer
                               warmup's main branch, Algorithm 1 line 5 with no selection);
                               ``O(Lq Lk)`` memory per sequence
-``kl_loss``                   ``dq_idx, dk_idx`` of ``L_KL`` (eq 10-11) from ``kl_backward``
-                              (the kernels on a GPU); none into ``q``, ``k`` or ``lse``: the
-                              teacher is held constant (stop-gradient)
+``kl_loss``                   ``dq_idx, dk_idx`` of ``L_KL`` (eq 10-11), computed with the loss
+                              (``kl_loss_and_backward`` on a GPU) and scaled by the upstream
+                              gradient; none into ``q``, ``k`` or ``lse``: the teacher is held
+                              constant (stop-gradient)
 ============================  ================================================================
 
 The selection ``block_indices`` is an integer input everywhere (top-k has no gradient; the
@@ -258,61 +259,49 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
 # -- the sparse KL ------------------------------------------------------------------------------
 
 class _KLLoss(torch.autograd.Function):
+    """The loss, and (when a gradient will be needed) ``d loss / d (q_idx, k_idx)`` for an
+    upstream gradient of 1, computed in the same call: they are linear in the upstream gradient,
+    so the backward only scales them (no second pass, no host read of ``grad_loss``)."""
+
     @staticmethod
     def forward(ctx, q_idx, k_idx, q, k, block_indices, lse, cu_q, cu_k, block_size, scale,
-                index_scale):
-        args = (cu_q, cu_k, block_size, scale, index_scale)
+                index_scale, want_grads):
+        tail = (block_size, scale, index_scale)
+        dq = dk = None
         if q_idx.is_cuda:
-            from ..cuda.kl import kl_loss as gpu_kl_loss
+            from ..cuda import kl as gpu
 
             dev = q_idx.device
-            kl, loss = gpu_kl_loss(q.contiguous(), k.contiguous(), q_idx.contiguous(),
-                                   k_idx.contiguous(),
-                                   None if block_indices is None
-                                   else block_indices.to(torch.int32).contiguous(),
-                                   lse.float().contiguous(), _kernel_cu(cu_q, dev),
-                                   _kernel_cu(cu_k, dev), block_size, scale, index_scale)
+            args = (q.contiguous(), k.contiguous(), q_idx.contiguous(), k_idx.contiguous(),
+                    None if block_indices is None else block_indices.to(torch.int32).contiguous(),
+                    lse.float().contiguous(), _kernel_cu(cu_q, dev), _kernel_cu(cu_k, dev), *tail)
+            if want_grads:
+                kl, loss, dq, dk = gpu.kl_loss_and_backward(*args)
+            else:
+                kl, loss = gpu.kl_loss(*args)
             loss = torch.as_tensor(loss, device=dev).reshape(())
         else:
-            from ..reference.kl import kl_loss as ref_kl_loss
+            from ..reference import kl as ref
 
-            kl_np, loss_np = ref_kl_loss(_to_numpy(q), _to_numpy(k), _to_numpy(q_idx),
-                                         _to_numpy(k_idx), _to_numpy(block_indices),
-                                         _to_numpy(lse), *args)
+            args = (_to_numpy(q), _to_numpy(k), _to_numpy(q_idx), _to_numpy(k_idx),
+                    _to_numpy(block_indices), _to_numpy(lse), cu_q, cu_k, *tail)
+            kl_np, loss_np = ref.kl_loss(*args)
             kl = torch.from_numpy(np.asarray(kl_np))
             loss = torch.as_tensor(np.asarray(loss_np)).reshape(())
+            if want_grads:
+                dq_np, dk_np = ref.kl_backward(*args)
+                dq, dk = torch.from_numpy(dq_np), torch.from_numpy(dk_np)
         loss = loss.to(_float_dtype(q_idx))
-        ctx.save_for_backward(q_idx, k_idx, q, k, block_indices, lse)
-        ctx.meta = args
+        if want_grads:
+            ctx.save_for_backward(dq.to(q_idx.dtype), dk.to(k_idx.dtype))
         ctx.mark_non_differentiable(kl)
         return loss, kl
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_kl):
-        q_idx, k_idx, q, k, block_indices, lse = ctx.saved_tensors
-        cu_q, cu_k, block_size, scale, index_scale = ctx.meta
-        g = float(grad_loss)  # the upstream gradient of a scalar: one host read
-        if q_idx.is_cuda:
-            from ..cuda.kl import kl_backward as gpu_kl_backward
-
-            dev = q_idx.device
-            dq, dk = gpu_kl_backward(q.contiguous(), k.contiguous(), q_idx.contiguous(),
-                                     k_idx.contiguous(),
-                                     None if block_indices is None
-                                     else block_indices.to(torch.int32).contiguous(),
-                                     lse.float().contiguous(), _kernel_cu(cu_q, dev),
-                                     _kernel_cu(cu_k, dev), block_size, scale, index_scale,
-                                     grad_loss=g)
-        else:
-            from ..reference.kl import kl_backward as ref_kl_backward
-
-            dq_np, dk_np = ref_kl_backward(_to_numpy(q), _to_numpy(k), _to_numpy(q_idx),
-                                           _to_numpy(k_idx), _to_numpy(block_indices),
-                                           _to_numpy(lse), cu_q, cu_k, block_size, scale,
-                                           index_scale, grad_loss=g)
-            dq, dk = torch.from_numpy(dq_np), torch.from_numpy(dk_np)
-        return (dq.to(q_idx.dtype), dk.to(k_idx.dtype), None, None, None, None, None, None, None,
-                None, None)
+        dq, dk = ctx.saved_tensors
+        g = grad_loss.to(dq.dtype)
+        return (g * dq, g * dk, None, None, None, None, None, None, None, None, None, None)
 
 
 def kl_loss(q_idx, k_idx, q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
@@ -324,7 +313,9 @@ def kl_loss(q_idx, k_idx, q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     branch's, e.g. from :func:`sparse_attention`) are the teacher: held constant, no gradient
     flows into them whatever their ``requires_grad``. ``block_indices=None`` is the warmup
     (full causal support, ``lse`` from :func:`dense_attention`). ``loss`` is a 0-d tensor
-    (float32; float64 for float64 input); its backward reads ``grad_loss`` on the host once.
+    (float32; float64 for float64 input). When ``q_idx`` or ``k_idx`` requires a gradient the
+    gradients are computed in the forward call (the training step needs both; on a GPU the
+    teacher is then scored once) and the backward scales them by the upstream gradient.
     """
     for name, x, nd in (("q_idx", q_idx, 3), ("k_idx", k_idx, 2), ("q", q, 3), ("k", k, 3),
                         ("lse", lse, 2)):
@@ -335,5 +326,6 @@ def kl_loss(q_idx, k_idx, q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
                                   host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"),
                                   int(q_idx.shape[0]), int(k_idx.shape[0]))
+    want_grads = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     return _KLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), block_indices, lse.detach(),
-                         cu_q, cu_k, int(block_size), scale, index_scale)
+                         cu_q, cu_k, int(block_size), scale, index_scale, want_grads)
