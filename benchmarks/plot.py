@@ -19,16 +19,16 @@ def attention(path=os.path.join(HERE, "results", "bench_attention.json")):
 
     rows = json.load(open(path))["results"]
     cases = [c for c in dict.fromkeys(r["case"] for r in rows) if c.startswith("sparse")]
-    impls = ["msa v2 (bfloat16 partials)", "dense SDPA (causal)", "FlexAttention (same selection)",
-             "PyTorch gather (Q-outer)"]
+    impls = ["msa v3 (bfloat16 partials)", "msa v2 (bfloat16 partials)", "dense SDPA (causal)",
+             "FlexAttention (same selection)", "PyTorch gather (Q-outer)"]
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.2
+    width = 0.16
     for j, impl in enumerate(impls):
         xs, ys = [], []
         for i, case in enumerate(cases):
             for r in rows:
                 if r["case"] == case and r["impl"] == impl and r.get("ms"):
-                    xs.append(i + (j - 1.5) * width)
+                    xs.append(i + (j - 2) * width)
                     ys.append(r["ms"])
         ax.bar(xs, ys, width, label=impl)
     ax.set_yscale("log")
