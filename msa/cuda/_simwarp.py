@@ -555,8 +555,45 @@ def install(*, timeout: float | None = None, strict: bool | None = None) -> bool
                 setattr(cuda, name, fn)  # so that `from numba.cuda import shfl_sync` works too
         if not getattr(kernel.BlockThread.run, "_msa_simwarp", False):
             kernel.BlockThread.run = _wrap_thread_run(kernel.BlockThread.run)
+        if not getattr(kernelapi.FakeCUDAShared.array, "_msa_simwarp", False):
+            kernelapi.FakeCUDAShared.array = _locked_shared_array(kernelapi.FakeCUDAShared.array)
         _installed = True
     return True
+
+
+def _locked_shared_array(original):
+    """``FakeCUDAShared.array`` with its look-up-or-allocate under a lock.
+
+    The simulator keys a block's static shared arrays by the calling line and allocates one on
+    first use with ``get``, ``np.empty``, store: no lock. A thread switch inside that window
+    (likely on an overloaded machine) gives the threads that run meanwhile private copies of a
+    "shared" array, whose writes the rest of the block never sees: a correct kernel then fails
+    now and then (seen in CI as whole rows of wrong KL gradients). Dynamic (size 0) arrays and
+    the ``alignment`` error keep the original path.
+    """
+    import sys
+
+    from numba.core import types
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)  # the simulator's own key
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    array._msa_simwarp = True
+    return array
 
 
 def settings() -> dict:

@@ -517,3 +517,42 @@ def test_bit_intrinsics_know_the_width():
     assert m.clz(np.int32(1)) == 31 and m.clz(np.int64(1)) == 63 and m.clz(np.int32(-1)) == 0
     assert m.ffs(np.int32(-2**31)) == 32 and m.ffs(0) == 0 and m.ffs(12) == 3
     assert m.brev(np.uint32(1)) == 0x80000000 and m.brev(np.uint64(1)) == 1 << 63
+
+
+@cuda.jit
+def _sum_of_a_shared_array(out):
+    buf = cuda.shared.array(32, int32)
+    tid = cuda.threadIdx.x
+    buf[tid] = tid + 1
+    cuda.syncthreads()
+    s = 0
+    for i in range(32):
+        s += buf[i]
+    out[tid] = s
+
+
+@pytest.mark.simulator
+def test_static_shared_array_is_one_array_per_block(monkeypatch):
+    """The simulator allocates a static shared array on first use with no lock; a thread switch
+    in that window used to give some threads private copies (a correct kernel failing now and
+    then). ``np.empty`` is slowed inside the window here so that the switch happens every time."""
+    import time
+
+    from numba.cuda.simulator import kernelapi
+
+    real_np = np
+
+    class SlowEmpty:
+        def __getattr__(self, name):
+            return getattr(real_np, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            time.sleep(0.005)
+            return real_np.empty(*args, **kwargs)
+
+    monkeypatch.setattr(_simwarp, "np", SlowEmpty())  # the locked allocation's module
+    monkeypatch.setattr(kernelapi, "np", SlowEmpty())  # the simulator's, if it were used
+    out = np.zeros(32, np.int64)
+    _sum_of_a_shared_array[1, 32](out)
+    np.testing.assert_array_equal(out, np.full(32, 32 * 33 // 2))
