@@ -33,7 +33,10 @@ Look-back (scan v3). CTA ``b`` of segment ``s`` publishes its own total (flag 1)
 earlier CTAs' words, adding totals until it meets an inclusive prefix (flag 2), then publishes
 its own inclusive prefix. ``(b, s)`` is not the CTA's ``blockIdx`` but a ticket it draws when it
 starts (an atomic counter, as CUB does), so every CTA it waits for has already started: it
-cannot deadlock whatever order the hardware starts CTAs in. Status words ``epoch << 34 | flag << 32 | sum`` live in one
+cannot deadlock whatever order the hardware starts CTAs in. The status buffer is one per device
+and assumes its launches do not overlap: msa launches on the legacy default stream, which
+serialises them; launching these kernels from several streams at once, or replaying them in a
+captured CUDA graph (which would reuse an epoch), is not supported. Status words ``epoch << 34 | flag << 32 | sum`` live in one
 int64 buffer kept between calls; each launch has a new epoch and ignores older words, so the
 buffer is zeroed once, never per call. The sums are of non-negative counts below 2**31 (the
 launcher checked ``Tq*K``), so the 32-bit field cannot overflow; the result does not depend on
@@ -216,6 +219,9 @@ def _launch(kernel, grid, block, *args):
     if SIMULATOR:
         kernel[grid, block](*args)
         return
+    for a in args:
+        if not isinstance(a, (_Dev, int, np.integer)):
+            raise TypeError(f"_launch takes _Dev arrays and ints, got {type(a).__name__}")
     types = tuple(a._numba_type_ if isinstance(a, _Dev) else int for a in args)
     compiled = _compiled.get((kernel, types))
     if compiled is None:
@@ -269,6 +275,7 @@ class _LookbackState:
             if epoch >= _EPOCH_LIMIT:
                 self.epochs = itertools.count(2)
                 epoch = 1
+                self.buffers.clear()  # every device's words would see old epochs come round
             n = max(size, 4096, 2 * (buf[1] if buf is not None else 0))
             zeros = np.zeros(n, np.int64)
             arr = zeros if SIMULATOR else cuda.to_device(zeros)
@@ -565,6 +572,8 @@ def _scan_kernel_lookback(tile_counts, in_place, status, epoch, dst):
     b = int32(prefix_sh[0] % nb)
     s = int32(prefix_sh[0] // nb)
     cuda.syncthreads()  # everyone has read the ticket before prefix_sh is reused
+    if s >= cuda.gridDim.y:
+        return  # only if launches overlapped on the status buffer (see the module docstring)
     nt = cuda.blockDim.x
     ntiles = tile_counts.shape[0]
     n = tile_counts.shape[2]

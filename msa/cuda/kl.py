@@ -1522,16 +1522,17 @@ class _Plan:
     def _plan_v3(self):
         """Tile rows ``R = P*G`` (``P`` query positions of ``G`` heads) whose shared memory fits."""
         rows = DEFAULT_TILE_ROWS_V3
+        limit = _mma.DEVICE_SMEM_LIMIT - _mma.STATIC_RESERVE  # the kernel's static row tables too
         while True:
             positions = -(-rows // self.group)
             r = positions * self.group
             pp = -(-positions // 16) * 16
             smem = max(_v3_layout(self.block_size, self.d, self.d_idx, r, pp, t)[2]
                        for t in (True, False))
-            if smem <= _mma.DEVICE_SMEM_LIMIT or rows <= 16:
+            if smem <= limit or rows <= 16:
                 break
             rows //= 2
-        if smem > _mma.DEVICE_SMEM_LIMIT:
+        if smem > limit:
             raise ValueError(
                 f"version=3 needs {smem} bytes of shared memory for D={self.d}, "
                 f"Didx={self.d_idx}, block_size={self.block_size}; use version=2")

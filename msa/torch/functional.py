@@ -34,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-from .._checks import check_cu_seqlens
+from .._checks import check_cu_seqlens, check_gqa, check_positive_int
 from ..reference.blocks import query_positions
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "dense_attention", "kl_loss",
@@ -55,6 +55,38 @@ def _same_device(**tensors):
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def _check_qkv(q, k, v):
+    """Shapes, dtypes and devices of ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``; returns G."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 3)
+    _same_device(q=q, k=k, v=v)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if int(q.shape[2]) != int(k.shape[2]):
+        raise ValueError(f"k must have q's head dim D={int(q.shape[2])}, got shape {tuple(k.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    return check_gqa(int(q.shape[1]), int(k.shape[1]))
+
+
+def _kernel_indices(block_indices):
+    """``block_indices`` as the int32 the kernels read, refusing values int32 cannot hold."""
+    if block_indices.dtype != torch.int32 and block_indices.numel():
+        lo, hi = int(block_indices.min()), int(block_indices.max())
+        if lo < -1 or hi > np.iinfo(np.int32).max:
+            raise ValueError(f"block_indices must hold block ids >= -1 that fit int32, got values "
+                             f"in [{lo}, {hi}]")
+    return block_indices.to(torch.int32).contiguous()
+
+
+def _on_device(t):
+    """The tensor's CUDA device as the current one (Numba launches on the current device)."""
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def host_cu_seqlens(cu_seqlens, name="cu_seqlens"):
@@ -92,10 +124,11 @@ class _SparseAttention(torch.autograd.Function):
         if q.is_cuda:
             from ..cuda.attention import sparse_attention as gpu_sparse_attention
 
-            o, lse = gpu_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          block_indices.to(torch.int32).contiguous(),
-                                          _kernel_cu(cu_q, q.device), _kernel_cu(cu_k, q.device),
-                                          block_size, scale)
+            with _on_device(q):
+                o, lse = gpu_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                              _kernel_indices(block_indices),
+                                              _kernel_cu(cu_q, q.device),
+                                              _kernel_cu(cu_k, q.device), block_size, scale)
         else:
             from ..reference.attention import sparse_attention as ref_sparse_attention
 
@@ -135,9 +168,9 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         float32 (float64 for float64 input), natural log, ``-inf`` for an empty support. ``lse``
         has no gradient (it is what ``kl_loss`` reads as the teacher's normaliser).
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("block_indices", block_indices)):
-        _check_tensor(name, x, 3)
-    _same_device(q=q, k=k, v=v, block_indices=block_indices)
+    _check_qkv(q, k, v)
+    _check_tensor("block_indices", block_indices, 3)
+    _same_device(q=q, block_indices=block_indices)
     if block_indices.is_floating_point():
         raise TypeError(f"block_indices must be an integer tensor, got {block_indices.dtype}")
     cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
@@ -172,9 +205,19 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     G heads of each group. Computed per chunk of queries in float32 (float64 for float64
     input); returned in the inputs' dtypes. ``dk, dv`` are accumulated with ``index_add_``.
     """
+    g = _check_qkv(q, k, v)
     tq, hq, d = (int(s) for s in q.shape)
     tk, hkv = int(k.shape[0]), int(k.shape[1])
-    g = hq // hkv
+    for name, x, shape in (("o", o, (tq, hq, d)), ("do", do, (tq, hq, d)), ("lse", lse, (tq, hq))):
+        _check_tensor(name, x, len(shape))
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    _check_tensor("block_indices", block_indices, 3)
+    if tuple(block_indices.shape[:2]) != (tq, hkv) or block_indices.is_floating_point():
+        raise ValueError(f"block_indices must be an integer tensor [Tq={tq}, Hkv={hkv}, K], got "
+                         f"{block_indices.dtype} {tuple(block_indices.shape)}")
+    _same_device(q=q, o=o, lse=lse, do=do, block_indices=block_indices)
+    block_size = check_positive_int("block_size", block_size)
     topk = int(block_indices.shape[2])
     cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
                                   host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"), tq, tk)
@@ -225,14 +268,9 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
     :func:`sparse_attention`; bottom-right causal alignment. Returns ``(o, lse)``, ``lse``
     detached (float32, float64 for float64 input). Memory ``O(Hq Lq Lk)`` per sequence.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 3)
-    _same_device(q=q, k=k, v=v)
+    g = _check_qkv(q, k, v)
     tq, hq, d = (int(s) for s in q.shape)
     tk, hkv = int(k.shape[0]), int(k.shape[1])
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"q's heads Hq={hq} must be a multiple of k's Hkv={hkv}")
-    g = hq // hkv
     cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
                                   host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"), tq, tk)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -273,12 +311,13 @@ class _KLLoss(torch.autograd.Function):
 
             dev = q_idx.device
             args = (q.contiguous(), k.contiguous(), q_idx.contiguous(), k_idx.contiguous(),
-                    None if block_indices is None else block_indices.to(torch.int32).contiguous(),
+                    None if block_indices is None else _kernel_indices(block_indices),
                     lse.float().contiguous(), _kernel_cu(cu_q, dev), _kernel_cu(cu_k, dev), *tail)
-            if want_grads:
-                kl, loss, dq, dk = gpu.kl_loss_and_backward(*args)
-            else:
-                kl, loss = gpu.kl_loss(*args)
+            with _on_device(q_idx):
+                if want_grads:
+                    kl, loss, dq, dk = gpu.kl_loss_and_backward(*args)
+                else:
+                    kl, loss = gpu.kl_loss(*args)
             loss = torch.as_tensor(loss, device=dev).reshape(())
         else:
             from ..reference import kl as ref

@@ -107,8 +107,9 @@ class MSAAttention(nn.Module):
                 from ..cuda.select import select_blocks_fused
 
                 cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=q_idx.device)
-                idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
-                                          self.topk, self.block_size, self.index_scale)
+                with F._on_device(q_idx):
+                    idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
+                                              self.topk, self.block_size, self.index_scale)
                 return torch.as_tensor(idx, device=q_idx.device)
             from ..reference.index import block_scores
             from ..reference.select import select_blocks

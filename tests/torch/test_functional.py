@@ -169,6 +169,12 @@ BAD = {
 }
 
 
+BAD.update({
+    "v-heads": (lambda a: dict(a, v=a["v"].repeat(1, 2, 1)), ValueError, "v must have k's shape"),
+    "k-dim": (lambda a: dict(a, k=a["k"][..., :2], v=a["v"][..., :2]), ValueError, "head dim"),
+    "v-dtype": (lambda a: dict(a, v=a["v"].float()), TypeError, "v must have q's dtype"),
+})
+
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 def test_bad_input_names_the_argument(case):
     change, error, match = BAD[case]
@@ -219,3 +225,31 @@ def test_kl_loss_without_grad_mode_computes_the_loss_only():
     want = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse, p.cu_seqlens_q, p.cu_seqlens_k, 8)
     assert not loss.requires_grad and float(loss) == float(want[1])
     np.testing.assert_array_equal(kl.numpy(), want[0])
+
+
+DENSE_BAD = {
+    "v-heads": (lambda q, k, v: (q, k, v[:, :1]), ValueError, "v must have k's shape"),
+    "gqa": (lambda q, k, v: (q[:, :3], k, v), ValueError, "num_q_heads|Hq|divide|multiple"),
+}
+
+
+@pytest.mark.parametrize("case", list(DENSE_BAD), ids=list(DENSE_BAD))
+def test_dense_attention_bad_input(case):
+    change, error, match = DENSE_BAD[case]
+    p = make_problem((6,), num_q_heads=4, num_kv_heads=2, head_dim=4)
+    with pytest.raises(error, match=match):
+        dense_attention(*change(T(p.q), T(p.k), T(p.v)), p.cu_seqlens_q, p.cu_seqlens_k)
+
+
+def test_sparse_attention_backward_bad_input():
+    p = make_problem((8,), num_q_heads=2, num_kv_heads=1, head_dim=4, block_size=4, topk=1)
+    I = T(select(p))
+    q, k, v = T(p.q), T(p.k), T(p.v)
+    o, lse = sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 4)
+    args = [q, k, v, o, lse, torch.ones_like(o), I, p.cu_seqlens_q, p.cu_seqlens_k, 4]
+    with pytest.raises(ValueError, match="do must have shape"):
+        sparse_attention_backward(*args[:5], o[:3], *args[6:])
+    with pytest.raises(ValueError, match="block_size"):
+        sparse_attention_backward(*args[:9], 0)
+    with pytest.raises(ValueError, match="block_indices"):
+        sparse_attention_backward(*args[:6], I[:, :, :0].squeeze(1), *args[7:])
