@@ -27,7 +27,7 @@ from .complexity import (arithmetic_intensity, attention_flops, crossover_length
                          kv_outer_io, msa_flops, q_outer_io, speedup_limit)
 from .csr import build_csr, csr_histogram, csr_scatter, exclusive_prefix_sum
 from .index import block_scores, index_projections, index_scores
-from .kl import kl_backward, kl_loss, student_probs, teacher_probs
+from .kl import kl_backward, kl_loss, kl_loss_and_backward, student_probs, teacher_probs
 from .layer import MSAParams, init_params, msa_layer
 from .schedule import build_schedule, schedule_stats
 from .select import check_block_indices, fixed_blocks, select_blocks
@@ -41,7 +41,7 @@ __all__ = [
     "combine_partials",
     "csr_histogram", "exclusive_prefix_sum", "csr_scatter", "build_csr",
     "build_schedule", "schedule_stats",
-    "kl_loss", "kl_backward", "student_probs", "teacher_probs",
+    "kl_loss", "kl_backward", "kl_loss_and_backward", "student_probs", "teacher_probs",
     "gqa_flops", "attention_flops", "msa_flops", "crossover_length", "speedup_limit",
     "q_outer_io", "kv_outer_io", "arithmetic_intensity",
     "MSAParams", "init_params", "msa_layer",

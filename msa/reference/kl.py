@@ -406,6 +406,19 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
     return dq_idx, dk_idx
 
 
+def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                         block_size, scale=None, index_scale=None, grad_loss=1.0):
+    """Paper eq 9-11 in one call: ``(kl, loss, dq_idx, dk_idx)``, i.e. :func:`kl_loss` then
+    :func:`kl_backward` on the same arguments (a training step needs both; the GPU version
+    scores the teacher once for the two)."""
+    kl, loss = kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
+                       block_size, scale=scale, index_scale=index_scale)
+    dq_idx, dk_idx = kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q,
+                                 cu_seqlens_k, block_size, scale=scale, index_scale=index_scale,
+                                 grad_loss=grad_loss)
+    return kl, loss, dq_idx, dk_idx
+
+
 def _dense_support(p: _Problem) -> np.ndarray:
     """bool [Hkv, Tq, Tk]: key ``j`` is in the support of (query ``t``, group ``r``).
 

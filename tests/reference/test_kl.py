@@ -461,3 +461,17 @@ def test_dense_helpers_validate():
     with pytest.raises(TypeError, match="k_idx must have the dtype"):
         student_probs(P_BAD.q_idx, P_BAD.k_idx.astype(np.float32), None, P_BAD.cu_seqlens_q,
                       P_BAD.cu_seqlens_k, 4)
+
+
+def test_kl_loss_and_backward_is_both_calls():
+    """The combined call returns exactly what kl_loss and kl_backward return separately."""
+    p = make_problem((9, 6), (5, 6), num_q_heads=4, num_kv_heads=2, head_dim=4, index_dim=3,
+                     block_size=3, topk=2, seed=5)
+    I = selection(p, "select", None)
+    kl, loss, dq, dk = kl_module.kl_loss_and_backward(*args(p, I), grad_loss=0.5)
+    want_kl, want_loss = kl_loss(*args(p, I))
+    want_dq, want_dk = kl_backward(*args(p, I), grad_loss=0.5)
+    np.testing.assert_array_equal(kl, want_kl)
+    assert loss == want_loss
+    np.testing.assert_array_equal(dq, want_dq)
+    np.testing.assert_array_equal(dk, want_dk)
