@@ -132,53 +132,37 @@ else:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def load_f32x4(typingctx, a, flat):
-        """``a.flat[flat:flat+4]`` of a C-contiguous float32 array in one 128-bit global load."""
-        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
-                and isinstance(flat, types.Integer)):
-            return None
-        sig = types.UniTuple(types.float32, 4)(a, flat)
+    def _vec4_load(dtype, ir_type):
+        """An intrinsic ``(a, flat)`` -> the four ``dtype`` values ``a.flat[flat:flat+4]`` of a
+        C-contiguous array in one 128-bit global load."""
 
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            index = context.cast(builder, args[1], signature.args[1], types.intp)
-            ptr = builder.gep(ary.data, [index])
-            vec = ir.VectorType(ir.FloatType(), 4)
-            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
-                                         ir.PointerType(vec, addrspace=1))
-            load = builder.load(gptr, align=16)
-            # read-only for the kernel's lifetime: lets NVPTX use the non-coherent path (LDG)
-            load.set_metadata("invariant.load", builder.module.add_metadata([]))
-            outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
-                    for k in range(4)]
-            return context.make_tuple(builder, signature.return_type, outs)
+        @intrinsic
+        def _load(typingctx, a, flat):
+            if not (isinstance(a, types.Array) and a.dtype == dtype and a.layout == "C"
+                    and isinstance(flat, types.Integer)):
+                return None
+            sig = types.UniTuple(dtype, 4)(a, flat)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                ary = context.make_array(signature.args[0])(context, builder, args[0])
+                index = context.cast(builder, args[1], signature.args[1], types.intp)
+                ptr = builder.gep(ary.data, [index])
+                vec = ir.VectorType(ir_type, 4)
+                gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
+                                             ir.PointerType(vec, addrspace=1))
+                load = builder.load(gptr, align=16)
+                # read-only for the kernel's lifetime: lets NVPTX use the non-coherent path (LDG)
+                load.set_metadata("invariant.load", builder.module.add_metadata([]))
+                outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
+                        for k in range(4)]
+                return context.make_tuple(builder, signature.return_type, outs)
 
-    @intrinsic
-    def load_u32x4(typingctx, a, flat):
-        """``a.flat[flat:flat+4]`` of a C-contiguous uint32 array in one 128-bit global load."""
-        if not (isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
-                and isinstance(flat, types.Integer)):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(a, flat)
+            return sig, codegen
 
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            index = context.cast(builder, args[1], signature.args[1], types.intp)
-            ptr = builder.gep(ary.data, [index])
-            vec = ir.VectorType(ir.IntType(32), 4)
-            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
-                                         ir.PointerType(vec, addrspace=1))
-            load = builder.load(gptr, align=16)
-            # read-only for the kernel's lifetime: lets NVPTX use the non-coherent path (LDG)
-            load.set_metadata("invariant.load", builder.module.add_metadata([]))
-            outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
-                    for k in range(4)]
-            return context.make_tuple(builder, signature.return_type, outs)
+        return _load
 
-        return sig, codegen
+    load_f32x4 = _vec4_load(types.float32, ir.FloatType())
+    load_u32x4 = _vec4_load(types.uint32, ir.IntType(32))
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)
@@ -237,42 +221,30 @@ else:
     cp_async_commit = _asm_statement("cp.async.commit_group;")
     cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
 
-    @intrinsic
-    def ldmatrix_x4(typingctx, a, flat):
-        """Four 8x8 b16 matrices from shared memory into the mma fragment layout."""
-        if not (_u32_array(a) and isinstance(flat, types.Integer)):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(a, flat)
+    def _ldmatrix(ptx):
+        """An intrinsic ``(a, flat)`` -> the four words ``ptx`` (an ``ldmatrix ... .x4`` form)
+        gives this lane from the shared ``a`` (row address ``flat`` per lane)."""
 
-        def codegen(context, builder, signature, args):
-            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1],
-                                   signature.args[1])
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
-            asm = ir.InlineAsm(
-                fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                "=r,=r,=r,=r,r", side_effect=True)
-            res = builder.call(asm, [_shared_address(builder, ptr)])
-            outs = [builder.extract_value(res, k) for k in range(4)]
-            return context.make_tuple(builder, signature.return_type, outs)
+        @intrinsic
+        def _load(typingctx, a, flat):
+            if not (_u32_array(a) and isinstance(flat, types.Integer)):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(a, flat)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1],
+                                       signature.args[1])
+                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+                asm = ir.InlineAsm(fnty, ptx + " {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r",
+                                   side_effect=True)
+                res = builder.call(asm, [_shared_address(builder, ptr)])
+                outs = [builder.extract_value(res, k) for k in range(4)]
+                return context.make_tuple(builder, signature.return_type, outs)
 
-    @intrinsic
-    def ldmatrix_x4_trans(typingctx, a, flat):
-        """Four 8x8 b16 matrices from shared memory, transposed, into the mma B layout."""
-        if not (_u32_array(a) and isinstance(flat, types.Integer)):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(a, flat)
+            return sig, codegen
 
-        def codegen(context, builder, signature, args):
-            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1],
-                                   signature.args[1])
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
-            asm = ir.InlineAsm(
-                fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
-                "=r,=r,=r,=r,r", side_effect=True)
-            res = builder.call(asm, [_shared_address(builder, ptr)])
-            outs = [builder.extract_value(res, k) for k in range(4)]
-            return context.make_tuple(builder, signature.return_type, outs)
+        return _load
 
-        return sig, codegen
+    # Four 8x8 b16 matrices into the mma fragment layout; .trans: transposed (the B of P V).
+    ldmatrix_x4 = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
+    ldmatrix_x4_trans = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")

@@ -59,6 +59,7 @@ STATIC_SMEM_LIMIT = 48 * 1024
 # keep STATIC_RESERVE of it for their static arrays (row tables, the twin's register exchange).
 DEVICE_SMEM_LIMIT = 227 * 1024
 STATIC_RESERVE = 16 * 1024
+DYNAMIC_SMEM_LIMIT = DEVICE_SMEM_LIMIT - STATIC_RESERVE  # what a kernel's plan may ask for
 
 _requested = os.environ.get("MSA_MMA", "").strip().lower()
 if _requested not in ("", "ptx", "twin"):

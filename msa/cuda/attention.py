@@ -936,7 +936,7 @@ class _K1Plan:
             raise ValueError(f"tile_rows must be 16, 32, 64 or 128 for version={version}, got "
                              f"{tile_rows}")
         positions = -(-tile_rows // g)  # ceil(T / G) query positions x G heads per tile
-        limit = _mma.DEVICE_SMEM_LIMIT - _mma.STATIC_RESERVE  # dynamic shared memory
+        limit = _mma.DYNAMIC_SMEM_LIMIT
         if version == 1:
             while positions > 1 and _v1_layout(bk, d, positions * g)[3] > limit:
                 positions //= 2

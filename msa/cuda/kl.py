@@ -116,7 +116,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from .attention import _item_fields
+from .attention import _item_fields, _row_query
 from ._memops import cp_async16, cp_async_commit, cp_async_wait_all, is_aligned16
 from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                    mma_f16_m16n8k16)
@@ -921,19 +921,6 @@ def _kv_item(work, item, q_indices, cu_k, num_kv_heads, block_size):
     return h, q_begin, q_count, b, key0, j * block_size, nk
 
 
-@cuda.jit(device=True)
-def _csr_entry(q_indices, slots, cu_q, cu_k, h, b, e, topk):
-    """``(t, slot, pos)`` of CSR entry ``e``; ``t = -1`` unless it is a query of sequence ``b``
-    with a slot in ``[0, topk)`` (anything else is skipped)."""
-    t = int(q_indices[h, e])
-    s = int(slots[h, e])
-    q_lo = int(cu_q[b])
-    q_hi = int(cu_q[b + 1])
-    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-        return -1, 0, -1
-    return t, s, (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
-
-
 if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
     @cuda.jit(device=True)
     def _v3_smem_words():
@@ -1069,7 +1056,7 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
                 s = 0
                 pos = -1
                 if tile * P + p < q_count:
-                    t, s, pos = _csr_entry(q_indices, slots, cu_q, cu_k, h, b,
+                    t, s, pos = _row_query(q_indices, slots, cu_q, cu_k, h, b,
                                            q_begin + tile * P + p, topk)
                 row_t[r] = t
                 row_slot[r] = s
@@ -1522,7 +1509,7 @@ class _Plan:
     def _plan_v3(self):
         """Tile rows ``R = P*G`` (``P`` query positions of ``G`` heads) whose shared memory fits."""
         rows = DEFAULT_TILE_ROWS_V3
-        limit = _mma.DEVICE_SMEM_LIMIT - _mma.STATIC_RESERVE  # the kernel's static row tables too
+        limit = _mma.DYNAMIC_SMEM_LIMIT
         while True:
             positions = -(-rows // self.group)
             r = positions * self.group

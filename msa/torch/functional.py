@@ -34,11 +34,10 @@ import math
 import numpy as np
 import torch
 
-from .._checks import check_cu_seqlens, check_gqa, check_positive_int
+from .._checks import check_cu_seqlens, check_gqa, check_positive_int, cu_to_host
 from ..reference.blocks import query_positions
 
-__all__ = ["sparse_attention", "sparse_attention_backward", "dense_attention", "kl_loss",
-           "host_cu_seqlens"]
+__all__ = ["sparse_attention", "sparse_attention_backward", "dense_attention", "kl_loss"]
 
 # Bytes of float temporaries one chunk of the PyTorch backward may hold.
 _BACKWARD_CHUNK_BYTES = 256 << 20
@@ -87,15 +86,6 @@ def _on_device(t):
     import contextlib
 
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def host_cu_seqlens(cu_seqlens, name="cu_seqlens"):
-    """``cu_seqlens`` (a tensor on any device, a list or an array) as an int64 NumPy array."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.is_floating_point():
-            raise TypeError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
-        cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    return np.asarray(cu_seqlens)
 
 
 def _to_numpy(x):
@@ -173,8 +163,8 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     _same_device(q=q, block_indices=block_indices)
     if block_indices.is_floating_point():
         raise TypeError(f"block_indices must be an integer tensor, got {block_indices.dtype}")
-    cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
-                                  host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"),
+    cu_q, cu_k = check_cu_seqlens(cu_to_host(cu_seqlens_q),
+                                  cu_to_host(cu_seqlens_k),
                                   int(q.shape[0]), int(k.shape[0]))
     scale = 1.0 / math.sqrt(int(q.shape[2])) if scale is None else float(scale)
     return _SparseAttention.apply(q, k, v, block_indices, cu_q, cu_k, int(block_size), scale)
@@ -219,8 +209,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     _same_device(q=q, o=o, lse=lse, do=do, block_indices=block_indices)
     block_size = check_positive_int("block_size", block_size)
     topk = int(block_indices.shape[2])
-    cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
-                                  host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"), tq, tk)
+    cu_q, cu_k = check_cu_seqlens(cu_to_host(cu_seqlens_q),
+                                  cu_to_host(cu_seqlens_k), tq, tk)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dev, ft = q.device, _float_dtype(q)
     dq = torch.zeros((tq, hq, d), dtype=ft, device=dev)
@@ -271,8 +261,8 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
     g = _check_qkv(q, k, v)
     tq, hq, d = (int(s) for s in q.shape)
     tk, hkv = int(k.shape[0]), int(k.shape[1])
-    cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
-                                  host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"), tq, tk)
+    cu_q, cu_k = check_cu_seqlens(cu_to_host(cu_seqlens_q),
+                                  cu_to_host(cu_seqlens_k), tq, tk)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     ft = _float_dtype(q)
     outs, lses = [], []
@@ -362,8 +352,8 @@ def kl_loss(q_idx, k_idx, q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     if block_indices is not None:
         _check_tensor("block_indices", block_indices, 3)
     _same_device(q_idx=q_idx, k_idx=k_idx, q=q, k=k, lse=lse, block_indices=block_indices)
-    cu_q, cu_k = check_cu_seqlens(host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"),
-                                  host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k"),
+    cu_q, cu_k = check_cu_seqlens(cu_to_host(cu_seqlens_q),
+                                  cu_to_host(cu_seqlens_k),
                                   int(q_idx.shape[0]), int(k_idx.shape[0]))
     want_grads = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     return _KLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), block_indices, lse.detach(),

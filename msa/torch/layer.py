@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_cu_seqlens, check_gqa, check_positive_int
+from .._checks import check_cu_seqlens, check_gqa, check_positive_int, cu_to_host
 from . import functional as F
 
 
@@ -130,7 +130,7 @@ class MSAAttention(nn.Module):
         if x.ndim != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"x must have shape [T, d_model={self.d_model}], got {tuple(x.shape)}")
         t = int(x.shape[0])
-        cu = F.host_cu_seqlens(cu_seqlens)
+        cu = cu_to_host(cu_seqlens)
         cu, _ = check_cu_seqlens(cu, cu, t, t)
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         # line 1: main projections  [T, Hq, D], [T, Hkv, D]
