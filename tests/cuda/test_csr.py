@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from numba import cuda
 
 from msa.cuda import csr as gpu
 from msa.cuda._arrays import SIMULATOR, ArrayContext
@@ -18,6 +19,12 @@ from msa.reference import csr as ref
 from msa.reference.blocks import block_row_offsets, query_positions
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import seq_lens
+
+
+def on_device(x):
+    """``x`` where the scan kernels read and write it: itself in the simulator, else a copy on
+    the GPU (read back with ``to_numpy``)."""
+    return x if SIMULATOR else cuda.to_device(x)
 
 
 def cu(lengths):
@@ -157,8 +164,8 @@ def test_prefix_sum_multi_block_and_overflow_guard():
     want = ref.exclusive_prefix_sum(counts)
     # Two threads x 4 counts per block: 10 blocks per head and a two-round block-sum scan.
     ctx = ArrayContext(counts)
-    got = gpu._prefix_sum(ctx, ctx.input("counts", counts), 2, True, counts, threads=2)
-    np.testing.assert_array_equal(got, want)
+    got = gpu._prefix_sum(ctx, gpu._kinput(ctx, "counts", counts), 2, True, counts, threads=2)
+    np.testing.assert_array_equal(to_numpy(got), want)
     np.testing.assert_array_equal(gpu.exclusive_prefix_sum(counts, version=1), want)
     fits = np.array([[2**30, 2**30 - 1], [1, 2]], np.int32)
     np.testing.assert_array_equal(gpu.exclusive_prefix_sum(fits)[:, -1], [2**31 - 1, 3])
@@ -178,20 +185,20 @@ def test_lookback_scan_equals_numpy(ntiles, segments, n, threads, in_place):
     want[:, 1:] = np.cumsum(totals, axis=1)
     want_tiles = np.cumsum(counts, axis=0) - counts if in_place else counts  # [ntiles, S, n]
     for _ in range(2):  # the second launch reuses the status words under a new epoch
-        tile_counts = counts.copy()
-        dst = np.full((segments, n + 1), np.iinfo(np.int32).min, np.int32)
+        tile_counts = on_device(counts.copy())
+        dst = on_device(np.full((segments, n + 1), np.iinfo(np.int32).min, np.int32))
         gpu._lookback_scan(gpu._dev(tile_counts), gpu._dev(dst), in_place=in_place,
                            threads=threads)
-        np.testing.assert_array_equal(dst, want)
-        np.testing.assert_array_equal(tile_counts, want_tiles)
+        np.testing.assert_array_equal(to_numpy(dst), want)
+        np.testing.assert_array_equal(to_numpy(tile_counts), want_tiles)
 
 
 def test_lookback_scan_clamps_past_int32():
     # Outside build_csr's contract (Tq*K < 2**31), but bounded: offsets clamp to int32.
-    counts = np.full((1, 1, 6), 2**30, np.int32)
-    dst = np.zeros((1, 7), np.int32)
+    counts = on_device(np.full((1, 1, 6), 2**30, np.int32))
+    dst = on_device(np.zeros((1, 7), np.int32))
     gpu._lookback_scan(gpu._dev(counts), gpu._dev(dst), in_place=False, threads=2)
-    np.testing.assert_array_equal(dst[0], [0, 2**30, 2**31 - 1, 2**31 - 1, 2**31 - 1,
+    np.testing.assert_array_equal(to_numpy(dst)[0], [0, 2**30, 2**31 - 1, 2**31 - 1, 2**31 - 1,
                                            2**31 - 1, 2**31 - 1])
 
 
