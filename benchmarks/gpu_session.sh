@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session (device tool, carry [".gpu"]), from the project root:
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh [tests|bench|all] [test paths...]
-# Runs the same test suite as CI on the real GPU(s) (big shapes included), then every benchmark,
-# writing logs and JSON under $OUT (default /tmp/msa_out).
+# Runs the same test suite as CI on the real GPU(s) (big shapes included; by default the files
+# that touch the GPU: tests/cuda, tests/torch and the notebooks, as tests/reference is NumPy only),
+# then every benchmark, writing logs and JSON under $OUT (default /tmp/msa_out).
 # Tests: with pytest-xdist, MSA_TEST_WORKERS workers (default: CPU count - 2) spread over every
 # visible GPU (benchmarks/pytest_gpu_split.py) with work stealing; one line per finished test,
 # timestamped, in tests.log. MSA_TEST_TIMEOUT (seconds, default 540) interrupts pytest, which
