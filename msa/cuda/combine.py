@@ -4,6 +4,11 @@ Same function and arguments as ``msa.reference.combine`` (read its docstring for
 
 .. math::  L = a + \\log \\sum_s e^{L_s - a},\\ a = \\max_s L_s, \\qquad O = \\sum_s e^{L_s - L} O_s
 
+The weights are computed as ``e^{L_s - a} / \\sum_t e^{L_t - a}``, as the reference does, not as
+``e^{L_s - L}``: ``L`` rounded to float32 is off by up to half an ulp of ``|L|`` (5e-7 at
+``L`` = 13), and ``e^{L_s - L}`` turns that absolute error into a relative error of every
+weight. The quotient's error does not grow with ``|L|``.
+
 Versions:
 
 ===  =========================================================================================
@@ -15,7 +20,7 @@ v1   one warp per (query, head): every lane reduces the K slot LSEs itself (K br
      skipped, so whatever their ``O_s`` holds (NaN, garbage) never reaches the output.
 v2   memory bound done right: one warp per (query, head). The LSE part once per row: lane
      ``s`` holds ``L_s`` (and ``L_{s+32}`` for K > 32), max and sum by ``shfl_xor`` butterflies,
-     ``w_s = exp(L_s - L)`` broadcast from lane ``s``. The partials move in 16-byte loads
+     ``w_s = exp(L_s - a) / sum`` broadcast from lane ``s``. The partials move in 16-byte loads
      (``ld.global.nc.v4``: 8 bf16 or 4 float32 values a lane): a slot row of ``D`` values
      takes ``lps = D/8`` (bf16) or ``D/4`` lanes (rounded up to a power of two, at most 32),
      so the warp works on ``32/lps`` slots at once (bf16, D=128: lanes 0-15 take the even
@@ -123,11 +128,13 @@ def _combine_kernel_warp(head_dim: int, lanes: int, rows_per_cta: int, bf16_part
                 if l_s > _NEG_INF:
                     total += math.exp(l_s - a)
             lse = a + math.log(total)
-            # O = sum_s exp(L_s - L) O_s, slot by slot in a fixed order
+            inv_total = float32(1.0) / total
+            # O = sum_s exp(L_s - L) O_s, slot by slot in a fixed order, with
+            # exp(L_s - L) = exp(L_s - a) / total (module docstring)
             for s in range(num_slots):
                 l_s = lse_part[s, t, h]
                 if l_s > _NEG_INF:
-                    w = float32(math.exp(l_s - lse))
+                    w = float32(math.exp(l_s - a)) * inv_total
                     for i in range(per_lane):
                         d = lane + i * lanes
                         if d < head_dim:
@@ -229,19 +236,23 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
             acc[i] = float32(0.0)
         lse = _NEG_INF
         if a > _NEG_INF:  # warp-uniform
-            e = float32(0.0)
+            e0 = float32(0.0)
             if l0 > _NEG_INF:
-                e = float32(math.exp(l0 - a))
+                e0 = float32(math.exp(l0 - a))
+            e1 = float32(0.0)
             if l1 > _NEG_INF:
-                e += float32(math.exp(l1 - a))
+                e1 = float32(math.exp(l1 - a))
             # the sum is >= 1 (the max's own term), so the log is finite
-            lse = a + float32(math.log(warp_sum(e)))
+            total = warp_sum(e0 + e1)
+            lse = a + float32(math.log(total))
+            # w_s = exp(L_s - L) = exp(L_s - a) / total (module docstring)
+            inv_total = float32(1.0) / total
             w0 = _UNUSED
             if l0 > _NEG_INF:
-                w0 = float32(math.exp(l0 - lse))
+                w0 = e0 * inv_total
             w1 = _UNUSED
             if l1 > _NEG_INF:
-                w1 = float32(math.exp(l1 - lse))
+                w1 = e1 * inv_total
             slot_stride = num_q * num_heads * row_elems
             base = row * row_elems
             buf = cuda.local.array(nbuf, buf_t)

@@ -770,13 +770,13 @@ def test_big_reruns_bitwise_identical(version):
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
                                     "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
-                                    "k1-v1-bf16", "k2-bf16-out"])
+                                    "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
     literal would drag expressions to f64) and no local memory (register arrays spilled)."""
     from numba import types
 
-    from msa.cuda.combine import _combine_kernel_warp
+    from msa.cuda.combine import _V2_WARPS, _combine_kernel_vec, _combine_kernel_warp, _v2_unroll
 
     i32 = types.int32
     words = types.uint32[:, :, ::1]
@@ -804,9 +804,12 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
         sig = (elems, elems, elems, *index, *parts)
-    else:
+    elif kernel == "k2-bf16-out":
         fn = _combine_kernel_warp(128, 32, 4, True, True)
         sig = (types.int16[:, :, :, ::1], parts[1], types.int16[:, :, ::1], types.float32[:, ::1])
+    else:
+        fn = _combine_kernel_vec(128, True, "bf16", False, _V2_WARPS, _v2_unroll(128, True))
+        sig = (types.uint32[:, :, :, ::1], parts[1], types.uint32[:, :, ::1], types.float32[:, ::1])
     try:
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
     except Exception as exc:  # no NVVM here: nothing to check

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from msa.cuda import combine as gpu
@@ -161,9 +161,25 @@ def test_combine_reruns_are_bitwise_identical(num_slots, d, version):
 @VERSIONS
 @given(num_slots=st.integers(1, 6), tq=st.integers(0, 6), hq=st.integers(1, 3),
        d=st.integers(1, 20), unused=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
+# Found by the thorough profile: L = 13.29 with one dominant slot. Weights exp(L_s - L) from a
+# float32 L were 8 ulps off; exp(L_s - a) / sum is within the bound.
+@example(num_slots=5, tq=1, hq=1, d=1, unused=0.0, seed=3)
 def test_combine_property(num_slots, tq, hq, d, unused, seed, version):
     o_part, lse_part = partials(num_slots, tq, hq, d, seed, unused=unused)
     check_against_reference(o_part, lse_part, version=version)
+
+
+@VERSIONS
+@pytest.mark.parametrize("offset", [0.0, 40.0, -60.0, 300.0])
+def test_combine_weights_keep_their_accuracy_at_large_lse(offset, version):
+    """Shifting every L_s by the same offset changes no weight: O must stay as accurate (and
+    here, with offsets that are exact in float32 sums, bitwise the same) whatever |L| is."""
+    o_part, lse_part = partials(6, 5, 2, 16, seed=11, unused=0.0, empty_rows=0.0, spread=2.0)
+    lse_part = np.round(lse_part * 64) / 64  # multiples of 2**-6: adding the offset is exact
+    o0, lse0 = check_against_reference(o_part, lse_part, version=version)
+    o1, lse1 = check_against_reference(o_part, (lse_part + np.float32(offset)).astype(np.float32),
+                                       version=version)
+    np.testing.assert_array_equal(o1, o0)
 
 
 # --- v2: the 16-byte-load path and its fallback ---------------------------------------------
