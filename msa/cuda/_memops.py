@@ -1,6 +1,6 @@
-"""Memory primitives of the index-branch kernels (``msa.cuda.select``, ``msa.cuda.index``).
+"""Memory primitives of the kernels (``msa.cuda.select``, ``index``, ``attention``, ``kl``).
 
-Numba has no vector loads, no ``cp.async`` and no ``ldmatrix``. The few the index branch needs
+Numba has no vector loads, no ``cp.async`` and no ``ldmatrix``. The few the kernels need
 are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_CUDASIM=1``
 (tensor-core helpers shared with other stages live in ``msa.cuda._mma``):
 
@@ -21,6 +21,10 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    in the issuing thread and, after a ``syncthreads``, to all
 ``cp_async_commit()``              closes the group of copies issued so far
 ``cp_async_wait_all()``            waits for every committed group of this thread
+``copy16_plain3/2``, ``no_op``     ``cp_async16``'s contract (same arguments) by ordinary
+                                   loads and stores, for a [T, H, W] / [T, W] ``src`` whose
+                                   data is not 16-byte aligned; ``no_op`` stands in for commit
+                                   and wait on that path
 ``ldmatrix_x4(a, flat)``           ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lane ``l``
                                    names, in ``flat`` (a uint32 index into the shared ``a``,
                                    16-byte aligned), row ``l % 8`` of 8x8 16-bit matrix ``l //
@@ -248,3 +252,29 @@ else:
     # Four 8x8 b16 matrices into the mma fragment layout; .trans: transposed (the B of P V).
     ldmatrix_x4 = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
     ldmatrix_x4_trans = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
+
+
+@cuda.jit(device=True)
+def copy16_plain3(dst, d, src, s, nbytes):
+    """``cp_async16``'s contract by ordinary loads and stores, for a [T, H, W] ``src`` (inputs
+    not 16-byte aligned)."""
+    dw = src.shape[2]
+    row = s // (src.shape[1] * dw)
+    head = (s // dw) % src.shape[1]
+    w = s % dw
+    for e in range(4):
+        dst[d + e] = src[row, head, w + e] if nbytes > 0 else np.uint32(0)
+
+
+@cuda.jit(device=True)
+def copy16_plain2(dst, d, src, s, nbytes):
+    """As ``copy16_plain3`` for a [T, W] ``src``."""
+    row = s // src.shape[1]
+    w = s % src.shape[1]
+    for e in range(4):
+        dst[d + e] = src[row, w + e] if nbytes > 0 else np.uint32(0)
+
+
+@cuda.jit(device=True)
+def no_op():
+    """``cp_async_commit``/``cp_async_wait_all`` of the plain-copy path: nothing to wait for."""

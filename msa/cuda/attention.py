@@ -76,8 +76,8 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
-from ._memops import (cp_async16, cp_async_commit, cp_async_wait_all, is_aligned16, ldmatrix_x4,
-                      ldmatrix_x4_trans)
+from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
+                      is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
 from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
@@ -601,20 +601,6 @@ else:
         return cuda.shared.array(0, uint32, alignment=16)
 
 
-@cuda.jit(device=True)
-def _copy16_plain(dst, d, src, s, nbytes):
-    """``cp_async16``'s contract by ordinary loads and stores (inputs not 16-byte aligned)."""
-    dw = src.shape[2]
-    row = s // (src.shape[1] * dw)
-    head = (s // dw) % src.shape[1]
-    w = s % dw
-    for e in range(4):
-        dst[d + e] = src[row, head, w + e] if nbytes > 0 else uint32(0)
-
-
-@cuda.jit(device=True)
-def _nothing():
-    pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -647,9 +633,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     S_REGS, P_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO_PART  # register arrays (constant sizes)
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     pack = pack_bf16x2 if bf16_in else pack_f16x2
-    copy16 = cp_async16 if use_async else _copy16_plain
-    commit = cp_async_commit if use_async else _nothing
-    wait_all = cp_async_wait_all if use_async else _nothing
+    copy16 = cp_async16 if use_async else copy16_plain3
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
     BF16_PARTIALS = bf16_partials
 
     @cuda.jit(device=True, inline=True)

@@ -117,7 +117,8 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
 from .attention import _item_fields, _row_query
-from ._memops import cp_async16, cp_async_commit, cp_async_wait_all, is_aligned16
+from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
+                      cp_async_wait_all, is_aligned16, no_op)
 from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                    mma_f16_m16n8k16)
 
@@ -941,32 +942,6 @@ else:
         return cuda.shared.array(0, float32, alignment=16)
 
 
-@cuda.jit(device=True)
-def _copy16_words3(dst, d, src, s, nbytes):
-    """``cp_async16``'s contract by plain loads and stores, for a [T, H, W] ``src`` (inputs not
-    16-byte aligned)."""
-    dw = src.shape[2]
-    row = s // (src.shape[1] * dw)
-    head = (s // dw) % src.shape[1]
-    w = s % dw
-    for e in range(4):
-        dst[d + e] = src[row, head, w + e] if nbytes > 0 else uint32(0)
-
-
-@cuda.jit(device=True)
-def _copy16_words2(dst, d, src, s, nbytes):
-    """As ``_copy16_words3`` for a [T, W] ``src``."""
-    row = s // src.shape[1]
-    w = s % src.shape[1]
-    for e in range(4):
-        dst[d + e] = src[row, w + e] if nbytes > 0 else uint32(0)
-
-
-@cuda.jit(device=True)
-def _no_op():
-    pass
-
-
 @functools.lru_cache(maxsize=None)
 def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
                    group: int, positions: int, use_async: bool = False):
@@ -997,10 +972,10 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
     STUDENT_ITERS = -(-((PP // 16) * N_TILES_I) // NW)
     PIECES = DW // 4  # 16-byte pieces of a row of Q / K (copied by cp.async, all in flight)
     PIECES_I = DIW // 4
-    copy16 = cp_async16 if use_async else _copy16_words3
-    copy16_2d = cp_async16 if use_async else _copy16_words2
-    commit = cp_async_commit if use_async else _no_op
-    wait_all = cp_async_wait_all if use_async else _no_op
+    copy16 = cp_async16 if use_async else copy16_plain3
+    copy16_2d = cp_async16 if use_async else copy16_plain2
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
     inv_g = float32(1.0 / G)
