@@ -116,7 +116,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from .attention import _item_fields, _row_query
+from .attention import _device_copy, _item_fields, _row_query
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, no_op)
 from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
@@ -1357,12 +1357,6 @@ def _kl_kernel_mean(threads: int):
 # =============================================================================================
 # Launchers
 # =============================================================================================
-
-def _device_copy(host):
-    """A small host array on the device (the simulator indexes NumPy directly)."""
-    host = np.ascontiguousarray(host)
-    return host if SIMULATOR else cuda.to_device(host)
-
 
 def _kernel_array(x):
     """A kernel argument for an index array made by another msa.cuda launcher."""

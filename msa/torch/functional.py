@@ -98,10 +98,6 @@ def _to_numpy(x):
     return x.cpu().numpy()
 
 
-def _kernel_cu(cu, device):
-    return torch.as_tensor(cu, dtype=torch.int32, device=device)
-
-
 def _float_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -116,9 +112,8 @@ class _SparseAttention(torch.autograd.Function):
 
             with _on_device(q):
                 o, lse = gpu_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                              _kernel_indices(block_indices),
-                                              _kernel_cu(cu_q, q.device),
-                                              _kernel_cu(cu_k, q.device), block_size, scale)
+                                              _kernel_indices(block_indices), cu_q, cu_k,
+                                              block_size, scale)
         else:
             from ..reference.attention import sparse_attention as ref_sparse_attention
 
@@ -302,7 +297,7 @@ class _KLLoss(torch.autograd.Function):
             dev = q_idx.device
             args = (q.contiguous(), k.contiguous(), q_idx.contiguous(), k_idx.contiguous(),
                     None if block_indices is None else _kernel_indices(block_indices),
-                    lse.float().contiguous(), _kernel_cu(cu_q, dev), _kernel_cu(cu_k, dev), *tail)
+                    lse.float().contiguous(), cu_q, cu_k, *tail)
             with _on_device(q_idx):
                 if want_grads:
                     kl, loss, dq, dk = gpu.kl_loss_and_backward(*args)
