@@ -76,8 +76,10 @@ invalid selection (duplicates, holes) is unspecified but memory safe.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
+import math
 
 import numpy as np
 from numba import cuda, int32, int64, uint32
@@ -123,6 +125,13 @@ if not SIMULATOR:
     from numba.cuda.args import ArgHint as _ArgHint
     from numba.cuda.errors import normalize_kernel_dimensions as _dims
     from numba.cuda.np.numpy_support import from_dtype as _from_dtype
+
+    try:
+        from cuda.bindings import driver as _cudrv
+        from cuda.core import LaunchConfig as _LaunchConfig
+        from cuda.core import launch as _core_launch
+    except ImportError:  # an older Numba: its dispatcher launches (_FAST_LAUNCH emptied)
+        _cudrv = _LaunchConfig = _core_launch = None
 else:  # the simulator launches with its own arrays
     _ArgHint = object
 
@@ -152,7 +161,7 @@ class _Dev(_ArgHint):
             self.ptr = x.data_ptr()
             shape = tuple(x.shape)
             strides = tuple(st * itemsize for st in x.stride())
-            dtype = np.dtype(str(x.dtype).rsplit(".", 1)[-1])
+            dtype = _torch_dtype(x.dtype)
         elif hasattr(x, "device_ctypes_pointer"):  # a Numba device array
             self.ptr = x.device_ctypes_pointer.value or 0
             shape, strides, dtype = tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
@@ -163,17 +172,30 @@ class _Dev(_ArgHint):
             shape = tuple(cai["shape"])
             strides = cai.get("strides") or _c_strides(shape, dtype.itemsize)
             strides = tuple(strides)
-        c_contiguous = tuple(strides) == _c_strides(shape, dtype.itemsize) or 0 in shape
+        c_contiguous = strides == _c_strides(shape, dtype.itemsize) or 0 in shape
         self.shape = shape
-        self.size = int(np.prod(shape)) if shape else 1
+        self.size = math.prod(shape)
         self.dtype = dtype
         self.ndim = len(shape)
         self._layout = _Layout(strides, c_contiguous)
-        self._numba_type_ = _nbtypes.Array(_from_dtype(dtype), len(shape),
-                                           "C" if c_contiguous else "A")
+        self._numba_type_ = _array_type(dtype, len(shape), c_contiguous)
+        # What the kernel's parameter list holds for an array (Numba's ``_prepare_args``):
+        # meminfo, parent, size, itemsize, data, shape..., strides...
+        self.params = (0, 0, self.size, dtype.itemsize, self.ptr) + shape + strides
 
     def to_device(self, retr, stream=0):
         return self
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(torch_dtype):
+    return np.dtype(str(torch_dtype).rsplit(".", 1)[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _array_type(dtype, ndim, c_contiguous):
+    """The Numba type of a device array (interned by Numba anyway; built once here)."""
+    return _nbtypes.Array(_from_dtype(dtype), ndim, "C" if c_contiguous else "A")
 
 
 def _c_strides(shape, itemsize):
@@ -214,32 +236,89 @@ def _launch(kernel, grid, block, *args):
     """``kernel[grid, block](*args)`` without Numba's per-launch typing and conversions.
 
     ``args``: ``_Dev`` arrays and Python ints (typed int64, as Numba types them). The compiled
-    kernel of each signature is kept in ``_compiled``.
+    kernel of each signature is kept in ``_compiled``, its CUDA function per device, and the
+    parameter list is packed here from what ``_Dev`` worked out (what Numba's ``launch`` would
+    pack, without its context lookups and per-argument type dispatch).
     """
     if SIMULATOR:
         kernel[grid, block](*args)
         return
+    params = []
+    types = []
     for a in args:
-        if not isinstance(a, (_Dev, int, np.integer)):
+        if isinstance(a, _Dev):
+            types.append(a._numba_type_)
+            params.extend(a.params)
+        elif isinstance(a, (int, np.integer)):
+            types.append(int)
+            params.append(ctypes.c_int64(a))
+        else:
             raise TypeError(f"_launch takes _Dev arrays and ints, got {type(a).__name__}")
-    types = tuple(a._numba_type_ if isinstance(a, _Dev) else int for a in args)
-    compiled = _compiled.get((kernel, types))
-    if compiled is None:
+    types = tuple(types)
+    entry = _compiled.get((kernel, types))
+    if entry is None:
         sig = tuple(_nbtypes.int64 if t is int else t for t in types)
-        compiled = _compiled[(kernel, types)] = kernel.compile(sig)
+        entry = _compiled[(kernel, types)] = _Compiled(kernel.compile(sig))
     if _FAST_LAUNCH:
-        griddim, blockdim = _dims(grid, block)
         try:
-            compiled.launch(args, griddim, blockdim, _default_stream(), 0)
+            cu_kernel = entry.function()
+            if cu_kernel is not None:
+                _core_launch(_default_stream(), _launch_config(grid, block), cu_kernel, *params)
+                return
+            entry.compiled.launch(args, *_dims(grid, block), _default_stream(), 0)
             return
-        except (TypeError, AttributeError):
-            # A Numba whose internal launch takes other arguments: fails while packing the
-            # arguments, before anything is queued; from now on use the dispatcher.
+        except (TypeError, AttributeError, ImportError):
+            # A Numba or cuda.core whose internals differ: this fails before anything is
+            # queued; from now on use the dispatcher.
             _FAST_LAUNCH.clear()
     kernel[grid, block](*args)
 
 
-_FAST_LAUNCH = [True]  # emptied if the compiled kernel's launch() is not the expected one
+_FAST_LAUNCH = [True]  # emptied if Numba's or cuda.core's internals are not the expected ones
+
+
+class _Compiled:
+    """A compiled kernel of one signature and its loaded CUDA function on each device."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.functions = {}
+        # Debug and cooperative kernels need what Numba's own launch does around the call.
+        self.plain = not (getattr(compiled, "debug", True) or getattr(compiled, "cooperative",
+                                                                         True))
+
+    def function(self):
+        """The ``cuda.core`` kernel on the current device (None: use Numba's launch)."""
+        if not self.plain:
+            return None
+        device = _current_device()
+        f = self.functions.get(device)
+        if f is None:
+            f = self.functions[device] = self.compiled._codelibrary.get_cufunc().kernel
+        return f
+
+
+def _current_device():
+    """The current context's device ordinal: one driver call (Numba's lookup costs ~10 us)."""
+    err, dev = _cudrv.cuCtxGetDevice()
+    if int(err) != 0:  # no current context yet: let Numba make it
+        return cuda.get_current_device().id
+    return int(dev)
+
+
+_CONFIGS: dict = {}
+
+
+def _launch_config(grid, block):
+    config = _CONFIGS.get((grid, block))
+    if config is None:
+        griddim, blockdim = _dims(grid, block)
+        from numba.cuda._compat import CUDA_CORE_GE_1_0
+
+        coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
+        config = _CONFIGS[(grid, block)] = _LaunchConfig(grid=griddim, block=blockdim,
+                                                         shmem_size=0, **{coop: False})
+    return config
 
 
 _STREAM = []

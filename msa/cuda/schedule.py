@@ -43,6 +43,8 @@ Scratch: the key histogram is int32 ``[ceil(Hkv*rows / 512), Q]``, 1 MiB at N = 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda, int32, int64
 
@@ -159,8 +161,8 @@ def _schedule_kernel_write(row_ptr, row_offsets, chunk_size, full, full_off, key
         e += stride
 
 
-def _capacity(cu_k, block_size, chunk_size, hkv, max_edges):
-    """Work rows known from the shapes (module docstring)."""
+def _capacity(cu_k, block_size, chunk_size, max_edges):
+    """Work rows per KV head known from the shapes (module docstring)."""
     lk = np.diff(cu_k)  # [B]
     nb = -(-lk // block_size)  # [B]
     rows = int(nb.sum())
@@ -168,7 +170,21 @@ def _capacity(cu_k, block_size, chunk_size, hkv, max_edges):
     if max_edges is not None:
         r = min(rows, max_edges)
         per_head = min(per_head, r + (max_edges - r) // chunk_size)
-    return hkv * per_head
+    return per_head
+
+
+@functools.lru_cache(maxsize=64)
+def _host_metadata(cu_k_bytes, block_size, chunk_size, max_edges):
+    """``(cu_k, row_offsets, rows, work rows per head, num_keys)`` of one call's
+    ``cu_seqlens_k`` (checked; memoised: NumPy work on a tiny array, on every call)."""
+    cu_k = check_offsets("cu_seqlens_k", np.frombuffer(cu_k_bytes, dtype=np.int64))
+    row_offsets = block_row_offsets(cu_k, block_size)  # [B+1]
+    for a in (cu_k, row_offsets):
+        a.setflags(write=False)
+    max_len = int(np.diff(cu_k).max())
+    num_keys = max(0, min(chunk_size - 1, max_len))  # possible q = n % chunk_size values
+    return (cu_k, row_offsets, int(row_offsets[-1]),
+            _capacity(cu_k, block_size, chunk_size, max_edges), num_keys)
 
 
 def build_schedule(row_ptr, cu_seqlens_k, block_size: int, chunk_size: int, *,
@@ -210,19 +226,18 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if max_edges is not None:
         max_edges = check_positive_int("max_edges", max_edges, low=0)
-    cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)  # [B+1]
-    row_offsets = block_row_offsets(cu_k, block_size)  # [B+1]
-    rows = int(row_offsets[-1])
+    check_array("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=("int",))
+    cu_bytes = np.ascontiguousarray(cu_to_host(cu_seqlens_k), dtype=np.int64).tobytes()
+    cu_k, row_offsets, rows, per_head, num_keys = _host_metadata(cu_bytes, block_size,
+                                                                 chunk_size, max_edges)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(None, rows + 1))
     hkv = int(row_ptr.shape[0])
     if validate:
         _check_row_ptr(row_ptr, cu_k, row_offsets, max_edges)
-    capacity = _capacity(cu_k, block_size, chunk_size, hkv, max_edges)
+    capacity = hkv * per_head
     if capacity > INT32_MAX:
         raise ValueError(f"the schedule could need {capacity} work items, more than int32 holds; "
                          f"pass max_edges or a larger chunk_size")
-    max_len = int(np.diff(cu_k).max())
-    num_keys = max(0, min(chunk_size - 1, max_len))  # possible q = n % chunk_size values
 
     ctx = ArrayContext(row_ptr)
     d_row_ptr = _kinput(ctx, "row_ptr", row_ptr)

@@ -154,8 +154,8 @@ def test_capacity_is_tight_for_a_full_selection():
 
 def test_documented_capacities():
     one_m = cu([1 << 20])
-    assert gpu._capacity(one_m.astype(np.int64), 128, 4096, 4, (1 << 20) * 16) == 49_144
-    assert gpu._capacity(one_m.astype(np.int64), 128, 4096, 4, None) == 8_388_608
+    assert 4 * gpu._capacity(one_m.astype(np.int64), 128, 4096, (1 << 20) * 16) == 49_144
+    assert 4 * gpu._capacity(one_m.astype(np.int64), 128, 4096, None) == 8_388_608
 
 
 # --- hypothesis -------------------------------------------------------------------------------
