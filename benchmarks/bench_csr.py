@@ -175,6 +175,14 @@ def run_case(n, pattern, reps):
         (work[w:] == -1).all())
     again = msa_csr()
     case["reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
+    case["default_scatter"] = gpu_csr.DEFAULT_SCATTER
+
+    def msa_csr_scatter(version):
+        return gpu_csr._build_csr(I, cu, cu, BK, validate=False, scatter_version=version)
+
+    for version in (2, 3):
+        case[f"csr_scatter_v{version}_equal"] = all(
+            torch.equal(g, w) for g, w in zip(msa_csr_scatter(version), want))
     case["work_items"], case["work_capacity"] = w, int(work.shape[0])
     case["nnz_per_head"] = [int(x) for x in got[0][:, -1].tolist()]
     case["max_q_count"] = int(work[:w, 3].max()) if w else 0
@@ -186,6 +194,8 @@ def run_case(n, pattern, reps):
     t["msa_csr_ms"] = time_ms(msa_csr, reps)
     t["msa_schedule_ms"] = time_ms(lambda: msa_schedule(row_ptr), reps)
     t["msa_csr_schedule_ms"] = time_ms(msa_all, reps)
+    for version in (2, 3):
+        t[f"msa_csr_scatter_v{version}_ms"] = time_ms(lambda: msa_csr_scatter(version), reps)
     t["torch_csr_ms"] = time_ms(lambda: torch_csr(I, rows), reps)
     t["torch_csr_schedule_ms"] = time_ms(torch_all, reps)
     case.update(t)
@@ -226,6 +236,10 @@ def run_case(n, pattern, reps):
             plan._scatter_tiled(gpu_csr._karg(ctx, rp), cursors, tile, gpu_csr._karg(ctx, q),
                                 gpu_csr._karg(ctx, s))
 
+        def scatter_v3():  # reads the scanned cursors, never changes them
+            plan._scatter_split(gpu_csr._karg(ctx, rp), scanned, tile, gpu_csr._karg(ctx, q),
+                                gpu_csr._karg(ctx, s))
+
         phases = {
             "plan_ms (host checks + metadata)": time_ms(
                 lambda: gpu_csr._Plan(I, cu, cu, BK, False), reps),
@@ -235,7 +249,9 @@ def run_case(n, pattern, reps):
             "copy_ms (subtract from the scans)": time_ms(lambda: cursors.copy_(pristine), reps),
             "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan_v3, reps),
             "scan_v2_ms (tile scan + 3-launch prefix sum)": time_ms(scan_v2, reps),
-            "scatter_ms (+ copy)": time_ms(scatter, reps),
+            "scatter_v2_ms (+ copy)": time_ms(scatter, reps),
+            "scatter_v3_ms (two multi-splits)": time_ms(scatter_v3, reps) if plan.split_fits()
+            else None,
             "schedule_ms": t["msa_schedule_ms"],
             "host_csr_ms (Python per build_csr)": host_ms(msa_csr, reps),
             "host_schedule_ms (Python per build_schedule)": host_ms(
@@ -266,6 +282,8 @@ def print_table(cases):
             ("msa csr ms", "msa_csr_ms", "{:>10.3f}"), ("GB/s", "msa_csr_gbps", "{:>7.0f}"),
             ("torch csr ms", "torch_csr_ms", "{:>12.3f}"), ("GB/s", "torch_csr_gbps", "{:>7.0f}"),
             ("x csr", "ratio_csr", "{:>6.1f}"),
+            ("scatter v2 ms", "msa_csr_scatter_v2_ms", "{:>13.3f}"),
+            ("scatter v3 ms", "msa_csr_scatter_v3_ms", "{:>13.3f}"),
             ("msa sched ms", "msa_schedule_ms", "{:>12.3f}"),
             ("msa all ms", "msa_csr_schedule_ms", "{:>10.3f}"),
             ("torch all ms", "torch_csr_schedule_ms", "{:>12.3f}"),
@@ -281,7 +299,8 @@ def print_table(cases):
         cells = []
         for name, key, fmt in cols:
             if key is None:
-                ok = all(case.get(k) for k in ("csr_equal", "schedule_equal", "reproducible"))
+                ok = all(case.get(k) for k in ("csr_equal", "schedule_equal", "reproducible",
+                                               "csr_scatter_v2_equal", "csr_scatter_v3_equal"))
                 cells.append("yes" if ok else " NO")
             else:
                 cells.append(fmt.format(case.get(key, float("nan"))))
@@ -321,7 +340,8 @@ def main(argv=None):
     for case in result["cases"]:
         phases = case.get("msa_csr_phases")
         if phases:
-            cells = ", ".join(f"{k.split('_ms')[0]} {v:.3f}" for k, v in phases.items())
+            cells = ", ".join(f"{k.split('_ms')[0]} {v:.3f}" for k, v in phases.items()
+                              if v is not None)
             print(f"{case['n']:>8} {case['pattern']:>8}  {cells}")
         elif "msa_csr_phases_error" in case:
             print(f"{case['n']:>8} {case['pattern']:>8}  ERROR {case['msa_csr_phases_error']}")

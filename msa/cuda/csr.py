@@ -93,6 +93,7 @@ from .._checks import (
 )
 from ..reference.blocks import block_row_offsets
 from ._arrays import SIMULATOR, ArrayContext
+from ._warp import FULL_MASK, warp_sum
 
 INT32_MAX = np.iinfo(np.int32).max
 MAX_TOPK = 1024  # one thread per slot of a chunk's query: a CTA holds at most 1024 threads
@@ -102,6 +103,10 @@ _MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
 _SCAN_ITEMS = 4  # counts per thread in the block scans
 _SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a power of two)
 _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C = min(32, this // K)
+DEFAULT_SCATTER = 3  # build_csr's scatter (v3 falls back to v2 past 128 row groups)
+_SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
+_GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
+_MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
 _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
 
@@ -854,6 +859,198 @@ def _csr_kernel_scatter_tiled(block_indices, cu_q, row_offsets, row_ptr, cursors
         cuda.syncthreads()
 
 
+# --- scatter v3: two stable multi-splits --------------------------------------------------------
+
+@cuda.jit(device=True)
+def _tile_groups(row_ptr, cursors, tile, h, gstart, scratch):
+    """``gstart[g]``: where row group g's edges of query tile ``tile`` start in the tile's own
+    range of the split arrays (``gstart[ngroups]``: where the range ends).
+
+    The tile's range begins after the edges of head h in earlier tiles (``sum_r cursors[tile,
+    h, r]``, the scanned tile counts); inside it the groups follow in order, each as large as
+    the tile's edges of its ``_GROUP_ROWS`` rows. One warp per group sums them; integer sums of
+    fixed terms, so the result does not depend on timing. Ends with a barrier."""
+    tid = cuda.threadIdx.x
+    lane = cuda.laneid
+    nw = cuda.blockDim.x // 32
+    rows = row_ptr.shape[1] - 1
+    ntiles = cursors.shape[0]
+    ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
+    for g in range(tid // 32, ngroups, nw):
+        before = int64(0)  # edges of the group's rows in earlier tiles
+        here = int64(0)  # edges of the group's rows in this tile
+        for i in range(lane, _GROUP_ROWS, 32):
+            r = g * _GROUP_ROWS + i
+            if r < rows:
+                c = int64(cursors[tile, h, r])
+                if tile + 1 < ntiles:
+                    nxt = int64(cursors[tile + 1, h, r])
+                else:
+                    nxt = int64(row_ptr[h, r + 1]) - int64(row_ptr[h, r])
+                before += c
+                here += nxt - c
+        before = warp_sum(before)
+        here = warp_sum(here)
+        if lane == 0:
+            scratch[g] = before
+            gstart[g] = here
+    cuda.syncthreads()
+    if tid == 0:
+        run = int64(0)
+        for g in range(ngroups):
+            run += scratch[g]
+        for g in range(ngroups):
+            n = gstart[g]
+            gstart[g] = run
+            run += n
+        gstart[ngroups] = run
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _multisplit(key, stamp, cur, nkeys, wcnt, wpos):
+    """Stable multi-split of one chunk: thread i holds record i of the chunk and its ``key`` in
+    ``[0, nkeys)`` (-1: none). Returns the record's position, ``cur[key]`` plus the number of
+    earlier records of the chunk with the same key, and advances every ``cur[k]`` past the
+    chunk's records of k. Ranks come from ``match_any`` inside a warp and a scan over the warps
+    per key (no atomics). ``wcnt[w, k]`` holds ``stamp << 6 | count`` of warp w's records of
+    key k; a stale stamp means 0, so nothing is cleared between chunks. Two barriers."""
+    tid = cuda.threadIdx.x
+    w = tid // 32
+    nw = cuda.blockDim.x // 32
+    peers = cuda.match_any_sync(FULL_MASK, key)
+    rank = cuda.popc(peers & cuda.lanemask_lt())
+    if key >= 0 and rank == 0:
+        wcnt[w, key] = (stamp << 6) | cuda.popc(peers)
+    cuda.syncthreads()
+    for k in range(tid, nkeys, cuda.blockDim.x):
+        run = cur[k]
+        for v in range(nw):
+            c = wcnt[v, k]
+            wpos[v, k] = run
+            if (c >> 6) == stamp:
+                run += c & 63
+        cur[k] = run
+    cuda.syncthreads()
+    pos = int64(-1)
+    if key >= 0:
+        pos = int64(wpos[w, key]) + rank
+    return pos
+
+
+@cuda.jit(device=True)
+def _clear_stamps(wcnt):
+    """Stamps no chunk will have (-1); ends with a barrier."""
+    for i in range(cuda.threadIdx.x, wcnt.shape[0] * wcnt.shape[1], cuda.blockDim.x):
+        wcnt[i // wcnt.shape[1], i % wcnt.shape[1]] = -1
+    cuda.syncthreads()
+
+
+@cuda.jit
+def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
+                             rec_q, rec_sr):
+    """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
+    ``rec_q``/``rec_sr`` (query id; ``slot << 7 | row % 128``), grouped by row group
+    ``row // 128``, in (query, slot) order inside a group."""
+    wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
+    wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
+    gstart = cuda.shared.array(_GROUP_ROWS + 1, int64)
+    scratch = cuda.shared.array(_GROUP_ROWS, int64)
+    cur = cuda.shared.array(_GROUP_ROWS, int32)
+    tile = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    tq, hkv, topk = block_indices.shape
+    rows = row_ptr.shape[1] - 1
+    width = rec_q.shape[1]
+    ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
+    _clear_stamps(wcnt)
+    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
+    for g in range(tid, ngroups, nt):
+        cur[g] = gstart[g]
+    cuda.syncthreads()
+    t_begin = int64(tile) * tile_queries
+    n_edges = (min(int64(tq), t_begin + tile_queries) - t_begin) * topk
+    stamp = 0
+    for base in range(0, n_edges, nt):
+        e = base + tid
+        key = int64(-1)
+        t = int64(0)
+        s = int64(0)
+        r = int64(-1)
+        if e < n_edges:
+            t = t_begin + e // topk
+            s = e % topk
+            r = _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
+            if r >= 0 and r < rows:
+                key = r // _GROUP_ROWS
+        pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
+        stamp += 1
+        if pos >= 0 and pos < width:
+            rec_q[h, pos] = t
+            rec_sr[h, pos] = (s << 7) | (r % _GROUP_ROWS)
+
+
+@cuda.jit
+def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
+    """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
+    group and writes every edge to its row: ``row_ptr[h, r] + cursors[tile, h, r]`` plus its
+    rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
+    wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
+    wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
+    gstart = cuda.shared.array(_GROUP_ROWS + 1, int64)
+    scratch = cuda.shared.array(_GROUP_ROWS, int64)
+    cur = cuda.shared.array(_GROUP_ROWS, int32)
+    tile = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    rows = row_ptr.shape[1] - 1
+    width = q_indices.shape[1]
+    ntiles = cuda.gridDim.x
+    ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
+
+    # The -1 tail: tile k fills its share of [nnz, width).
+    nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
+    share = (width - nnz + ntiles - 1) // ntiles
+    tail_end = min(int64(width), nnz + (tile + 1) * share)
+    e = nnz + tile * share + tid
+    while e < tail_end:
+        q_indices[h, e] = -1
+        slots[h, e] = -1
+        e += nt
+
+    _clear_stamps(wcnt)
+    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
+    stamp = 0
+    for g in range(ngroups):
+        # (gstart is the same for every thread: the loops below are uniform across the CTA)
+        lo = max(int64(0), min(gstart[g], int64(width)))
+        hi = max(lo, min(gstart[g + 1], int64(width)))
+        if hi == lo:
+            continue
+        r0 = g * _GROUP_ROWS
+        nr = min(_GROUP_ROWS, rows - r0)
+        for i in range(tid, nr, nt):
+            cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
+        cuda.syncthreads()
+        for base in range(lo, hi, nt):
+            e = base + tid
+            key = int64(-1)
+            v = int64(0)
+            if e < hi:
+                v = int64(rec_sr[h, e])
+                key = v % _GROUP_ROWS
+                if key >= nr:
+                    key = -1
+            pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
+            stamp += 1
+            if pos >= 0 and pos < width:
+                q_indices[h, pos] = rec_q[h, e]
+                slots[h, pos] = v >> 7
+
+
 @cuda.jit
 def _csr_kernel_scatter_rowwise(block_indices, cu_q, row_offsets, row_ptr, q_indices, slots):
     """v1: thread (h, r) walks the queries of row r's sequence in order and appends matches."""
@@ -1043,8 +1240,29 @@ class _Plan:
             tq_tile = tile_queries or self.tile_queries()
             cursors = self.count(tq_tile)
             self.tile_scan(cursors)
-            self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
+            if version == 3 and self.split_fits():
+                self._scatter_split(row_ptr_arg, cursors, tq_tile, dq, ds)
+            else:
+                self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
         return q_indices, slots
+
+    def split_fits(self) -> bool:
+        """Whether scatter v3 takes this selection (at most 128 row groups of 128 rows)."""
+        return self.rows <= _MAX_SPLIT_ROWS
+
+    def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
+        """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
+        if not self.hkv * self.width:
+            return
+        ctx = self.ctx
+        rec_q = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
+        rec_sr = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
+        d_cursors = _karg(ctx, cursors)
+        grid = (cursors.shape[0], self.hkv)
+        _launch(_csr_kernel_split_groups, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
+                self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
+        _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, rec_q,
+                rec_sr, dq, ds)
 
     def _scatter_tiled(self, row_ptr_arg, cursors, tile_queries, dq, ds):
         if not self.hkv * self.width:
@@ -1127,7 +1345,7 @@ def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
 
 
 def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
-                validate: bool = True, version: int = 2):
+                validate: bool = True, version: int = DEFAULT_SCATTER):
     """Paper §4.2, step 3 of the reverse index: every edge's query id into its CSR row.
 
     Edge ``(h, t, s)`` of row ``r`` lands at ``e = row_ptr[h, r] + #{t' < t : t' chose r}``:
@@ -1142,12 +1360,15 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
         validate: check ``I`` (host copy) and that ``row_ptr`` belongs to it (a copy of the
             counts and of ``row_ptr``). With ``False`` a foreign ``row_ptr`` gives unspecified
             entries but every write stays inside ``[0, Tq*K)``.
-        version: 1 (one thread per row, slow) or 2 (default, tiled).
+        version: 1 (one thread per row, slow), 2 (tiled, a hash table of rows per chunk) or 3
+            (default: two stable multi-splits, by row group then by row; module docstring).
 
     Returns:
         ``(q_indices, slots)``, int32 [Hkv, Tq*K] each, in the caller's array library. Queries
         ascend inside a row; entries past ``row_ptr[h, -1]`` are -1.
     """
+    if version not in (1, 2, 3):
+        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(plan.hkv, plan.rows + 1))
     ArrayContext(block_indices, row_ptr)  # TypeError if they come from different libraries
@@ -1189,11 +1410,12 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
 
 
 def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validate=True,
-               scatter_version=2, scan_version=3, count_version=2, tile_queries=None,
+               scatter_version=None, scan_version=3, count_version=2, tile_queries=None,
                scan_threads=None):
     """``build_csr`` with its knobs exposed to the tests (small tiles exercise many of them)."""
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     ctx = plan.ctx
+    scatter_version = scatter_version or DEFAULT_SCATTER
     if scatter_version == 1:
         counts = plan.count(max(plan.tq, 1), version=1)[0]
         row_ptr = _prefix_sum(ctx, _karg(ctx, counts), min(scan_version, 2), False,
@@ -1205,6 +1427,8 @@ def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validat
         row_ptr = plan.scan(cursors, scan_version, scan_threads)
         q_indices = ctx.empty((plan.hkv, plan.width), np.int32)
         slots = ctx.empty((plan.hkv, plan.width), np.int32)
-        plan._scatter_tiled(_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices),
-                            _karg(ctx, slots))
+        scatter = plan._scatter_tiled
+        if scatter_version == 3 and plan.split_fits():
+            scatter = plan._scatter_split
+        scatter(_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices), _karg(ctx, slots))
     return ctx.output(row_ptr), ctx.output(q_indices), ctx.output(slots)

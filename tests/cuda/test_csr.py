@@ -95,32 +95,60 @@ SHAPES = [
 ]
 
 
-def run_path(path, I, cu_q, cu_k, bk):
+def run_path(path, I, cu_q, cu_k, bk, scatter):
     if path == "default":
-        return gpu.build_csr(I, cu_q, cu_k, bk)
+        if scatter == gpu.DEFAULT_SCATTER:
+            return gpu.build_csr(I, cu_q, cu_k, bk)
+        return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=scatter)
     if path == "tiles":
         chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
-        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2)
+        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2,
+                              scatter_version=scatter)
     if path == "v2":
         chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
         return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2,
-                              count_version=1, scan_version=2)
+                              count_version=1, scan_version=2, scatter_version=scatter)
     return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=1, scan_version=1)
 
 
-@pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs, path", [s[1:] for s in SHAPES],
-                         ids=[s[0] for s in SHAPES])
-def test_build_csr_equals_reference(lq, lk, hkv, topk, bk, kwargs, path):
+# Every path but v1 with both tiled scatters: v2 (hash table of rows per chunk) and v3 (two
+# stable multi-splits, by row group then by row).
+SHAPE_RUNS = [pytest.param(*sh[1:], scatter, id=f"{sh[0]}-scatter{scatter}")
+              for sh in SHAPES for scatter in ((1,) if sh[-1] == "v1" else (2, 3))]
+
+
+@pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs, path, scatter", SHAPE_RUNS)
+def test_build_csr_equals_reference(lq, lk, hkv, topk, bk, kwargs, path, scatter):
     I = selection(lq, lk, hkv, topk, bk, seed=len(lq) * 7 + topk, **kwargs)
     cu_q, cu_k = cu(lq), cu(lk)
-    assert_same_csr(run_path(path, I, cu_q, cu_k, bk), ref.build_csr(I, cu_q, cu_k, bk))
+    assert_same_csr(run_path(path, I, cu_q, cu_k, bk, scatter), ref.build_csr(I, cu_q, cu_k, bk))
+
+
+def test_scatter_v3_groups_many_rows():
+    # 300 rows of one block each (Bk = 1): three row groups, the last one partial, and a few
+    # hot rows; the tiles are small, so each tile holds a handful of every group's edges.
+    I = selection([300], [300], 2, 5, 1, seed=11, hot=(0, 129), shuffle=True)
+    want = ref.build_csr(I, cu([300]), cu([300]), 1)
+    for tile in (None, 50):  # (small tiles mean hundreds of CTAs: minutes in the simulator)
+        got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=tile)
+        assert_same_csr(got, want)
+
+
+def test_scatter_v3_falls_back_past_128_groups(monkeypatch):
+    # More rows than 128 groups of 128 hold: v2 runs instead (here with the limit lowered).
+    monkeypatch.setattr(gpu, "_MAX_SPLIT_ROWS", 8)
+    I = selection([40, 25], [40, 31], 2, 3, 4, seed=2, hot=(0,))
+    plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
+    assert plan.rows > 8 and not plan.split_fits()
+    got = gpu._build_csr(I, cu([40, 25]), cu([40, 31]), 4, scatter_version=3)
+    assert_same_csr(got, ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4))
 
 
 @pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs", [
     pytest.param([5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False), id="varlen-skewed"),
     pytest.param([1], [1], 1, 2, 4, {}, id="T=1"),
 ])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_three_steps_equal_reference(lq, lk, hkv, topk, bk, kwargs, version):
     I = selection(lq, lk, hkv, topk, bk, seed=3, **kwargs)
     cu_q, cu_k = cu(lq), cu(lk)
@@ -242,14 +270,19 @@ def test_prefix_sum_rejects(counts, version):
 @given(lens=seq_lens(max_seqs=3, max_len=40), hkv=st.integers(1, 2), topk=st.integers(1, 5),
        bk=st.sampled_from([4, 8, 16]), hot=st.sampled_from([(), (0,), (0, 1)]),
        fill=st.booleans(), future=st.booleans(), shuffle=st.booleans(),
-       tile=st.sampled_from([None, 1, 3, 32]), seed=st.integers(0, 2**31 - 1))
+       tile=st.sampled_from([None, 1, 3, 32]), scatter=st.sampled_from([2, 3]),
+       seed=st.integers(0, 2**31 - 1))
 @example(lens=([40], [40]), hkv=1, topk=5, bk=4, hot=(0, 1), fill=True, future=False,
-         shuffle=True, tile=3, seed=0)
-def test_csr_equals_reference(lens, hkv, topk, bk, hot, fill, future, shuffle, tile, seed):
+         shuffle=True, tile=3, scatter=2, seed=0)
+@example(lens=([40], [40]), hkv=1, topk=5, bk=4, hot=(0, 1), fill=True, future=False,
+         shuffle=True, tile=3, scatter=3, seed=0)
+def test_csr_equals_reference(lens, hkv, topk, bk, hot, fill, future, shuffle, tile, scatter,
+                              seed):
     lq, lk = lens
     I = selection(lq, lk, hkv, topk, bk, seed, hot=hot, fill=fill, future=future, shuffle=shuffle)
     cu_q, cu_k = cu(lq), cu(lk)
-    got = [to_numpy(x) for x in gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=tile)]
+    got = [to_numpy(x) for x in gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=tile,
+                                               scatter_version=scatter)]
     want = ref.build_csr(I, cu_q, cu_k, bk)
     assert_same_csr(got, want)
     # The contract's properties, which equality implies but which say what went wrong.
@@ -358,7 +391,7 @@ def test_scatter_rejects_foreign_row_ptr(row_ptr, error):
         gpu.csr_scatter(I, row_ptr, EX_CU_Q, EX_CU_K, EX_BK)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("row_ptr", [[[0, 2, 4, 6, 8]], [[-9, 100, 4, 2**31 - 1, -3]]],
                          ids=["other-selection", "garbage"])
 def test_unvalidated_foreign_row_ptr_stays_in_bounds(row_ptr, version):
@@ -412,14 +445,15 @@ def torch_csr(I, rows_total):
 @pytest.mark.big
 @pytest.mark.parametrize("n", [128 * 1024, 1024 * 1024], ids=["128K", "1M"])
 @pytest.mark.parametrize("hot", [0, 3], ids=["uniform", "skewed"])
-def test_production_size_equals_reference(n, hot):
+@pytest.mark.parametrize("scatter", [2, 3])
+def test_production_size_equals_reference(n, hot, scatter):
     import torch
     hkv, topk, bk = 4, 16, 128
     I = production_selection(n, hkv, topk, bk, seed=n + hot, hot=hot)
     dI = torch.from_numpy(I).cuda()
     cu_q = cu_k = cu([n])
-    got = gpu.build_csr(dI, cu_q, cu_k, bk, validate=False)
-    again = gpu.build_csr(dI, cu_q, cu_k, bk, validate=False)
+    got = gpu._build_csr(dI, cu_q, cu_k, bk, validate=False, scatter_version=scatter)
+    again = gpu._build_csr(dI, cu_q, cu_k, bk, validate=False, scatter_version=scatter)
     rows = n // bk
     if n <= 128 * 1024:
         want = ref.build_csr(I, cu_q, cu_k, bk)
@@ -460,7 +494,8 @@ def test_fast_launch_equals_numbas_launch():
                                     "_scan_kernel_serial", "_scan_kernel_reduce",
                                     "_scan_kernel_block_sums", "_scan_kernel_add_back",
                                     "_csr_kernel_scatter_tiled", "_csr_kernel_scatter_rowwise",
-                                    "_csr_kernel_fill_tail"])
+                                    "_csr_kernel_fill_tail", "_csr_kernel_split_groups",
+                                    "_csr_kernel_split_rows"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     import re
 
@@ -481,6 +516,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
                                       i32_2),
         "_csr_kernel_scatter_rowwise": (i32_3, i32_1, i32_1, i32_2, i32_2, i32_2),
         "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
+        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2, i32_2),
+        "_csr_kernel_split_rows": (i32_2, i32_3, i32_2, i32_2, i32_2, i32_2),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
