@@ -106,6 +106,7 @@ _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C =
 DEFAULT_SCATTER = 3  # build_csr's scatter (v3 falls back to v2 past 128 row groups)
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
+_GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
 _MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
 _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
@@ -954,7 +955,7 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     ``row // 128``, in (query, slot) order inside a group."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
-    gstart = cuda.shared.array(_GROUP_ROWS + 1, int64)
+    gstart = cuda.shared.array(_GROUP_STARTS, int64)
     scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
     tile = cuda.blockIdx.x
@@ -975,7 +976,7 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     stamp = 0
     for base in range(0, n_edges, nt):
         e = base + tid
-        key = int64(-1)
+        key = int32(-1)
         t = int64(0)
         s = int64(0)
         r = int64(-1)
@@ -984,7 +985,7 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
             s = e % topk
             r = _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
             if r >= 0 and r < rows:
-                key = r // _GROUP_ROWS
+                key = int32(r // _GROUP_ROWS)
         pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
         if pos >= 0 and pos < width:
@@ -999,7 +1000,7 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
     rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
-    gstart = cuda.shared.array(_GROUP_ROWS + 1, int64)
+    gstart = cuda.shared.array(_GROUP_STARTS, int64)
     scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
     tile = cuda.blockIdx.x
@@ -1037,13 +1038,12 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
         cuda.syncthreads()
         for base in range(lo, hi, nt):
             e = base + tid
-            key = int64(-1)
+            key = int32(-1)
             v = int64(0)
             if e < hi:
                 v = int64(rec_sr[h, e])
-                key = v % _GROUP_ROWS
-                if key >= nr:
-                    key = -1
+                if v % _GROUP_ROWS < nr:
+                    key = int32(v % _GROUP_ROWS)
             pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
             if pos >= 0 and pos < width:
