@@ -175,7 +175,7 @@ def run_case(n, pattern, reps):
         (work[w:] == -1).all())
     again = msa_csr()
     case["reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
-    case["default_scatter"] = gpu_csr.DEFAULT_SCATTER
+    case["default_scatter"] = gpu_csr._Plan(I, cu, cu, BK, False).auto_scatter()
 
     def msa_csr_scatter(version):
         return gpu_csr._build_csr(I, cu, cu, BK, validate=False, scatter_version=version)

@@ -103,8 +103,12 @@ _MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
 _SCAN_ITEMS = 4  # counts per thread in the block scans
 _SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a power of two)
 _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C = min(32, this // K)
-DEFAULT_SCATTER = 3  # build_csr's scatter (v3 falls back to v2 past 128 row groups)
+# build_csr's scatter: v3 where the output (q_indices + slots) is at least this large, v2 below
+# it (on an H200, v2 is faster at 128K tokens, 64 MiB, and v3 at 1M, 512 MiB: benchmarks/
+# bench_csr.py); v3 also needs at most 128 row groups, else v2 runs.
+_SPLIT_MIN_BYTES = 192 << 20
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
+_SPLIT_TILES = 16  # query tiles per CTA of scatter v3's second pass
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
 _MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
@@ -949,10 +953,11 @@ def _clear_stamps(wcnt):
 
 @cuda.jit
 def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
-                             rec_q, rec_sr):
+                             group_starts, rec_q, rec_sr):
     """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
     ``rec_q``/``rec_sr`` (query id; ``slot << 7 | row % 128``), grouped by row group
-    ``row // 128``, in (query, slot) order inside a group."""
+    ``row // 128``, in (query, slot) order inside a group; ``group_starts[tile, h, g]`` says
+    where group g starts (``[.., ngroups]``: where the tile's range ends)."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
@@ -968,8 +973,10 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
     _clear_stamps(wcnt)
     _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
-    for g in range(tid, ngroups, nt):
-        cur[g] = gstart[g]
+    for g in range(tid, ngroups + 1, nt):
+        group_starts[tile, h, g] = gstart[g]
+        if g < ngroups:
+            cur[g] = gstart[g]
     cuda.syncthreads()
     t_begin = int64(tile) * tile_queries
     n_edges = (min(int64(tq), t_begin + tile_queries) - t_begin) * topk
@@ -994,48 +1001,52 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
 
 
 @cuda.jit
-def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
-    """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
-    group and writes every edge to its row: ``row_ptr[h, r] + cursors[tile, h, r]`` plus its
-    rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
+def _csr_kernel_split_rows(row_ptr, cursors, group_starts, tiles_per_cta, rec_q, rec_sr,
+                           q_indices, slots):
+    """Scatter v3, pass 2: CTA (group g and a range of ``tiles_per_cta`` query tiles, head h)
+    reads group g's run of each of its tiles in the split arrays, in tile order, and writes
+    every edge to its row: ``row_ptr[h, r] + cursors[first tile, h, r]`` plus its rank among
+    the range's earlier edges of r. A row's edges of the whole range land side by side, so the
+    writes of a CTA fill whole sectors. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
-    gstart = cuda.shared.array(_GROUP_STARTS, int64)
-    scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
-    tile = cuda.blockIdx.x
+    x = cuda.blockIdx.x
     h = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     rows = row_ptr.shape[1] - 1
     width = q_indices.shape[1]
-    ntiles = cuda.gridDim.x
+    ntiles = cursors.shape[0]
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
+    nranges = (ntiles + tiles_per_cta - 1) // tiles_per_cta
 
-    # The -1 tail: tile k fills its share of [nnz, width).
+    # The -1 tail: CTA x of head h fills its share of [nnz, width).
+    nctas = cuda.gridDim.x
     nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
-    share = (width - nnz + ntiles - 1) // ntiles
-    tail_end = min(int64(width), nnz + (tile + 1) * share)
-    e = nnz + tile * share + tid
+    share = (width - nnz + nctas - 1) // nctas
+    tail_end = min(int64(width), nnz + (x + 1) * share)
+    e = nnz + x * share + tid
     while e < tail_end:
         q_indices[h, e] = -1
         slots[h, e] = -1
         e += nt
 
+    g = x // nranges
+    if g >= ngroups:  # (a grid of one CTA when there are no rows: the tail only)
+        return
+    k0 = (x % nranges) * tiles_per_cta
+    k1 = min(ntiles, k0 + tiles_per_cta)
+    r0 = g * _GROUP_ROWS
+    nr = min(_GROUP_ROWS, rows - r0)
+    for i in range(tid, nr, nt):
+        cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[k0, h, r0 + i])
     _clear_stamps(wcnt)
-    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
     stamp = 0
-    for g in range(ngroups):
-        # (gstart is the same for every thread: the loops below are uniform across the CTA)
-        lo = max(int64(0), min(gstart[g], int64(width)))
-        hi = max(lo, min(gstart[g + 1], int64(width)))
-        if hi == lo:
-            continue
-        r0 = g * _GROUP_ROWS
-        nr = min(_GROUP_ROWS, rows - r0)
-        for i in range(tid, nr, nt):
-            cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
-        cuda.syncthreads()
+    for k in range(k0, k1):
+        # (the same bounds for every thread: the loops below are uniform across the CTA)
+        lo = max(int64(0), min(int64(group_starts[k, h, g]), int64(width)))
+        hi = max(lo, min(int64(group_starts[k, h, g + 1]), int64(width)))
         for base in range(lo, hi, nt):
             e = base + tid
             key = int32(-1)
@@ -1246,23 +1257,33 @@ class _Plan:
                 self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
         return q_indices, slots
 
+    def auto_scatter(self) -> int:
+        """The scatter ``build_csr`` runs: 3 for large outputs where it fits, else 2."""
+        big = 8 * self.hkv * self.width >= _SPLIT_MIN_BYTES
+        return 3 if big and self.split_fits() else 2
+
     def split_fits(self) -> bool:
         """Whether scatter v3 takes this selection (at most 128 row groups of 128 rows)."""
         return self.rows <= _MAX_SPLIT_ROWS
 
     def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
-        """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
+        """Scatter v3: pass 1 over (tile, head), pass 2 over (row group x range of
+        ``_SPLIT_TILES`` tiles, head); two scratch arrays like the output."""
         if not self.hkv * self.width:
             return
         ctx = self.ctx
+        ntiles = cursors.shape[0]
+        ngroups = -(-self.rows // _GROUP_ROWS)
         rec_q = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
         rec_sr = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
+        starts = _karg(ctx, ctx.empty((ntiles, self.hkv, ngroups + 1), np.int32))
         d_cursors = _karg(ctx, cursors)
-        grid = (cursors.shape[0], self.hkv)
-        _launch(_csr_kernel_split_groups, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
-                self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
-        _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, rec_q,
-                rec_sr, dq, ds)
+        _launch(_csr_kernel_split_groups, (ntiles, self.hkv), _SPLIT_THREADS, self.I,
+                self.d_cu_q, self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, starts,
+                rec_q, rec_sr)
+        ranges = -(-ntiles // _SPLIT_TILES)
+        _launch(_csr_kernel_split_rows, (max(1, ngroups * ranges), self.hkv), _SPLIT_THREADS,
+                row_ptr_arg, d_cursors, starts, _SPLIT_TILES, rec_q, rec_sr, dq, ds)
 
     def _scatter_tiled(self, row_ptr_arg, cursors, tile_queries, dq, ds):
         if not self.hkv * self.width:
@@ -1345,7 +1366,7 @@ def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
 
 
 def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
-                validate: bool = True, version: int = DEFAULT_SCATTER):
+                validate: bool = True, version: int | None = None):
     """Paper §4.2, step 3 of the reverse index: every edge's query id into its CSR row.
 
     Edge ``(h, t, s)`` of row ``r`` lands at ``e = row_ptr[h, r] + #{t' < t : t' chose r}``:
@@ -1360,16 +1381,18 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
         validate: check ``I`` (host copy) and that ``row_ptr`` belongs to it (a copy of the
             counts and of ``row_ptr``). With ``False`` a foreign ``row_ptr`` gives unspecified
             entries but every write stays inside ``[0, Tq*K)``.
-        version: 1 (one thread per row, slow), 2 (tiled, a hash table of rows per chunk) or 3
-            (default: two stable multi-splits, by row group then by row; module docstring).
+        version: 1 (one thread per row, slow), 2 (tiled, a hash table of rows per chunk), 3
+            (two stable multi-splits, by row group then by row; module docstring) or None
+            (default: what ``build_csr`` picks, 3 for outputs of 192 MiB and more, else 2).
 
     Returns:
         ``(q_indices, slots)``, int32 [Hkv, Tq*K] each, in the caller's array library. Queries
         ascend inside a row; entries past ``row_ptr[h, -1]`` are -1.
     """
-    if version not in (1, 2, 3):
-        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
+    if version not in (None, 1, 2, 3):
+        raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
+    version = version or plan.auto_scatter()
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(plan.hkv, plan.rows + 1))
     ArrayContext(block_indices, row_ptr)  # TypeError if they come from different libraries
     drow_ptr = _kinput(plan.ctx, "row_ptr", row_ptr)
@@ -1415,7 +1438,7 @@ def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validat
     """``build_csr`` with its knobs exposed to the tests (small tiles exercise many of them)."""
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     ctx = plan.ctx
-    scatter_version = scatter_version or DEFAULT_SCATTER
+    scatter_version = scatter_version or plan.auto_scatter()
     if scatter_version == 1:
         counts = plan.count(max(plan.tq, 1), version=1)[0]
         row_ptr = _prefix_sum(ctx, _karg(ctx, counts), min(scan_version, 2), False,

@@ -96,8 +96,8 @@ SHAPES = [
 
 
 def run_path(path, I, cu_q, cu_k, bk, scatter):
-    if path == "default":
-        if scatter == gpu.DEFAULT_SCATTER:
+    if path == "default":  # (build_csr picks v2 for outputs this small)
+        if scatter == 2:
             return gpu.build_csr(I, cu_q, cu_k, bk)
         return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=scatter)
     if path == "tiles":
@@ -124,14 +124,34 @@ def test_build_csr_equals_reference(lq, lk, hkv, topk, bk, kwargs, path, scatter
     assert_same_csr(run_path(path, I, cu_q, cu_k, bk, scatter), ref.build_csr(I, cu_q, cu_k, bk))
 
 
-def test_scatter_v3_groups_many_rows():
+def test_scatter_v3_groups_many_rows(monkeypatch):
     # 300 rows of one block each (Bk = 1): three row groups, the last one partial, and a few
-    # hot rows; the tiles are small, so each tile holds a handful of every group's edges.
+    # hot rows; with small tiles each tile holds a handful of every group's edges, and with
+    # two tiles per CTA of the second pass a row's edges come from several CTAs.
     I = selection([300], [300], 2, 5, 1, seed=11, hot=(0, 129), shuffle=True)
     want = ref.build_csr(I, cu([300]), cu([300]), 1)
-    for tile in (None, 50):  # (small tiles mean hundreds of CTAs: minutes in the simulator)
+    # (small tiles mean hundreds of CTAs: minutes in the simulator)
+    for tile, tiles_per_cta in ((None, 16), (50, 16), (50, 2)):
+        monkeypatch.setattr(gpu, "_SPLIT_TILES", tiles_per_cta)
         got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=tile)
         assert_same_csr(got, want)
+
+
+def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
+    I = selection([40, 25], [40, 31], 2, 3, 4, seed=5, hot=(0,))
+    want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
+    plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
+    assert plan.auto_scatter() == 2  # 8 * Hkv * Tq*K bytes: far below the threshold
+    ran = []
+    split = gpu._Plan._scatter_split
+    monkeypatch.setattr(gpu._Plan, "_scatter_split",
+                        lambda self, *a: ran.append(3) or split(self, *a))
+    monkeypatch.setattr(gpu, "_SPLIT_MIN_BYTES", 8 * 2 * 65 * 3)  # exactly this output
+    assert plan.auto_scatter() == 3
+    assert_same_csr(gpu.build_csr(I, cu([40, 25]), cu([40, 31]), 4), want)
+    for g, w in zip(gpu.csr_scatter(I, want[0], cu([40, 25]), cu([40, 31]), 4), want[1:]):
+        np.testing.assert_array_equal(to_numpy(g), w)
+    assert ran == [3, 3]
 
 
 def test_scatter_v3_falls_back_past_128_groups(monkeypatch):
@@ -516,8 +536,9 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
                                       i32_2),
         "_csr_kernel_scatter_rowwise": (i32_3, i32_1, i32_1, i32_2, i32_2, i32_2),
         "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
-        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2, i32_2),
-        "_csr_kernel_split_rows": (i32_2, i32_3, i32_2, i32_2, i32_2, i32_2),
+        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_3, i32_2,
+                                     i32_2),
+        "_csr_kernel_split_rows": (i32_2, i32_3, i32_3, i64, i32_2, i32_2, i32_2, i32_2),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
