@@ -22,9 +22,12 @@ prefix sum     v1   one thread per head walks its rows (simple, serial)
                     status words (decoupled look-back, below)
 scatter        v1   one thread per ``(h, row)`` walks its sequence's queries in order
                v2   tiled stable counting sort (below), one CTA per (query tile, head)
+               v3   two stable multi-splits per (query tile, head): by row group, then by row
+                    (below); ``build_csr`` runs it for outputs of 192 MiB and more
 =============  ===  ==========================================================================
 
-``build_csr`` is three launches (count v2, scan v3, scatter v2; seven before v3 and count v2).
+``build_csr`` is three launches (count v2, scan v3, scatter v2), four with scatter v3 (seven
+before scan v3 and count v2).
 At 128K tokens the GPU work of each is tens of microseconds, so each launch's Python cost
 counts too: launchers describe every array once (``_Dev``) and call the compiled kernel of the
 signature directly (``_launch``, next to ``_Dev``).
@@ -59,6 +62,25 @@ row ``r`` goes to ``row_ptr[h, r] + #{t' < t : t' chose r}``. The queries are cu
    position in the row) by ``popc(mask)``. Where a row lands in the hash table depends on the
    atomics, the masks and cursors do not: the output is bitwise reproducible. Two tables
    alternate between chunks, so a chunk costs two barriers.
+
+Scatter v3, for large outputs. v2 writes every edge straight to its row: 4-byte writes spread
+over the whole output, which at 1M tokens (512 MiB of ``q_indices`` + ``slots``) no longer
+merge in the 50 MB L2, so each one costs a partial-sector write to HBM (7 ms at 1M). v3 splits
+the same tile twice, both times with a stable multi-split (``_multisplit``: ``match_any`` ranks
+a record among its warp's records with the same key, a scan over the warps per key gives the
+warp's start, a running cursor per key carries over between chunks; no atomics):
+
+1. pass 1, CTA (tile, h): the tile's edges, in (query, slot) order, go into the tile's own
+   range of two scratch arrays (query id; ``slot << 7 | row % 128``), grouped by row group
+   ``row // 128`` (at most 128 groups: ``rows <= 16384``, else v2 runs);
+2. pass 2, CTA (tile, h): group by group, each record goes to its row, at ``row_ptr[h, r] +
+   cursors[tile, h, r]`` plus its rank among the tile's earlier records of r.
+
+Both passes read and write inside a tile's range (256 KiB per array at 1M), so the writes stay
+in L2 until their sectors are full: at 1M the scatter takes 4.4 ms instead of 7.2. At 128K (64
+MiB of output) v2 is faster (0.43 vs 0.66 ms). The scratch arrays double the memory of the
+build. A second pass over (row group x 16 tiles) instead of per tile, which would write 16
+tiles' edges of a row side by side, measured slower (5.1 ms for that pass alone at 1M).
 
 Memory: ``tile_counts`` is int32 ``[ceil(Tq/TQ), Hkv, rows]``. ``TQ`` is the smallest ``C * 2**k``
 (at most 8192) with ``TQ >= 8 * rows / K``, i.e. at least 8 edges per (tile, row) on average, so
@@ -108,7 +130,6 @@ _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C =
 # bench_csr.py); v3 also needs at most 128 row groups, else v2 runs.
 _SPLIT_MIN_BYTES = 192 << 20
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
-_SPLIT_TILES = 16  # query tiles per CTA of scatter v3's second pass
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
 _MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
@@ -953,11 +974,10 @@ def _clear_stamps(wcnt):
 
 @cuda.jit
 def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
-                             group_starts, rec_q, rec_sr):
+                             rec_q, rec_sr):
     """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
     ``rec_q``/``rec_sr`` (query id; ``slot << 7 | row % 128``), grouped by row group
-    ``row // 128``, in (query, slot) order inside a group; ``group_starts[tile, h, g]`` says
-    where group g starts (``[.., ngroups]``: where the tile's range ends)."""
+    ``row // 128``, in (query, slot) order inside a group."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
@@ -973,10 +993,8 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
     _clear_stamps(wcnt)
     _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
-    for g in range(tid, ngroups + 1, nt):
-        group_starts[tile, h, g] = gstart[g]
-        if g < ngroups:
-            cur[g] = gstart[g]
+    for g in range(tid, ngroups, nt):
+        cur[g] = gstart[g]
     cuda.syncthreads()
     t_begin = int64(tile) * tile_queries
     n_edges = (min(int64(tq), t_begin + tile_queries) - t_begin) * topk
@@ -1001,52 +1019,48 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
 
 
 @cuda.jit
-def _csr_kernel_split_rows(row_ptr, cursors, group_starts, tiles_per_cta, rec_q, rec_sr,
-                           q_indices, slots):
-    """Scatter v3, pass 2: CTA (group g and a range of ``tiles_per_cta`` query tiles, head h)
-    reads group g's run of each of its tiles in the split arrays, in tile order, and writes
-    every edge to its row: ``row_ptr[h, r] + cursors[first tile, h, r]`` plus its rank among
-    the range's earlier edges of r. A row's edges of the whole range land side by side, so the
-    writes of a CTA fill whole sectors. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
+def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
+    """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
+    group and writes every edge to its row: ``row_ptr[h, r] + cursors[tile, h, r]`` plus its
+    rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
+    gstart = cuda.shared.array(_GROUP_STARTS, int64)
+    scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
-    x = cuda.blockIdx.x
+    tile = cuda.blockIdx.x
     h = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     rows = row_ptr.shape[1] - 1
     width = q_indices.shape[1]
-    ntiles = cursors.shape[0]
+    ntiles = cuda.gridDim.x
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
-    nranges = (ntiles + tiles_per_cta - 1) // tiles_per_cta
 
-    # The -1 tail: CTA x of head h fills its share of [nnz, width).
-    nctas = cuda.gridDim.x
+    # The -1 tail: tile k fills its share of [nnz, width).
     nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
-    share = (width - nnz + nctas - 1) // nctas
-    tail_end = min(int64(width), nnz + (x + 1) * share)
-    e = nnz + x * share + tid
+    share = (width - nnz + ntiles - 1) // ntiles
+    tail_end = min(int64(width), nnz + (tile + 1) * share)
+    e = nnz + tile * share + tid
     while e < tail_end:
         q_indices[h, e] = -1
         slots[h, e] = -1
         e += nt
 
-    g = x // nranges
-    if g >= ngroups:  # (a grid of one CTA when there are no rows: the tail only)
-        return
-    k0 = (x % nranges) * tiles_per_cta
-    k1 = min(ntiles, k0 + tiles_per_cta)
-    r0 = g * _GROUP_ROWS
-    nr = min(_GROUP_ROWS, rows - r0)
-    for i in range(tid, nr, nt):
-        cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[k0, h, r0 + i])
     _clear_stamps(wcnt)
+    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
     stamp = 0
-    for k in range(k0, k1):
-        # (the same bounds for every thread: the loops below are uniform across the CTA)
-        lo = max(int64(0), min(int64(group_starts[k, h, g]), int64(width)))
-        hi = max(lo, min(int64(group_starts[k, h, g + 1]), int64(width)))
+    for g in range(ngroups):
+        # (gstart is the same for every thread: the loops below are uniform across the CTA)
+        lo = max(int64(0), min(gstart[g], int64(width)))
+        hi = max(lo, min(gstart[g + 1], int64(width)))
+        if hi == lo:
+            continue
+        r0 = g * _GROUP_ROWS
+        nr = min(_GROUP_ROWS, rows - r0)
+        for i in range(tid, nr, nt):
+            cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
+        cuda.syncthreads()
         for base in range(lo, hi, nt):
             e = base + tid
             key = int32(-1)
@@ -1267,23 +1281,18 @@ class _Plan:
         return self.rows <= _MAX_SPLIT_ROWS
 
     def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
-        """Scatter v3: pass 1 over (tile, head), pass 2 over (row group x range of
-        ``_SPLIT_TILES`` tiles, head); two scratch arrays like the output."""
+        """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
         if not self.hkv * self.width:
             return
         ctx = self.ctx
-        ntiles = cursors.shape[0]
-        ngroups = -(-self.rows // _GROUP_ROWS)
         rec_q = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
         rec_sr = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
-        starts = _karg(ctx, ctx.empty((ntiles, self.hkv, ngroups + 1), np.int32))
         d_cursors = _karg(ctx, cursors)
-        _launch(_csr_kernel_split_groups, (ntiles, self.hkv), _SPLIT_THREADS, self.I,
-                self.d_cu_q, self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, starts,
-                rec_q, rec_sr)
-        ranges = -(-ntiles // _SPLIT_TILES)
-        _launch(_csr_kernel_split_rows, (max(1, ngroups * ranges), self.hkv), _SPLIT_THREADS,
-                row_ptr_arg, d_cursors, starts, _SPLIT_TILES, rec_q, rec_sr, dq, ds)
+        grid = (cursors.shape[0], self.hkv)
+        _launch(_csr_kernel_split_groups, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
+                self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
+        _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, rec_q,
+                rec_sr, dq, ds)
 
     def _scatter_tiled(self, row_ptr_arg, cursors, tile_queries, dq, ds):
         if not self.hkv * self.width:

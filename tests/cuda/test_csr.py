@@ -124,15 +124,12 @@ def test_build_csr_equals_reference(lq, lk, hkv, topk, bk, kwargs, path, scatter
     assert_same_csr(run_path(path, I, cu_q, cu_k, bk, scatter), ref.build_csr(I, cu_q, cu_k, bk))
 
 
-def test_scatter_v3_groups_many_rows(monkeypatch):
+def test_scatter_v3_groups_many_rows():
     # 300 rows of one block each (Bk = 1): three row groups, the last one partial, and a few
-    # hot rows; with small tiles each tile holds a handful of every group's edges, and with
-    # two tiles per CTA of the second pass a row's edges come from several CTAs.
+    # hot rows; with small tiles each tile holds a handful of every group's edges.
     I = selection([300], [300], 2, 5, 1, seed=11, hot=(0, 129), shuffle=True)
     want = ref.build_csr(I, cu([300]), cu([300]), 1)
-    # (small tiles mean hundreds of CTAs: minutes in the simulator)
-    for tile, tiles_per_cta in ((None, 16), (50, 16), (50, 2)):
-        monkeypatch.setattr(gpu, "_SPLIT_TILES", tiles_per_cta)
+    for tile in (None, 50):  # (small tiles mean hundreds of CTAs: minutes in the simulator)
         got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=tile)
         assert_same_csr(got, want)
 
@@ -536,9 +533,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
                                       i32_2),
         "_csr_kernel_scatter_rowwise": (i32_3, i32_1, i32_1, i32_2, i32_2, i32_2),
         "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
-        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_3, i32_2,
-                                     i32_2),
-        "_csr_kernel_split_rows": (i32_2, i32_3, i32_3, i64, i32_2, i32_2, i32_2, i32_2),
+        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2, i32_2),
+        "_csr_kernel_split_rows": (i32_2, i32_3, i32_2, i32_2, i32_2, i32_2),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
