@@ -18,6 +18,8 @@
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/msa_out}
+# The machine gets a copy of the tree without history: the results' headers read MSA_COMMIT.
+if [[ -z ${MSA_COMMIT:-} && -f .gpu/commit ]]; then export MSA_COMMIT=$(cat .gpu/commit); fi
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
