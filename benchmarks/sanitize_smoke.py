@@ -55,6 +55,14 @@ def main() -> int:
     report("build_csr (scatter v3)", all(
         np.array_equal(g.cpu().numpy(), w) for g, w in zip(got_v3, (row_ptr_ref, q_ind_ref,
                                                                    slots_ref))))
+    # ... and over two row groups (150 rows of Bk = 4), where its second pass loops over groups.
+    cu600 = np.array([0, 600], np.int32)
+    i_fix = R.fixed_blocks(cu600, cu600, 2, 4, 4)
+    got_v3 = C.csr._build_csr(dev(i_fix), dev(cu600), dev(cu600), 4, scatter_version=3,
+                              tile_queries=128)
+    report("build_csr (v3, 2 row groups)", all(
+        np.array_equal(g.cpu().numpy(), w) for g, w in zip(got_v3, R.build_csr(i_fix, cu600,
+                                                                              cu600, 4))))
     chunk = 64
     work_ref = R.build_schedule(row_ptr_ref, ck, bk, chunk)
     work, n = C.build_schedule(row_ptr, dev(ck), bk, chunk, max_edges=idx_ref.size)

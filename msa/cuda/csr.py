@@ -1282,6 +1282,9 @@ class _Plan:
 
     def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
         """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
+        if not self.split_fits():  # the kernels' shared arrays hold 128 groups
+            raise ValueError(f"scatter v3 takes at most {_MAX_SPLIT_ROWS} CSR rows, got "
+                             f"{self.rows}")
         if not self.hkv * self.width:
             return
         ctx = self.ctx

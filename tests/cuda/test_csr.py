@@ -151,14 +151,33 @@ def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
     assert ran == [3, 3]
 
 
+def test_scatter_v3_groups_varlen_padded():
+    # Several sequences (one with no queries), -1 padding, a partial last group, 3 heads and
+    # tiles that cut sequences: rows 0-89 | 90-94 | 95-154 of Bk = 4 blocks, 155 rows in all.
+    lq, lk = [150, 0, 90], [360, 17, 240]
+    I = selection(lq, lk, 3, 4, 4, seed=23, hot=(0, 1), fill=False, shuffle=True)
+    want = ref.build_csr(I, cu(lq), cu(lk), 4)
+    assert want[0].shape[1] - 1 > 128  # two row groups
+    got = gpu._build_csr(I, cu(lq), cu(lk), 4, scatter_version=3, tile_queries=64)
+    assert_same_csr(got, want)
+
+
 def test_scatter_v3_falls_back_past_128_groups(monkeypatch):
     # More rows than 128 groups of 128 hold: v2 runs instead (here with the limit lowered).
     monkeypatch.setattr(gpu, "_MAX_SPLIT_ROWS", 8)
+    ran = []
+    for name in ("_scatter_split", "_scatter_tiled"):
+        method = getattr(gpu._Plan, name)
+        monkeypatch.setattr(gpu._Plan, name, lambda self, *a, _m=method, _n=name: (
+            ran.append(_n), _m(self, *a))[1])
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=2, hot=(0,))
     plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
     assert plan.rows > 8 and not plan.split_fits()
     got = gpu._build_csr(I, cu([40, 25]), cu([40, 31]), 4, scatter_version=3)
     assert_same_csr(got, ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4))
+    assert ran == ["_scatter_tiled"]
+    with pytest.raises(ValueError, match="scatter v3"):
+        plan._scatter_split(None, None, 8, None, None)
 
 
 @pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs", [
