@@ -76,11 +76,13 @@ warp's start, a running cursor per key carries over between chunks; no atomics):
 2. pass 2, CTA (tile, h): group by group, each record goes to its row, at ``row_ptr[h, r] +
    cursors[tile, h, r]`` plus its rank among the tile's earlier records of r.
 
-Both passes read and write inside a tile's range (256 KiB per array at 1M), so the writes stay
-in L2 until their sectors are full: at 1M the scatter takes 4.4 ms instead of 7.2. At 128K (64
-MiB of output) v2 is faster (0.43 vs 0.66 ms). The scratch arrays double the memory of the
-build. A second pass over (row group x 16 tiles) instead of per tile, which would write 16
-tiles' edges of a row side by side, measured slower (5.1 ms for that pass alone at 1M).
+Pass 1 writes inside the tile's range (256 KiB per array at 1M); pass 2 writes a tile's whole
+run of each row (~8 edges at 1M) while it works on that row's group, so the run's sectors fill
+while they are in L2, except a sector shared with the next tile's run. At 1M the scatter takes
+4.4 ms instead of 7.2; at 128K (64 MiB of output) v2 is faster (0.40 vs 0.60 ms; H200,
+benchmarks/bench_csr.py). The scratch arrays double the memory of the build. A second pass
+over (row group x 16 tiles) instead of per tile, which writes 16 tiles' runs of a row side by
+side, measured slower (5.1 ms for that pass alone at 1M).
 
 Memory: ``tile_counts`` is int32 ``[ceil(Tq/TQ), Hkv, rows]``. ``TQ`` is the smallest ``C * 2**k``
 (at most 8192) with ``TQ >= 8 * rows / K``, i.e. at least 8 edges per (tile, row) on average, so
@@ -1392,7 +1394,8 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
         cu_seqlens_q, cu_seqlens_k: int [B+1]. block_size: Bk >= 1.
         validate: check ``I`` (host copy) and that ``row_ptr`` belongs to it (a copy of the
             counts and of ``row_ptr``). With ``False`` a foreign ``row_ptr`` gives unspecified
-            entries but every write stays inside ``[0, Tq*K)``.
+            entries but every write stays inside ``[0, Tq*K)``; scatter v3 may then also take
+            far longer (its loops follow ``row_ptr``'s differences, clamped to ``Tq*K``).
         version: 1 (one thread per row, slow), 2 (tiled, a hash table of rows per chunk), 3
             (two stable multi-splits, by row group then by row; module docstring) or None
             (default: what ``build_csr`` picks, 3 for outputs of 192 MiB and more, else 2).
@@ -1425,7 +1428,8 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
     """Paper §4.2: the k2q reverse index of a selection, built on the GPU.
 
     Tile histogram (count v2) -> tile scan + prefix sum (scan v3, one look-back launch) ->
-    tiled deterministic scatter: three launches, no host round trip besides ``cu_seqlens``
+    tiled deterministic scatter (v3, two launches, for outputs of 192 MiB and more; else v2):
+    three or four launches, no host round trip besides ``cu_seqlens``
     (and ``validate``).
 
     Args:
