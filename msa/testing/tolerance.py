@@ -6,13 +6,16 @@ error of a plain computation in the working precision (the *baseline*, e.g. the 
 run on the float32 inputs the kernel got)::
 
     max|actual - oracle| <= factor * max|baseline - oracle| + floor
-    floor = floor_ulps * eps * max|oracle|
+    floor = floor_ulps * eps * scale,   scale = max|oracle| unless the caller gives it
 
 Both maxima run over the positions where the oracle is finite; ``eps`` is the machine epsilon of
 the coarser of ``actual``'s and ``baseline``'s float dtypes (float32: 2**-23; float16: 2**-10),
 unless ``dtype`` names another. The floor only matters when the baseline happens to be exact
 (a copy, a sum of a few exactly representable terms): a kernel that rounds in another order may
-still be a few ulps off there. No magic ``atol``.
+still be a few ulps off there. No magic ``atol``. ``scale`` is for results that are small sums
+of large terms, which round at the scale of the terms: a float32 LSE ``a + log(total)`` with
+``a = max_s L_s`` carries the rounding of ``a`` and of ``log(total)`` (and of ``total``, a sum
+of terms in ``[0, 1]``), however close to 0 their sum is.
 
 Special values must match exactly: ``actual`` is ``-inf`` exactly where the oracle is ``-inf``
 (empty rows, invisible blocks) and ``+inf`` where it is ``+inf``; NaN is never accepted in
@@ -83,7 +86,8 @@ def _values(idx, **arrays) -> str:
 
 
 def assert_close_to_oracle(actual, oracle, baseline, *, factor: float = 2.0, name: str = "output",
-                           floor_ulps: float = 4.0, dtype=None) -> ToleranceReport:
+                           floor_ulps: float = 4.0, dtype=None,
+                           scale: float | None = None) -> ToleranceReport:
     """Assert ``actual`` is within ``factor`` x the baseline's error of the float64 ``oracle``.
 
     Args:
@@ -95,6 +99,8 @@ def assert_close_to_oracle(actual, oracle, baseline, *, factor: float = 2.0, nam
         name: what is compared, for the message (``"o"``, ``"lse"``).
         floor_ulps: the floor in units of ``eps * max|oracle|`` (see the module docstring).
         dtype: float dtype whose eps sets the floor; default the coarser of actual's/baseline's.
+        scale: the magnitude the floor is relative to, >= 0; default ``max|oracle|`` (module
+            docstring: for a small sum of large terms, the size of the terms).
 
     Returns:
         A ``ToleranceReport`` with the measured errors.
@@ -140,7 +146,10 @@ def assert_close_to_oracle(actual, oracle, baseline, *, factor: float = 2.0, nam
     with np.errstate(invalid="ignore"):  # inf - inf where the oracle is infinite, masked out
         err = np.where(finite, np.abs(a - o), 0.0)
         err_base = np.where(finite, np.abs(b - o), 0.0)
-    scale = float(np.abs(o[finite]).max()) if finite.any() else 0.0
+    if scale is None:
+        scale = float(np.abs(o[finite]).max()) if finite.any() else 0.0
+    elif not scale >= 0:
+        raise ValueError(f"scale must be >= 0, got {scale}")
     floor = floor_ulps * eps * scale
     baseline_error = float(err_base.max()) if err_base.size else 0.0
     bound = factor * baseline_error + floor
@@ -152,7 +161,7 @@ def assert_close_to_oracle(actual, oracle, baseline, *, factor: float = 2.0, nam
         raise AssertionError(
             f"{name}: max |actual - oracle| = {error:.3e} at index {worst} exceeds the bound "
             f"{bound:.3e} = {factor:g} x baseline error {baseline_error:.3e} + floor {floor:.3e} "
-            f"({floor_ulps:g} x eps {eps:.2e} x max|oracle| {scale:.3e}); at that index "
+            f"({floor_ulps:g} x eps {eps:.2e} x scale {scale:.3e}); at that index "
             f"{_values(worst, actual=a, oracle=o, baseline=b)}; {over} of {err.size} elements "
             f"exceed the bound (error ratio {report.ratio:.3g} x baseline)")
     return report

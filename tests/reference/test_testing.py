@@ -46,6 +46,21 @@ def test_float16_result_fails_against_a_float32_baseline():
         assert_close_to_oracle(actual, oracle, baseline, name="lse", dtype=np.float32)
 
 
+def test_scale_sets_the_floor():
+    # An exact baseline leaves only the floor: 4 eps x scale, with scale max|oracle| by default.
+    oracle = np.array([0.025, -0.01])
+    baseline = oracle.astype(np.float32).astype(np.float64)
+    eps = float(np.finfo(np.float32).eps)
+    off = baseline + np.array([1e-7, 0.0])  # ~0.8 ulp of 0.25-sized terms, 40 ulps of 0.025
+    with pytest.raises(AssertionError, match=r"scale 2\.500e-02"):
+        assert_close_to_oracle(off, oracle, baseline, name="lse", dtype=np.float32)
+    report = assert_close_to_oracle(off, oracle, baseline, name="lse", dtype=np.float32,
+                                    scale=1.5)
+    assert report.floor == pytest.approx(4 * eps * 1.5)
+    with pytest.raises(ValueError, match="scale"):
+        assert_close_to_oracle(off, oracle, baseline, scale=-1.0)
+
+
 @given(scale=st.floats(0.0, 0.99), index=st.integers(0, 5 * 50 - 1))
 def test_one_perturbed_element_fails_exactly_past_the_bound(scale, index):
     """Moving one element by s x the bound passes for s < 1 and fails for s > 1, naming it."""
