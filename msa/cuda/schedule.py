@@ -58,6 +58,7 @@ from .csr import (
     _csr_kernel_tile_scan,
     _device_copy,
     _grid,
+    _host_ints,
     _karg,
     _kinput,
     _last_le,
@@ -226,8 +227,7 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if max_edges is not None:
         max_edges = check_positive_int("max_edges", max_edges, low=0)
-    check_array("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=("int",))
-    cu_bytes = np.ascontiguousarray(cu_to_host(cu_seqlens_k), dtype=np.int64).tobytes()
+    cu_bytes = _host_ints("cu_seqlens_k", cu_seqlens_k).tobytes()
     cu_k, row_offsets, rows, per_head, num_keys = _host_metadata(cu_bytes, block_size,
                                                                  chunk_size, max_edges)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(None, rows + 1))
