@@ -196,11 +196,6 @@ def run_case(n, pattern, reps):
     t["msa_csr_schedule_ms"] = time_ms(msa_all, reps)
     for version in (2, 3):
         t[f"msa_csr_scatter_v{version}_ms"] = time_ms(lambda: msa_csr_scatter(version), reps)
-    plan = gpu_csr._Plan(I, cu, cu, BK, False)
-    if plan.split_fits():  # v3 on v2's tiles (8 edges per tile and row instead of 16)
-        t["msa_csr_scatter_v3_tiles8_ms"] = time_ms(lambda: gpu_csr._build_csr(
-            I, cu, cu, BK, validate=False, scatter_version=3,
-            tile_queries=plan.tile_queries(8)), reps)
     t["torch_csr_ms"] = time_ms(lambda: torch_csr(I, rows), reps)
     t["torch_csr_schedule_ms"] = time_ms(torch_all, reps)
     case.update(t)

@@ -132,7 +132,6 @@ _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C =
 # bench_csr.py); v3 also needs at most 128 row groups, else v2 runs.
 _SPLIT_MIN_BYTES = 192 << 20
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
-_SPLIT_PER_ROW = 16  # scatter v3's query tiles: at least this many edges per (tile, row)
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
 _MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
@@ -1203,11 +1202,10 @@ class _Plan:
     def chunk_queries(self) -> int:
         return max(1, min(32, _CHUNK_THREADS // self.topk))
 
-    def tile_queries(self, per_row: int = 8) -> int:
-        """TQ: at least ``per_row`` edges per (tile, row) on average (module docstring); 8 for
-        scatter v2, ``_SPLIT_PER_ROW`` for v3, whose runs of a row per tile should be long."""
+    def tile_queries(self) -> int:
+        """TQ: at least 8 edges per (tile, row) on average (see the module docstring)."""
         tile = self.chunk_queries()
-        while tile < _MAX_TILE and tile * self.topk < per_row * self.rows:
+        while tile < _MAX_TILE and tile * self.topk < 8 * self.rows:
             tile *= 2
         return tile
 
@@ -1266,11 +1264,10 @@ class _Plan:
                 _launch(_csr_kernel_fill_tail, _grid(self.hkv * self.width), _THREADS,
                         row_ptr_arg, dq, ds)
         else:
-            split = version == 3 and self.split_fits()
-            tq_tile = tile_queries or self.tile_queries(_SPLIT_PER_ROW if split else 8)
+            tq_tile = tile_queries or self.tile_queries()
             cursors = self.count(tq_tile)
             self.tile_scan(cursors)
-            if split:
+            if version == 3 and self.split_fits():
                 self._scatter_split(row_ptr_arg, cursors, tq_tile, dq, ds)
             else:
                 self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
@@ -1464,12 +1461,13 @@ def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validat
                               threads=scan_threads)
         q_indices, slots = plan.scatter(_karg(ctx, row_ptr), 1)
     else:
-        split = scatter_version == 3 and plan.split_fits()
-        tq_tile = tile_queries or plan.tile_queries(_SPLIT_PER_ROW if split else 8)
+        tq_tile = tile_queries or plan.tile_queries()
         cursors = plan.count(tq_tile, version=count_version)
         row_ptr = plan.scan(cursors, scan_version, scan_threads)
         q_indices = ctx.empty((plan.hkv, plan.width), np.int32)
         slots = ctx.empty((plan.hkv, plan.width), np.int32)
-        scatter = plan._scatter_split if split else plan._scatter_tiled
+        scatter = plan._scatter_tiled
+        if scatter_version == 3 and plan.split_fits():
+            scatter = plan._scatter_split
         scatter(_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices), _karg(ctx, slots))
     return ctx.output(row_ptr), ctx.output(q_indices), ctx.output(slots)
