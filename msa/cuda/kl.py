@@ -116,14 +116,14 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from .attention import _device_copy, _item_fields, _row_query
+from .attention import _check_entry, _device_copy, _item_fields, _load_entry, _row_query
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
-                      cp_async_wait_all, is_aligned16, no_op)
-from ._mma import (bf16_to_f32, f16_bits_to_f32, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
-                   mma_f16_m16n8k16)
+                      cp_async_wait_all, is_aligned16, ldmatrix_x4, no_op)
+from ._mma import (bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
+                   mma_bf16_m16n8k16, mma_f16_m16n8k16)
 
-VERSIONS = (1, 2, 3)
-DEFAULT_VERSION = 3
+VERSIONS = (1, 2, 3, 4)
+DEFAULT_VERSION = 4
 MAX_BLOCK_SIZE_V3 = 256
 # v3 tile rows R (query positions x G heads): the paper's 128 on a GPU, the smallest in the
 # simulator (its mma twin pays two barriers per call).
@@ -1206,6 +1206,561 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
     return _kl_kernel_mma_v3
 
 
+# =============================================================================================
+# v4: v3's backward with the teacher in registers (K1 v3's layout) and a register-resident
+# student pass
+# =============================================================================================
+
+_LOG2E = float32(1.4426950408889634)
+_LN2 = float32(0.6931471805599453)
+# v4 tile rows R = P x G of the grad kernel (64 as K1 v3's default; the simulator's smallest)
+DEFAULT_TILE_ROWS_V4 = 16 if SIMULATOR else 64
+_STUDENT_WARPS_V4 = 1 if SIMULATOR else 4  # student pass: 16 query positions per warp
+
+
+def _v4_layout(block_size, head_dim, index_dim, rows, positions):
+    """v4 grad kernel's shared memory: ``(LD, LDI, LDT), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T,
+    OFF_DQ), bytes, KS``.
+
+    Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
+    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ, then read by the dq_idx loop), sQ two
+    buffers of R query rows (tile i + 1 is gathered while tile i computes), sQi two buffers of
+    PP = ceil16(P) index query rows (rows past P are zeros). Floats: sX [Bk keys x LDT] key-major,
+    LDT = 4 ceil(P/4): the student logits of the tile's positions, then their ``P^idx - P``;
+    sT [Bk x LDT] the teacher ``P`` (each element written and read by the lane that owns it:
+    a register array indexed by the lane's share of keys would live in local memory);
+    sDQ [KS x P x Didx] the dq_idx partials of KS key ranges (only when KS > 1)."""
+    ld = head_dim // 2 + 4
+    ldi = index_dim // 2 + 4
+    pp = -(-positions // 16) * 16
+    ldt = 4 * -(-positions // 4)
+    threads = 2 * rows
+    items = (index_dim // 2) * (ldt // 4)
+    ks = 1
+    while items * ks * 2 <= threads and block_size // (ks * 2) >= 16:
+        ks *= 2
+    off_ki = block_size * ld
+    off_q = off_ki + block_size * ldi
+    off_qi = off_q + 2 * rows * ld
+    off_x = off_qi + 2 * pp * ldi
+    off_t = off_x + block_size * ldt
+    off_dq = off_t + block_size * ldt
+    total = off_dq + (ks * positions * index_dim if ks > 1 else 0)
+    return (ld, ldi, ldt), (off_ki, off_q, off_qi, off_x, off_t, off_dq), 4 * total, ks
+
+
+def _v4_student_layout(block_size, index_dim, positions):
+    """v4 student kernel: sKi [Bk rows] and two buffers of ``positions`` index query rows."""
+    ldi = index_dim // 2 + 4
+    return ldi, block_size * ldi, 4 * (block_size + 2 * positions) * ldi
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_student_reg(bf16_in: bool, block_size: int, index_dim: int, warps: int,
+                           use_async: bool = True):
+    """v4 ``LSE^idx`` pass: per work item, the slot states ``(m, l, 0, 0)`` of its queries.
+
+    One CTA per work item loads K_idx of the key block once; tiles of ``16 warps`` query
+    positions (no heads: the index branch has one query per group), each warp 16 of them:
+    ``S^idx`` in registers (fp32 mma accumulators), masked causally, the row's maximum and
+    ``l = sum exp(S^idx - m)`` by quad shuffles. ``part[0..3, slot, t, h] = (m, l, 0, 0)``
+    (``m`` natural-log units), merged in slot order by ``_kl_kernel_combine_states``."""
+    Bk, DI = block_size, index_dim
+    NW = warps
+    PS = 16 * NW  # positions per tile
+    NT = 32 * NW
+    assert DI % 16 == 0 and Bk % 16 == 0 and NW <= _mma.MAX_WARPS
+    LDI, OFF_Q, _ = _v4_student_layout(Bk, DI, PS)
+    DIW = DI // 2
+    PIECES = DIW // 4
+    HALF = PIECES // 2 if PIECES >= 2 else 1
+    HALVES = PIECES // HALF  # threads per row: NT = 2 PS threads, two per row
+    QBUF = PS * LDI
+    NS = Bk // 8
+    S_REGS = 4 * NS  # (a local array's size must be a plain constant)
+    KS = DI // 16
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    copy16 = cp_async16 if use_async else copy16_plain3
+    copy16_2d = cp_async16 if use_async else copy16_plain2
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+
+    @cuda.jit
+    def _kl_kernel_student_v4(q_idx, k_idx, work, q_indices, slots, cu_q, cu_k,
+                              index_scale_log2, part):
+        smem = _v3_smem_words()
+        s_acc = cuda.local.array(S_REGS, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = part.shape[1]
+        hkv = q_idx.shape[1]
+        h, q_begin, q_count, b, j, key0, nk = _item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
+        if q_count <= 0:
+            return
+        key_pos0 = j * Bk
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
+        num_tiles = (q_count + PS - 1) // PS
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            copy16_2d(smem, c * LDI + w, k_idx, (key0 + (c if ok else 0)) * DIW + w,
+                      16 if ok else 0)
+        g_row = tid // 2
+        g_half = tid % 2
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, g_row, PS)
+        t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+        if g_half < HALVES:
+            src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
+            for u in range(HALF):
+                copy16(smem, OFF_Q + g_row * LDI + g_half * HALF * 4 + 4 * u, q_idx,
+                       src + 4 * u, 16 if t_g >= 0 else 0)
+        commit()
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 1, PS, 1, g_row, PS)
+        r_top = 16 * warp + g4
+        r_bot = r_top + 8
+        tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_top, PS)
+        tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_bot, PS)
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LDI + (lane >> 4) * 4
+        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
+
+        for tile in range(num_tiles):
+            buf = tile % 2
+            wait_all()
+            cuda.syncthreads()
+            if tile + 1 < num_tiles:
+                t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                if g_half < HALVES:
+                    src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
+                    dst = OFF_Q + (1 - buf) * QBUF + g_row * LDI + g_half * HALF * 4
+                    for u in range(HALF):
+                        copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t_g >= 0 else 0)
+            commit()
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, PS, 1,
+                                       g_row, PS)
+            t_top, s_top, pos_top = _check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
+            t_bot, s_bot, pos_bot = _check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
+                                         r_top, PS)
+            tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
+                                         r_bot, PS)
+            for i in range(4 * NS):
+                s_acc[i] = float32(0.0)
+            qa = OFF_Q + buf * QBUF + a_lane
+            for ks in range(KS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                for n2 in range(NS // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LDI + 8 * ks)
+                    n = 8 * n2
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
+                                         s_acc[n + 2], s_acc[n + 3])
+                    s_acc[n] = d0
+                    s_acc[n + 1] = d1
+                    s_acc[n + 2] = d2
+                    s_acc[n + 3] = d3
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
+                                         s_acc[n + 6], s_acc[n + 7])
+                    s_acc[n + 4] = d0
+                    s_acc[n + 5] = d1
+                    s_acc[n + 6] = d2
+                    s_acc[n + 7] = d3
+            lim_top = min(pos_top - key_pos0, nk - 1)
+            lim_bot = min(pos_bot - key_pos0, nk - 1)
+            m_top = _NEG_INF
+            m_bot = _NEG_INF
+            for i in range(NS):
+                for e in range(2):
+                    c = 8 * i + 2 * t4 + e
+                    x_top = s_acc[4 * i + e] * index_scale_log2
+                    x_bot = s_acc[4 * i + 2 + e] * index_scale_log2
+                    if c > lim_top:
+                        x_top = _NEG_INF
+                    if c > lim_bot:
+                        x_bot = _NEG_INF
+                    s_acc[4 * i + e] = x_top
+                    s_acc[4 * i + 2 + e] = x_bot
+                    m_top = max(m_top, x_top)
+                    m_bot = max(m_bot, x_bot)
+            m_top = max(m_top, cuda.shfl_xor_sync(_FULL_MASK, m_top, 1))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(_FULL_MASK, m_bot, 1))
+            m_top = max(m_top, cuda.shfl_xor_sync(_FULL_MASK, m_top, 2))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(_FULL_MASK, m_bot, 2))
+            mb_top = m_top if m_top > _NEG_INF else float32(0.0)
+            mb_bot = m_bot if m_bot > _NEG_INF else float32(0.0)
+            l_top = float32(0.0)
+            l_bot = float32(0.0)
+            for i in range(NS):
+                for e in range(2):
+                    l_top += exp2(s_acc[4 * i + e] - mb_top)
+                    l_bot += exp2(s_acc[4 * i + 2 + e] - mb_bot)
+            l_top += cuda.shfl_xor_sync(_FULL_MASK, l_top, 1)
+            l_bot += cuda.shfl_xor_sync(_FULL_MASK, l_bot, 1)
+            l_top += cuda.shfl_xor_sync(_FULL_MASK, l_top, 2)
+            l_bot += cuda.shfl_xor_sync(_FULL_MASK, l_bot, 2)
+            if t4 == 0:
+                if t_top >= 0:
+                    part[0, s_top, t_top, h] = m_top * _LN2 if l_top > 0 else _NEG_INF
+                    part[1, s_top, t_top, h] = l_top
+                    part[2, s_top, t_top, h] = float32(0.0)
+                    part[3, s_top, t_top, h] = float32(0.0)
+                if t_bot >= 0:
+                    part[0, s_bot, t_bot, h] = m_bot * _LN2 if l_bot > 0 else _NEG_INF
+                    part[1, s_bot, t_bot, h] = l_bot
+                    part[2, s_bot, t_bot, h] = float32(0.0)
+                    part[3, s_bot, t_bot, h] = float32(0.0)
+
+    return _kl_kernel_student_v4
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
+                        group: int, positions: int, use_async: bool = True):
+    """v4 grad pass: v3's ``"grad"`` mode with the teacher in registers.
+
+    Per tile of ``R = P G`` rows (``P`` query positions x ``G`` heads, row ``r`` = position
+    ``r // G``, head ``r % G``), warp ``w`` owning rows ``16w .. 16w + 15``:
+
+    1. the student logits ``S^idx`` of the P positions (one mma m-tile per 16 positions, the
+       n-tiles dealt to the warps) into ``sX`` (key-major), ``-inf`` where hidden;
+    2. ``S = Q Kᵀ`` in registers as K1 v3, each head's ``P_h = exp(S scale - LSE_h)``;
+    3. the teacher ``P = mean_h P_h`` of each position by butterfly shuffles over the lanes of
+       the position's rows (``log2 min(G, 8)`` steps, plus the two row halves at G = 16);
+    4. each lane, for its share of the position's keys, ``dS = P^idx - P`` (into ``sX`` and,
+       times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
+       ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
+    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` (fp32 FMAs from
+       ``sX`` and ``sKi``, each thread 2 dims x 4 positions over a range of keys).
+
+    Outputs as v3's grad mode: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``,
+    ``dq_part[slot, t, h, :]``."""
+    Bk, D, DI, G, P = block_size, head_dim, index_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    assert G in GQA_GROUP_SIZES and R % 16 == 0 and NW <= _mma.MAX_WARPS
+    assert D % 16 == 0 and DI % 16 == 0 and Bk % 16 == 0
+    (LD, LDI, LDT), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T, OFF_DQ), _, KS = _v4_layout(
+        Bk, D, DI, R, P)
+    PP = -(-P // 16) * 16
+    DW = D // 2
+    DIW = DI // 2
+    PIECES = DW // 4
+    PIECES_I = DIW // 4
+    HALF = PIECES // 2 if PIECES >= 2 else 1
+    HALVES = PIECES // HALF
+    QBUF = R * LD
+    QIBUF = PP * LDI
+    NS = Bk // 8
+    S_REGS = 4 * NS  # (a local array's size must be a plain constant)
+    KSTEPS = D // 16
+    KSTEPS_I = DI // 16
+    GG = min(G, 8)  # lanes (g4 values) sharing a position's row within one row half
+    STEPS = GG.bit_length() - 1
+    BOTH = G == 16  # the two row halves of a lane are the same position
+    OWN_TILES = -(-NS // GG)  # n-tiles of a lane's share of its positions' keys (at most)
+    MT = PP // 16
+    NPAIRS = Bk // 16
+    STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
+    PB = LDT // 4
+    ITEMS = DIW * PB
+    KEYS_PER = Bk // KS
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
+    copy16 = cp_async16 if use_async else copy16_plain3
+    copy16_2d = cp_async16 if use_async else copy16_plain2
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+    inv_g = float32(1.0 / G)
+
+    @cuda.jit(device=True, inline=True)
+    def gather(smem, q, q_idx, h, row, half, t, buf, pos_t, pos_s, pos_q, s, pos):
+        """This thread's half of query row ``row`` of a tile into buffer ``buf`` (zeros if
+        ``t = -1``); the thread with half 0 of a position's first row also copies the
+        position's index query and records ``(t, slot, pos)`` in the tables."""
+        hkv = q_idx.shape[1]
+        if half < HALVES:
+            src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
+            dst = OFF_Q + buf * QBUF + row * LD + half * HALF * 4
+            for u in range(HALF):
+                copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
+        if half == 0 and row % G == 0:
+            p = row // G
+            pos_t[buf, p] = t
+            pos_s[buf, p] = s
+            pos_q[buf, p] = pos
+            src = ((t if t >= 0 else 0) * hkv + h) * DIW
+            dst = OFF_QI + buf * QIBUF + p * LDI
+            for u in range(PIECES_I):
+                copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t >= 0 else 0)
+
+    @cuda.jit
+    def _kl_kernel_grad_v4(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
+                           cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
+        smem = _v3_smem_words()
+        sf = _v3_smem_floats()
+        pos_t = cuda.shared.array((2, P), int32)
+        pos_s = cuda.shared.array((2, P), int32)
+        pos_q = cuda.shared.array((2, P), int32)
+        s_acc = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(8, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = ds.shape[2]
+        hkv = k.shape[1]
+        h, q_begin, q_count, b, j, key0, nk = _item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
+        if q_count <= 0:
+            return
+        key_pos0 = j * Bk
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
+        num_tiles = (q_count + P - 1) // P
+        cq = coef * index_scale
+
+        # The key block (K and K_idx; keys past the sequence are 0) and the pad rows of both
+        # index query buffers (zeros, never rewritten).
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            copy16(smem, c * LD + w, k, ((key0 + (c if ok else 0)) * hkv + h) * DW + w,
+                   16 if ok else 0)
+        for e in range(tid, Bk * PIECES_I, NT):
+            c = e // PIECES_I
+            w = (e % PIECES_I) * 4
+            ok = c < nk
+            copy16_2d(smem, OFF_KI + c * LDI + w, k_idx, (key0 + (c if ok else 0)) * DIW + w,
+                      16 if ok else 0)
+        for e in range(tid, 2 * (PP - P) * PIECES_I, NT):
+            bb = e // ((PP - P) * PIECES_I)
+            rr = P + (e // PIECES_I) % (PP - P)
+            copy16_2d(smem, OFF_QI + bb * QIBUF + rr * LDI + (e % PIECES_I) * 4, k_idx, 0, 0)
+        g_row = tid // 2
+        g_half = tid % 2
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
+        t_g, s_g, p_g = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+        gather(smem, q, q_idx, h, g_row, g_half, t_g, 0, pos_t, pos_s, pos_q, s_g, p_g)
+        commit()
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, g_row, R)
+
+        r_top = 16 * warp + g4
+        r_bot = r_top + 8
+        p_top = r_top // G  # the rows' positions in the tile
+        p_bot = r_bot // G
+        tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_top, R)
+        tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_bot, R)
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
+        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+        ai_lane = l_rows * LDI + (lane >> 4) * 4
+        ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
+        u_own = g4 % GG  # this lane's share of its positions' keys: n-tiles i = u_own mod GG
+
+        for tile in range(num_tiles):
+            buf = tile % 2
+            wait_all()
+            cuda.syncthreads()  # tile's rows landed; every warp is past tile - 1
+            if tile + 1 < num_tiles:
+                t_g, s_g, p_g = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                gather(smem, q, q_idx, h, g_row, g_half, t_g, 1 - buf, pos_t, pos_s, pos_q,
+                       s_g, p_g)
+            commit()
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                       g_row, R)
+            t_top, s_top, pos_top = _check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
+            t_bot, s_bot, pos_bot = _check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_top, R)
+            tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_bot, R)
+
+            # 1. Student logits into sX[key, position] (every warp runs the same mma count).
+            for it in range(STUDENT_ITERS):
+                item = warp + it * NW
+                real = item < MT * NPAIRS
+                if not real:
+                    item = 0
+                mt = item // NPAIRS
+                n2 = item % NPAIRS
+                c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = float32(0.0)
+                qa = OFF_QI + buf * QIBUF + 16 * mt * LDI + ai_lane
+                for ks in range(KSTEPS_I):
+                    a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, ki_lane + 16 * n2 * LDI + 8 * ks)
+                    c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                    c4, c5, c6, c7 = mma(a0, a1, a2, a3, b2, b3, c4, c5, c6, c7)
+                if real:
+                    pt = 16 * mt + g4
+                    pb = pt + 8
+                    for nn in range(2):
+                        for e in range(2):
+                            c = 16 * n2 + 8 * nn + 2 * t4 + e
+                            vt = (c0 if e == 0 else c1) if nn == 0 else (c4 if e == 0 else c5)
+                            vb = (c2 if e == 0 else c3) if nn == 0 else (c6 if e == 0 else c7)
+                            if pt < P:
+                                x = _NEG_INF
+                                if c < nk and key_pos0 + c <= pos_q[buf, pt]:
+                                    x = vt * index_scale
+                                sf[OFF_X + c * LDT + pt] = x
+                            if pb < P:
+                                x = _NEG_INF
+                                if c < nk and key_pos0 + c <= pos_q[buf, pb]:
+                                    x = vb * index_scale
+                                sf[OFF_X + c * LDT + pb] = x
+
+            # 2. S = Q Kᵀ in registers, then P_h = exp(S scale - LSE_h) on visible keys.
+            for i in range(4 * NS):
+                s_acc[i] = float32(0.0)
+            qa = OFF_Q + buf * QBUF + a_lane
+            for ks in range(KSTEPS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                for n2 in range(NS // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
+                    n = 8 * n2
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
+                                         s_acc[n + 2], s_acc[n + 3])
+                    s_acc[n] = d0
+                    s_acc[n + 1] = d1
+                    s_acc[n + 2] = d2
+                    s_acc[n + 3] = d3
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
+                                         s_acc[n + 6], s_acc[n + 7])
+                    s_acc[n + 4] = d0
+                    s_acc[n + 5] = d1
+                    s_acc[n + 6] = d2
+                    s_acc[n + 7] = d3
+            lim_top = min(pos_top - key_pos0, nk - 1)
+            lim_bot = min(pos_bot - key_pos0, nk - 1)
+            lse_top = float32(0.0)
+            lse_bot = float32(0.0)
+            if t_top >= 0:
+                lse_top = _finite_or_zero(lse[t_top, h * G + r_top % G]) * _LOG2E
+            if t_bot >= 0:
+                lse_bot = _finite_or_zero(lse[t_bot, h * G + r_bot % G]) * _LOG2E
+            for i in range(NS):
+                for e in range(2):
+                    c = 8 * i + 2 * t4 + e
+                    v_top = float32(0.0)
+                    v_bot = float32(0.0)
+                    if c <= lim_top:
+                        v_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
+                    if c <= lim_bot:
+                        v_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                    # 3. sum over the position's heads (partners add in either order: the
+                    # same bits)
+                    if BOTH:
+                        v_top += v_bot
+                    off = 4
+                    for _ in range(STEPS):
+                        v_top += cuda.shfl_xor_sync(_FULL_MASK, v_top, off)
+                        if not BOTH:
+                            v_bot += cuda.shfl_xor_sync(_FULL_MASK, v_bot, off)
+                        off *= 2
+                    if i % GG == u_own:  # this lane's share of the position's keys
+                        sf[OFF_T + c * LDT + p_top] = v_top * inv_g
+                        if not BOTH:
+                            sf[OFF_T + c * LDT + p_bot] = v_bot * inv_g
+            cuda.syncthreads()  # sX holds every position's student logits
+
+            # 4. dS = P^idx - P on this lane's share of keys; the slot's KL term.
+            li_top = float32(0.0)
+            li_bot = float32(0.0)
+            if t_top >= 0:
+                li_top = lse_idx[t_top, h]
+            if t_bot >= 0:
+                li_bot = lse_idx[t_bot, h]
+            kl_top = float32(0.0)
+            kl_bot = float32(0.0)
+            for jj in range(OWN_TILES):
+                i = jj * GG + u_own
+                for e in range(2):
+                    c = 8 * i + 2 * t4 + e
+                    for half in range(1 if BOTH else 2):
+                        if i >= NS:
+                            continue
+                        pp = p_top if half == 0 else p_bot
+                        pj = sf[OFF_T + c * LDT + pp]
+                        li = li_top if half == 0 else li_bot
+                        t = t_top if half == 0 else t_bot
+                        sl = s_top if half == 0 else s_bot
+                        x = sf[OFF_X + c * LDT + pp]
+                        dsv = float32(0.0)
+                        klv = float32(0.0)
+                        if x > _NEG_INF:
+                            dsv = math.exp(x - li) - pj
+                            if pj > float32(0.0):
+                                klv = pj * (math.log(pj) - (x - li))
+                        sf[OFF_X + c * LDT + pp] = dsv
+                        if t >= 0:
+                            ds[t, h, sl, c] = coef * dsv
+                        if half == 0:
+                            kl_top += klv
+                        else:
+                            kl_bot += klv
+            # over the lanes sharing a position: t4 (offsets 1, 2) and u_own (4 .. 2 GG)
+            off = 1
+            for _ in range(2 + STEPS):
+                kl_top += cuda.shfl_xor_sync(_FULL_MASK, kl_top, off)
+                kl_bot += cuda.shfl_xor_sync(_FULL_MASK, kl_bot, off)
+                off *= 2
+            if t4 == 0 and u_own == 0:
+                if t_top >= 0:
+                    part[0, s_top, t_top, h] = kl_top
+                if t_bot >= 0 and not BOTH:
+                    part[0, s_bot, t_bot, h] = kl_bot
+            cuda.syncthreads()  # sX holds dS of every position
+
+            # 5. dq_idx partials: thread = (key range ks, 4 positions, one word = 2 dims).
+            for it in range(tid, ITEMS * KS, NT):
+                kr = it // ITEMS
+                w = it % DIW
+                pq = 4 * ((it % ITEMS) // DIW)
+                for i in range(8):
+                    acc[i] = float32(0.0)
+                for c in range(kr * KEYS_PER, (kr + 1) * KEYS_PER):
+                    word = smem[OFF_KI + c * LDI + w]
+                    k_lo = half_to_f32(word & uint32(0xFFFF))
+                    k_hi = half_to_f32(word >> uint32(16))
+                    for u in range(4):
+                        dsv = sf[OFF_X + c * LDT + pq + u]
+                        acc[2 * u] += dsv * k_lo
+                        acc[2 * u + 1] += dsv * k_hi
+                for u in range(4):
+                    p = pq + u
+                    if p < P:
+                        if KS == 1:
+                            t = pos_t[buf, p]
+                            if t >= 0:
+                                dq_part[pos_s[buf, p], t, h, 2 * w] = acc[2 * u] * cq
+                                dq_part[pos_s[buf, p], t, h, 2 * w + 1] = acc[2 * u + 1] * cq
+                        else:
+                            sf[OFF_DQ + (kr * P + p) * DI + 2 * w] = acc[2 * u]
+                            sf[OFF_DQ + (kr * P + p) * DI + 2 * w + 1] = acc[2 * u + 1]
+            if KS > 1:
+                cuda.syncthreads()
+                for i in range(tid, P * DI, NT):
+                    p = i // DI
+                    t = pos_t[buf, p]
+                    if t >= 0:
+                        total = float32(0.0)
+                        for kr in range(KS):
+                            total += sf[OFF_DQ + (kr * P + p) * DI + i % DI]
+                        dq_part[pos_s[buf, p], t, h, i % DI] = total * cq
+
+    return _kl_kernel_grad_v4
+
+
 @cuda.jit(device=True)
 def _slot_valid(I, t, r, s, nblocks):
     """Slot ``s`` of (t, r) holds a block of the query's sequence (so the CSR has its entry and
@@ -1437,12 +1992,14 @@ class _Plan:
             version = 2 if why_not_v3 else DEFAULT_VERSION
         if version not in VERSIONS:
             raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
-        if version == 3 and why_not_v3:
-            raise ValueError(f"version=3 (tensor cores) does not support {why_not_v3}; use "
+        if version >= 3 and why_not_v3:
+            raise ValueError(f"version={version} (tensor cores) does not support {why_not_v3}; use "
                              f"version=2 or 1")
         self.version = version
-        if version == 3:
+        if version >= 3:
             self._plan_v3()
+        if version == 4:
+            self._plan_v4()
 
         self.ctx = ArrayContext(q, k, q_idx, k_idx, block_indices, lse)
         views = []
@@ -1493,6 +2050,19 @@ class _Plan:
                 f"version=3 needs {smem} bytes of shared memory for D={self.d}, "
                 f"Didx={self.d_idx}, block_size={self.block_size}; use version=2")
         self.positions, self.rows, self.smem = positions, r, smem
+
+    def _plan_v4(self):
+        """v4's grad tile (``R = P G`` rows, as K1 v3) and student tile, if they fit."""
+        rows = max(DEFAULT_TILE_ROWS_V4, self.group)
+        positions = rows // self.group
+        smem = _v4_layout(self.block_size, self.d, self.d_idx, rows, positions)[2]
+        smem_s = _v4_student_layout(self.block_size, self.d_idx, 16 * _STUDENT_WARPS_V4)[2]
+        if max(smem, smem_s) > _mma.DYNAMIC_SMEM_LIMIT:
+            raise ValueError(
+                f"version=4 needs {max(smem, smem_s)} bytes of shared memory for D={self.d}, "
+                f"Didx={self.d_idx}, block_size={self.block_size}; use version=2")
+        self.positions_v4, self.rows_v4, self.smem_v4, self.smem_student_v4 = (
+            positions, rows, smem, smem_s)
 
     def _check_lse(self, lse, host_I, tq, hkv):
         """The reference's checks of ``lse`` on a host copy."""
@@ -1612,6 +2182,32 @@ class _Plan:
                     _device_copy(cu_k_c), np.float32(self.scale), np.float32(self.index_scale),
                     coef, part, ds, dq_part)
 
+    def launch_v4(self, mode, work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                  lse_idx, coef, part, ds, dq_part):
+        """v4's ``"student"`` (``part`` = slot states) or ``"grad"`` kernel over the work items
+        of one query chunk (arguments as ``launch_v3``)."""
+        num_items = int(work.shape[0])
+        if num_items == 0:
+            return
+        words = [x.view(np.uint32) for x in (self.q[t0:t1], self.k[k_lo:k_hi],
+                                             self.q_idx[t0:t1], self.k_idx[k_lo:k_hi])]
+        aligned = all(is_aligned16(x) for x in words)
+        bf16 = self.kind == "bfloat16"
+        cu = (_device_copy(cu_q_c), _device_copy(cu_k_c))
+        if mode == "student":
+            kernel = _kl_kernel_student_reg(bf16, self.block_size, self.d_idx,
+                                            _STUDENT_WARPS_V4, aligned)
+            _mma.launch(kernel, num_items, 32 * _STUDENT_WARPS_V4, self.smem_student_v4,
+                        words[2], words[3], work, q_indices, slots, *cu,
+                        np.float32(self.index_scale * math.log2(math.e)), part)
+            return
+        kernel = _kl_kernel_grad_reg(bf16, self.block_size, self.d, self.d_idx, self.group,
+                                     self.positions_v4, aligned)
+        _mma.launch(kernel, num_items, 2 * self.rows_v4, self.smem_v4, *words, lse[t0:t1],
+                    lse_idx[t0:t1], work, q_indices, slots, *cu,
+                    np.float32(self.scale * math.log2(math.e)), np.float32(self.index_scale),
+                    coef, part, ds, dq_part)
+
     def combine_states(self, part, t0, want_kl, out):
         n = int(part.shape[2]) * self.hkv
         _kl_kernel_combine_states[_blocks(n, _THREADS_V1), _THREADS_V1](
@@ -1638,7 +2234,7 @@ def _kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
     loss = ctx.empty((1,), np.float32, fill=0.0 if p.tq == 0 else None)
     if p.tq:
         kl_arg = ctx.arg(kl)
-        if p.version == 3:
+        if p.version >= 3:  # v4's forward is v3's
             _kl_v3(p, p.teacher_lse(), kl_arg)
         else:
             p.launch_kl(p.teacher_lse(), kl_arg)
@@ -1768,7 +2364,7 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     coef = np.float32(grad_loss / (p.tq * p.hkv))
     kl_arg = ctx.arg(kl) if with_kl else None
     if with_kl:
-        if p.version == 3:  # its grad pass writes the KL terms: no teacher pass of its own
+        if p.version >= 3:  # its grad pass writes the KL terms: no teacher pass of its own
             _kl_backward_v3(p, lse_arg, coef, lse_idx, dq_arg, dk_arg, max_ds_bytes, kl_arg)
             _mean_into(kl_arg, ctx.arg(loss), p.tq * p.hkv)
             return result()
@@ -1786,7 +2382,7 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
                           int(row_offsets[-1]), coef, p.q_idx, p.k_idx, dk_arg)
         return result()
 
-    if p.version == 3:
+    if p.version >= 3:
         _kl_backward_v3(p, lse_arg, coef, lse_idx, dq_arg, dk_arg, max_ds_bytes)
         return result()
 
@@ -1825,6 +2421,7 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
     keys = _kl_kernel_cta_keys(p.kind, p.group, p.d, p.d_idx, p.block_size, _KEY_ENTRIES,
                                False)
     key_threads = _key_tiles(p.block_size, p.d_idx)[2]
+    launch = _Plan.launch_v4 if p.version == 4 else _Plan.launch_v3
     for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, max_ds_bytes):
         tc = t1 - t0
         if bufs is None:
@@ -1835,11 +2432,11 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
                                                                   p.block_size)
         dq_part = bufs[2][:p.topk * tc * p.hkv * p.d_idx].reshape(p.topk, tc, p.hkv, p.d_idx)
         work, row_ptr, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
-        p.launch_v3("student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
-                    lse_idx, zero, part, dummy4, dummy4)
+        launch(p, "student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+               lse_idx, zero, part, dummy4, dummy4)
         p.combine_states(part, t0, False, lse_idx)
-        p.launch_v3("grad", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
-                    lse_idx, coef, part, ds, dq_part)
+        launch(p, "grad", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+               lse_idx, coef, part, ds, dq_part)
         p.combine_dq(dq_part, t0, dq)
         if kl is not None:
             n = tc * p.hkv

@@ -205,23 +205,26 @@ V3_CASES = {
 }
 
 
+@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("case", V3_CASES.values(), ids=V3_CASES.keys())
-def test_v3_matches_reference(case):
+def test_v3_matches_reference(case, version):
     lq, lk, hq, hkv, topk, mode, dtype = case
     p = case_problem(lq, lk, hq, hkv, 16, 16, 16, topk, seed=1)
-    check(p, selection(p, mode), 3, dtype)
+    check(p, selection(p, mode), version, dtype)
 
 
-def test_v3_hot_block_split_over_work_items():
+@pytest.mark.parametrize("version", [3, 4])
+def test_v3_hot_block_split_over_work_items(version):
     """Block 0 chosen by every query: its CSR row is longer than a work item (2 K Bk = 64
     queries), so the schedule cuts it and several CTAs write the row's partials."""
     p = case_problem([90], [90], 2, 1, 16, 16, 16, 2, seed=3)
     local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, 90, 90, 16)
     I = np.stack([np.zeros(90, np.int64), np.where(local > 0, local, -1)], axis=1)
-    check(p, I[:, None, :].astype(np.int32), 3, "float16")
+    check(p, I[:, None, :].astype(np.int32), version, "float16")
 
 
-def test_v3_unaligned_inputs_take_plain_loads(monkeypatch):
+@pytest.mark.parametrize("version", [3, 4])
+def test_v3_unaligned_inputs_take_plain_loads(monkeypatch, version):
     """Inputs whose rows are not 16-byte aligned (views 4 bytes into their buffers) cannot be
     copied by ``cp.async``: v3 falls back to plain loads, with bitwise the same results."""
     p = case_problem([9], [20], 4, 2, 16, 16, 16, 2, seed=12)
@@ -242,29 +245,32 @@ def test_v3_unaligned_inputs_take_plain_loads(monkeypatch):
     seen = []
     real = gpu.is_aligned16
     monkeypatch.setattr(gpu, "is_aligned16", lambda x: seen.append(real(x)) or seen[-1])
-    aligned = run_kernels(3, kin, I, lse, p, "float16")
+    aligned = run_kernels(version, kin, I, lse, p, "float16")
     assert seen and all(seen)
     seen.clear()
     moved = (lambda x: x) if SIMULATOR else cuda.to_device  # all inputs where the views are
-    plain = run_kernels(3, tuple(shifted(x) for x in kin), moved(I), moved(lse), p, "float16")
+    plain = run_kernels(version, tuple(shifted(x) for x in kin), moved(I), moved(lse), p,
+                        "float16")
     assert seen and not any(seen)
     for a, b in zip(aligned, plain):
         np.testing.assert_array_equal(a, b)
 
 
-def test_v3_refuses_what_it_cannot_run():
+@pytest.mark.parametrize("version", [3, 4])
+def test_v3_refuses_what_it_cannot_run(version):
     p = case_problem([5], [5], 2, 1, 8, 16, 16, 1)
     vals, kin = rounded(p, "float16")
     I = selection(p, "select")
     a = (*kin, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16)
     for fn in (gpu.kl_loss, gpu.kl_backward):
-        with pytest.raises(ValueError, match="version=3"):
-            fn(*a, version=3)  # D = 8
-        with pytest.raises(ValueError, match="version=3"):
-            fn(*vals[:2], *kin[2:], None, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=3)
+        with pytest.raises(ValueError, match=f"version={version}"):
+            fn(*a, version=version)  # D = 8
+        with pytest.raises(ValueError, match=f"version={version}"):
+            fn(*vals[:2], *kin[2:], None, None, p.cu_seqlens_q, p.cu_seqlens_k, 16,
+               version=version)
     f32 = rounded(case_problem([5], [5], 2, 1, 16, 16, 16, 1), "float32")[1]
     with pytest.raises(ValueError, match="float32"):
-        gpu.kl_loss(*f32, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=3)
+        gpu.kl_loss(*f32, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=version)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -272,14 +278,14 @@ def test_v3_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("mode", ["select", "warmup"])
 def test_half_precision_inputs(mode, dtype, version):
     """fp16 and bf16 inputs (bf16 as bit patterns) accumulate in float32 like the reference."""
-    if version == 3 and mode == "warmup":
-        pytest.skip("v3 needs a selection (the warmup runs v2)")
+    if version >= 3 and mode == "warmup":
+        pytest.skip("v3 and v4 need a selection (the warmup runs v2)")
     p = case_problem([21, 6], [21, 16], 4, 2, 16, 16, 16, 2, seed=3)
     check(p, selection(p, mode), version, dtype)
 
 
 @pytest.mark.parametrize("dtype, d, mode, want", [
-    ("float16", 16, "select", 3), ("bf16", 32, "select", 3), ("float16", 16, "warmup", 2),
+    ("float16", 16, "select", 4), ("bf16", 32, "select", 4), ("float16", 16, "warmup", 2),
     ("float32", 16, "select", 2), ("bf16", 8, "select", 2)],
     ids=["fp16", "bf16", "warmup", "fp32", "D=8"])
 def test_default_version_is_the_fastest_that_applies(dtype, d, mode, want):
@@ -366,10 +372,10 @@ def test_matches_reference_fuzz(problem, version):
 @settings(max_examples=4)  # the simulated mma costs seconds per example
 @given(problems_with_indices(max_seqs=2, max_len=32, max_heads=8, max_topk=3, block_sizes=(16,),
                              dims=(16,)),
-       st.sampled_from(["float16", "bf16"]))
-def test_v3_matches_reference_fuzz(problem, dtype):
+       st.sampled_from(["float16", "bf16"]), st.sampled_from([3, 4]))
+def test_v3_matches_reference_fuzz(problem, dtype, version):
     p, I = problem
-    check(p, I, 3, dtype)
+    check(p, I, version, dtype)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -399,7 +405,7 @@ def test_warmup_equals_selecting_every_visible_block(version):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_reruns_are_bitwise_identical(version):
-    if version == 3:
+    if version >= 3:
         p, dtype, modes = case_problem([11, 4], [17, 9], 4, 2, 16, 16, 16, 2, seed=4), "float16", \
             ("random",)
     else:
@@ -421,7 +427,7 @@ def test_loss_and_backward_in_one_call(mode, version):
     """``kl_loss_and_backward`` = ``kl_loss`` then ``kl_backward``: the gradients bitwise, the
     loss bitwise for v1/v2 (the same kernels); v3 sums the KL in its backward pass (it knows
     ``LSE^idx`` there), so its ``kl`` is held to the float rule instead."""
-    if version == 3:
+    if version >= 3:
         if mode == "warmup":
             pytest.skip("v3 needs a selection (the warmup runs v2)")
         p, dtype = case_problem([11, 4], [27, 9], 4, 2, 16, 16, 16, 2, seed=9), "float16"
@@ -436,7 +442,7 @@ def test_loss_and_backward_in_one_call(mode, version):
     kl1, loss1, dq1, dk1 = run_kernels(version, kin, I, lse, p, dtype, grad_loss=0.5)
     np.testing.assert_array_equal(dq, dq1)
     np.testing.assert_array_equal(dk, dk1)
-    if version != 3:
+    if version < 3:
         np.testing.assert_array_equal(kl, kl1)
         assert np.float32(loss) == loss1
     (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *vals, *tail)
@@ -458,7 +464,7 @@ def test_query_chunks_of_the_ds_buffer(version):
     """Buffers for 5 queries at a time (many chunks, each with its own CSR, chunks cutting
     sequences) give the same result within the float rule; ``kl`` and ``dq_idx`` do not depend
     on the chunking at all (only ``dk_idx`` adds the chunks' contributions in turn)."""
-    if version == 3:  # dS, dq_idx partials and states: (Bk + Didx + 5) floats per slot
+    if version >= 3:  # dS, dq_idx partials and states: (Bk + Didx + 5) floats per slot
         p, dtype = case_problem([9, 1, 6], [20, 7, 6], 4, 2, 16, 16, 16, 2, seed=6), "float16"
         per_query = 2 * 2 * (16 + 16 + 5) * 4
     else:
@@ -483,7 +489,7 @@ def test_gradient_through_the_kernels_end_to_end(version):
     from msa.cuda.index import block_scores as gpu_block_scores
     from msa.cuda.select import select_blocks as gpu_select
 
-    dtype = np.float16 if version == 3 else np.float32  # v3 runs on tensor cores
+    dtype = np.float16 if version >= 3 else np.float32  # v3 runs on tensor cores
     p = make_problem([24, 16], [24, 11], num_q_heads=4, num_kv_heads=2, head_dim=16,
                      index_dim=16, block_size=16, topk=2, dtype=dtype, seed=8)
     m = gpu_block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
@@ -625,9 +631,9 @@ def test_production_sizes_bf16(mode, version):
     I_t = None if I is None else torch.tensor(I, device="cuda")
     lse_t = torch.tensor(lse, device="cuda")
     a = (*tens, I_t, lse_t, cu_q, cu_k, p.block_size)
-    if mode == "warmup" and version == 3:  # tensor cores need a selection (a CSR to walk)
+    if mode == "warmup" and version >= 3:  # tensor cores need a selection (a CSR to walk)
         for fn in (gpu.kl_loss, gpu.kl_backward):
-            with pytest.raises(ValueError, match="version=3"):
+            with pytest.raises(ValueError, match=f"version={version}"):
                 fn(*a, version=version)
         return
     kl, loss = gpu.kl_loss(*a, version=version)
@@ -646,3 +652,38 @@ def test_production_sizes_bf16(mode, version):
     assert_close_to_oracle(kl1, kl64, kl32, name="kl, kl_loss_and_backward")
     assert_close_to_oracle(np.array(float(loss1)), np.array(loss64), np.array(loss32),
                            name="loss, kl_loss_and_backward")
+
+
+# --- offline compile checks (a GPU or NVVM; not the simulator) -----------------------------------
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
+@pytest.mark.parametrize("kernel", ["v4-grad-bf16-G16", "v4-grad-fp16-G1-plain",
+                                    "v4-grad-bf16-G4", "v4-student-bf16"])
+def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
+    """v4's kernels compile for sm_90 (paper sizes) with no float64 instruction and no local
+    memory: the teacher's scores and the student's stay in registers."""
+    import re
+
+    from numba import types
+
+    i32, f32 = types.int32, types.float32
+    w3, w2 = types.uint32[:, :, ::1], types.uint32[:, ::1]
+    index = (i32[:, ::1], i32[:, ::1], i32[:, ::1], i32[::1], i32[::1])
+    f4 = f32[:, :, :, ::1]
+    if kernel == "v4-student-bf16":
+        fn = gpu._kl_kernel_student_reg(True, 128, 128, 4, True)
+        sig = (w3, w2, *index, f32, f4)
+    else:
+        bf16, group, use_async = {"v4-grad-bf16-G16": (True, 16, True),
+                                  "v4-grad-fp16-G1-plain": (False, 1, False),
+                                  "v4-grad-bf16-G4": (True, 4, True)}[kernel]
+        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, 64 // group, use_async)
+        sig = (w3, w3, w3, w2, f32[:, ::1], f32[:, ::1], *index, f32, f32, f32, f4, f4, f4)
+    try:
+        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+    except Exception as exc:  # no NVVM here: nothing to check
+        if "NVVM" in str(exc) or "nvvm" in str(exc):
+            pytest.skip(f"NVVM unavailable: {exc}")
+        raise
+    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
+    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"
