@@ -57,7 +57,7 @@ Every output element is written by one thread that sums in a fixed order, with n
 reruns are bitwise identical. The loss of eq 10 is the mean of ``kl`` by one CTA
 (Kahan-compensated per-thread sums, then a fixed tree).
 
-Versions (``version=None`` picks the fastest that supports the inputs: v3 for fp16/bf16 with
+Versions (``version=None`` picks the fastest that supports the inputs: v4 for fp16/bf16 with
 ``D, Didx, Bk`` multiples of 16 and a selection, v2 otherwise):
 
 ===  =========================================================================================
@@ -82,10 +82,21 @@ v    idea
      ``(m, l)`` (``LSE^idx``) or ``dS``, the slot's ``dq_idx`` partial and KL term
      (backward), into per-slot buffers that a Q-outer pass merges in slot order. ``dk_idx``
      as v2. fp16/bf16 only. ``kl_loss_and_backward`` skips the forward's teacher pass.
+4    v3's plan and forward; its backward kernels rewritten to keep their work in registers.
+     ``LSE^idx``: tiles of 64 index queries, ``S^idx`` in mma accumulators, row maximum and
+     sum by quad shuffles. The grad pass: ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64 rows,
+     ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by butterfly shuffles over the lanes
+     of a position, each lane ``dS`` and the KL term on its share of the keys, the slot's
+     ``dq_idx`` partial by register-blocked FMAs over shared memory; one Q buffer refilled
+     while ``dS`` and ``dq_idx`` run (105 KB at the paper's sizes: two CTAs per SM).
+     ``dk_idx`` (bf16, ``Bk <= 128``; else v2's kernel): per key block and 64 dims, the
+     CSR row's ``dS`` rows split into three bf16 planes (exact), ``dSᵀ Q_idx`` by mma
+     (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the next step staged
+     while one computes. The default for fp16/bf16 with a selection.
 ===  =========================================================================================
 
-All accumulate in fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits), any ``G`` (v3: 1, 2, 4,
-8, 16). ``lse=None`` (the teacher's LSE computed here, a convenience) adds one pass, one thread
+All accumulate in fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits), any ``G`` (v3, v4: 1, 2,
+4, 8, 16). ``lse=None`` (the teacher's LSE computed here, a convenience) adds one pass, one thread
 per (query, head).
 
 Memory: the ``dS`` buffer is ``Tq*Hkv*K*Bk`` float32 (4 GiB at 128K tokens in the paper
@@ -118,9 +129,10 @@ from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
 from .attention import _check_entry, _device_copy, _item_fields, _load_entry, _row_query
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
-                      cp_async_wait_all, is_aligned16, ldmatrix_x4, no_op)
+                      cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
+                      lds_f32x4, lds_u32x2, load_f32x4, no_op)
 from ._mma import (bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
-                   mma_bf16_m16n8k16, mma_f16_m16n8k16)
+                   mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2)
 
 VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = 4
@@ -1223,9 +1235,11 @@ def _v4_layout(block_size, head_dim, index_dim, rows, positions):
     OFF_DQ), bytes, KS``.
 
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
-    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ, then read by the dq_idx loop), sQ two
-    buffers of R query rows (tile i + 1 is gathered while tile i computes), sQi two buffers of
-    PP = ceil16(P) index query rows (rows past P are zeros). Floats: sX [Bk keys x LDT] key-major,
+    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ, then read by the dq_idx loop), sQ the R
+    query rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are
+    done, while its dS and dq_idx run; at the paper's sizes the footprint stays under half an
+    SM's, two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
+    zeros). Floats: sX [Bk keys x LDT] key-major,
     LDT = 4 ceil(P/4): the student logits of the tile's positions, then their ``P^idx - P``;
     sT [Bk x LDT] the teacher ``P`` (each element written and read by the lane that owns it:
     a register array indexed by the lane's share of keys would live in local memory);
@@ -1235,13 +1249,13 @@ def _v4_layout(block_size, head_dim, index_dim, rows, positions):
     pp = -(-positions // 16) * 16
     ldt = 4 * -(-positions // 4)
     threads = 2 * rows
-    items = (index_dim // 2) * (ldt // 4)
+    items = (index_dim // 4) * (ldt // 4)  # dq_idx: 4 dims x 4 positions per thread
     ks = 1
-    while items * ks * 2 <= threads and block_size // (ks * 2) >= 16:
+    while items * ks * 2 <= threads and block_size // (ks * 2) >= 8:
         ks *= 2
     off_ki = block_size * ld
     off_q = off_ki + block_size * ldi
-    off_qi = off_q + 2 * rows * ld
+    off_qi = off_q + rows * ld
     off_x = off_qi + 2 * pp * ldi
     off_t = off_x + block_size * ldt
     off_dq = off_t + block_size * ldt
@@ -1435,8 +1449,9 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     4. each lane, for its share of the position's keys, ``dS = P^idx - P`` (into ``sX`` and,
        times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
        ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
-    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` (fp32 FMAs from
-       ``sX`` and ``sKi``, each thread 2 dims x 4 positions over a range of keys).
+    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j``: fp32 FMAs, each
+       thread 4 dims x 4 positions over a range of keys (64- and 128-bit shared loads), the
+       ranges' sums added in order.
 
     Outputs as v3's grad mode: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``,
     ``dq_part[slot, t, h, :]``."""
@@ -1455,7 +1470,6 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     PIECES_I = DIW // 4
     HALF = PIECES // 2 if PIECES >= 2 else 1
     HALVES = PIECES // HALF
-    QBUF = R * LD
     QIBUF = PP * LDI
     NS = Bk // 8
     S_REGS = 4 * NS  # (a local array's size must be a plain constant)
@@ -1469,7 +1483,8 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     NPAIRS = Bk // 16
     STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
     PB = LDT // 4
-    ITEMS = DIW * PB
+    WP = DIW // 2  # word pairs (4 dims) of a row of K_idx
+    ITEMS = WP * PB
     KEYS_PER = Bk // KS
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
@@ -1481,13 +1496,13 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, q_idx, h, row, half, t, buf, pos_t, pos_s, pos_q, s, pos):
-        """This thread's half of query row ``row`` of a tile into buffer ``buf`` (zeros if
-        ``t = -1``); the thread with half 0 of a position's first row also copies the
-        position's index query and records ``(t, slot, pos)`` in the tables."""
+        """This thread's half of query row ``row`` of a tile into sQ (zeros if ``t = -1``);
+        the thread with half 0 of a position's first row also copies the position's index
+        query into sQi buffer ``buf`` and records ``(t, slot, pos)`` in tables ``buf``."""
         hkv = q_idx.shape[1]
         if half < HALVES:
             src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
-            dst = OFF_Q + buf * QBUF + row * LD + half * HALF * 4
+            dst = OFF_Q + row * LD + half * HALF * 4
             for u in range(HALF):
                 copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
         if half == 0 and row % G == 0:
@@ -1509,7 +1524,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         pos_s = cuda.shared.array((2, P), int32)
         pos_q = cuda.shared.array((2, P), int32)
         s_acc = cuda.local.array(S_REGS, float32)
-        acc = cuda.local.array(8, float32)
+        acc = cuda.local.array(16, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -1571,15 +1586,19 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             buf = tile % 2
             wait_all()
             cuda.syncthreads()  # tile's rows landed; every warp is past tile - 1
-            if tile + 1 < num_tiles:
-                t_g, s_g, p_g = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-                gather(smem, q, q_idx, h, g_row, g_half, t_g, 1 - buf, pos_t, pos_s, pos_q,
-                       s_g, p_g)
-            commit()
-            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
-                                       g_row, R)
             t_top, s_top, pos_top = _check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
             t_bot, s_bot, pos_bot = _check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            # the rows' LSEs, loaded early (used after the mma)
+            lse_top = float32(0.0)
+            lse_bot = float32(0.0)
+            li_top = float32(0.0)
+            li_bot = float32(0.0)
+            if t_top >= 0:
+                lse_top = _finite_or_zero(lse[t_top, h * G + r_top % G]) * _LOG2E
+                li_top = lse_idx[t_top, h]
+            if t_bot >= 0:
+                lse_bot = _finite_or_zero(lse[t_bot, h * G + r_bot % G]) * _LOG2E
+                li_bot = lse_idx[t_bot, h]
             tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
                                          r_top, R)
             tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
@@ -1622,7 +1641,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             # 2. S = Q Kᵀ in registers, then P_h = exp(S scale - LSE_h) on visible keys.
             for i in range(4 * NS):
                 s_acc[i] = float32(0.0)
-            qa = OFF_Q + buf * QBUF + a_lane
+            qa = OFF_Q + a_lane
             for ks in range(KSTEPS):
                 a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
                 for n2 in range(NS // 2):
@@ -1642,12 +1661,6 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                     s_acc[n + 7] = d3
             lim_top = min(pos_top - key_pos0, nk - 1)
             lim_bot = min(pos_bot - key_pos0, nk - 1)
-            lse_top = float32(0.0)
-            lse_bot = float32(0.0)
-            if t_top >= 0:
-                lse_top = _finite_or_zero(lse[t_top, h * G + r_top % G]) * _LOG2E
-            if t_bot >= 0:
-                lse_bot = _finite_or_zero(lse[t_bot, h * G + r_bot % G]) * _LOG2E
             for i in range(NS):
                 for e in range(2):
                     c = 8 * i + 2 * t4 + e
@@ -1671,15 +1684,16 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                         sf[OFF_T + c * LDT + p_top] = v_top * inv_g
                         if not BOTH:
                             sf[OFF_T + c * LDT + p_bot] = v_bot * inv_g
-            cuda.syncthreads()  # sX holds every position's student logits
+            cuda.syncthreads()  # sX holds every position's student logits; sQ is free
+            if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes
+                t_g, s_g, p_g = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                gather(smem, q, q_idx, h, g_row, g_half, t_g, 1 - buf, pos_t, pos_s, pos_q,
+                       s_g, p_g)
+            commit()
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                       g_row, R)
 
             # 4. dS = P^idx - P on this lane's share of keys; the slot's KL term.
-            li_top = float32(0.0)
-            li_bot = float32(0.0)
-            if t_top >= 0:
-                li_top = lse_idx[t_top, h]
-            if t_bot >= 0:
-                li_bot = lse_idx[t_bot, h]
             kl_top = float32(0.0)
             kl_bot = float32(0.0)
             for jj in range(OWN_TILES):
@@ -1721,32 +1735,48 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                     part[0, s_bot, t_bot, h] = kl_bot
             cuda.syncthreads()  # sX holds dS of every position
 
-            # 5. dq_idx partials: thread = (key range ks, 4 positions, one word = 2 dims).
+            # 5. dq_idx partials: thread = (key range kr, 4 positions, a word pair = 4 dims).
             for it in range(tid, ITEMS * KS, NT):
                 kr = it // ITEMS
-                w = it % DIW
-                pq = 4 * ((it % ITEMS) // DIW)
-                for i in range(8):
+                wp = (it % ITEMS) % WP
+                pq = 4 * ((it % ITEMS) // WP)
+                for i in range(16):
                     acc[i] = float32(0.0)
-                for c in range(kr * KEYS_PER, (kr + 1) * KEYS_PER):
-                    word = smem[OFF_KI + c * LDI + w]
-                    k_lo = half_to_f32(word & uint32(0xFFFF))
-                    k_hi = half_to_f32(word >> uint32(16))
-                    for u in range(4):
-                        dsv = sf[OFF_X + c * LDT + pq + u]
-                        acc[2 * u] += dsv * k_lo
-                        acc[2 * u + 1] += dsv * k_hi
+                for cc in range(KEYS_PER):
+                    c = kr * KEYS_PER + cc
+                    w0, w1 = lds_u32x2(smem, OFF_KI + c * LDI + 2 * wp)
+                    k0 = half_to_f32(w0 & uint32(0xFFFF))
+                    k1 = half_to_f32(w0 >> uint32(16))
+                    k2 = half_to_f32(w1 & uint32(0xFFFF))
+                    k3 = half_to_f32(w1 >> uint32(16))
+                    d0, d1, d2, d3 = lds_f32x4(sf, OFF_X + c * LDT + pq)
+                    acc[0] += d0 * k0
+                    acc[1] += d0 * k1
+                    acc[2] += d0 * k2
+                    acc[3] += d0 * k3
+                    acc[4] += d1 * k0
+                    acc[5] += d1 * k1
+                    acc[6] += d1 * k2
+                    acc[7] += d1 * k3
+                    acc[8] += d2 * k0
+                    acc[9] += d2 * k1
+                    acc[10] += d2 * k2
+                    acc[11] += d2 * k3
+                    acc[12] += d3 * k0
+                    acc[13] += d3 * k1
+                    acc[14] += d3 * k2
+                    acc[15] += d3 * k3
                 for u in range(4):
                     p = pq + u
                     if p < P:
-                        if KS == 1:
-                            t = pos_t[buf, p]
-                            if t >= 0:
-                                dq_part[pos_s[buf, p], t, h, 2 * w] = acc[2 * u] * cq
-                                dq_part[pos_s[buf, p], t, h, 2 * w + 1] = acc[2 * u + 1] * cq
-                        else:
-                            sf[OFF_DQ + (kr * P + p) * DI + 2 * w] = acc[2 * u]
-                            sf[OFF_DQ + (kr * P + p) * DI + 2 * w + 1] = acc[2 * u + 1]
+                        for v in range(4):
+                            d = 4 * wp + v
+                            if KS == 1:
+                                t = pos_t[buf, p]
+                                if t >= 0:
+                                    dq_part[pos_s[buf, p], t, h, d] = acc[4 * u + v] * cq
+                            else:
+                                sf[OFF_DQ + (kr * P + p) * DI + d] = acc[4 * u + v]
             if KS > 1:
                 cuda.syncthreads()
                 for i in range(tid, P * DI, NT):
@@ -1759,6 +1789,203 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                         dq_part[pos_s[buf, p], t, h, i % DI] = total * cq
 
     return _kl_kernel_grad_v4
+
+
+# dk_idx on tensor cores (v4): dS split into three bf16 planes, so the mma's products are exact
+_KEYS_ENTRIES_V4 = 32  # CSR entries staged per step (two k-steps of 16)
+_KEYS_DIMS_V4 = 64  # dims of dk_idx per CTA (a grid axis): 3 x 32 accumulators per lane
+
+
+def _keys_v4_layout(block_size, index_dim):
+    """v4 dk_idx kernel: ``(LDE, LDQ, OFF_Q, bytes, dims)``. Words: three bf16 planes (hi, mid,
+    lo) x two buffers of E entries x ``Bk/2 + 4``, then two buffers of E index query rows of
+    the CTA's ``dims`` dims (``dims/2 + 4`` words each)."""
+    dims = min(_KEYS_DIMS_V4, index_dim)
+    lde = block_size // 2 + 4
+    ldq = dims // 2 + 4
+    off_q = 6 * _KEYS_ENTRIES_V4 * lde
+    return lde, ldq, off_q, 4 * (off_q + 2 * _KEYS_ENTRIES_V4 * ldq), dims
+
+
+def _keys_v4_supported(kind, block_size, index_dim):
+    """The v4 dk_idx kernel needs bf16 (fp16 planes would underflow: ``dS`` is ``coef`` times
+    a probability difference), at most 8 warps of 16 keys and whole CTAs of dims."""
+    dims = min(_KEYS_DIMS_V4, index_dim)
+    return (kind == "bfloat16" and block_size % 16 == 0 and block_size <= 128
+            and index_dim % 16 == 0 and index_dim % dims == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _kl_kernel_keys_mma(block_size: int, index_dim: int, use_async: bool = True):
+    """v4 backward pass 2: ``dk_idx[key, d] += s_idx sum_{r, (t, s)} dS[t, r, s, key]
+    q_idx[t, r, d]`` for one key block and ``dims`` dims per CTA, on tensor cores.
+
+    The row's CSR entries of every group, in order, 32 at a time: their ``dS`` rows (fp32,
+    from the buffer) are split into ``hi + mid + lo`` bf16 planes (exact: 3 x 8 significand
+    bits) stored entry-major, their index queries copied by ``cp.async``; warp ``w`` owns keys
+    ``16w .. 16w + 15``: ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma
+    per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
+    folds its runs. The next step's ``dS`` rows are loaded into registers and its queries
+    copied while this step computes."""
+    Bk, DI = block_size, index_dim
+    NW = Bk // 16
+    NT = 32 * NW
+    E = _KEYS_ENTRIES_V4
+    LDE, LDQ, OFF_Q, _, DPC = _keys_v4_layout(Bk, DI)
+    assert Bk % 16 == 0 and NW <= _mma.MAX_WARPS and DPC % 16 == 0
+    NN = DPC // 8
+    ACC = 4 * NN
+    PLANE = E * LDE  # words per plane buffer
+    QB = E * LDQ
+    DSP = E * (Bk // 4)  # 16-byte pieces of a step's dS rows
+    DSPT = -(-DSP // NT)  # per thread
+    DSR = 4 * DSPT
+    QP = E * (DPC // 8)  # 16-byte pieces of a step's index queries
+    DIW = DI // 2
+    copy16 = cp_async16 if use_async else copy16_plain3
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+
+    @cuda.jit(device=True, inline=True)
+    def entry(q_indices, slots, r, first, count, e, tq, topk):
+        """``(t, slot)`` of entry ``e`` of the row of group ``r``; ``t = -1`` past the row or
+        for an entry outside the chunk (never out of bounds, even for a foreign CSR)."""
+        t = -1
+        s = 0
+        if e < count:
+            t = int(q_indices[r, first + e])
+            s = int(slots[r, first + e])
+            if t < 0 or t >= tq or s < 0 or s >= topk:
+                t = -1
+        return t, s
+
+    @cuda.jit
+    def _kl_kernel_keys_v4(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
+                           index_scale, dk):
+        smem = _v3_smem_words()
+        acc = cuda.local.array(ACC, float32)
+        tot = cuda.local.array(ACC, float32)
+        comp = cuda.local.array(ACC, float32)
+        dsr = cuda.local.array(DSR, float32)
+        afr = cuda.local.array(12, uint32)  # A fragments of the three planes
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        hkv = q_idx.shape[1]
+        tq = q_idx.shape[0]
+        topk = ds.shape[2]
+        nd = DI // DPC
+        row = cuda.blockIdx.x // nd
+        d0 = (cuda.blockIdx.x % nd) * DPC
+        b = _last_le(row_offsets, row)
+        kk0 = (row - int(row_offsets[b])) * Bk
+        key0 = int(cu_k[b])
+        nk = min(Bk, int(cu_k[b + 1]) - key0 - kk0)
+        for i in range(ACC):
+            tot[i] = float32(0.0)
+            comp[i] = float32(0.0)
+        # ldmatrix row addresses: A = dSᵀ from the entry-major planes (matrices: entries 0-7 /
+        # 8-15 x keys 0-7 / 8-15 of the warp's 16), B = Q_idx as K1's V (.trans)
+        a_lane = ((lane & 7) + 8 * (lane >> 4)) * LDE + 4 * ((lane >> 3) & 1) + 8 * warp
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        b_lane = OFF_Q + l_rows * LDQ + (lane >> 4) * 4
+        for r in range(hkv):
+            first = int(row_ptr[r, row])
+            count = int(row_ptr[r, row + 1]) - first
+            steps = (count + E - 1) // E
+            for st in range(steps + 1):
+                # step st - 1 computes from buffer (st - 1) % 2 while step st is staged into
+                # st % 2: its index queries by cp.async, its dS rows into registers
+                buf = st % 2
+                if st < steps:
+                    for i in range(tid, QP, NT):
+                        e = i // (DPC // 8)
+                        w = 4 * (i % (DPC // 8))
+                        t, _ = entry(q_indices, slots, r, first, count, st * E + e, tq, topk)
+                        copy16(smem, OFF_Q + buf * QB + e * LDQ + w, q_idx,
+                               ((t if t >= 0 else 0) * hkv + r) * DIW + d0 // 2 + w,
+                               16 if t >= 0 else 0)
+                    commit()
+                    for u in range(DSPT):
+                        i = tid + u * NT
+                        x0 = x1 = x2 = x3 = float32(0.0)
+                        if i < DSP:
+                            e = i // (Bk // 4)
+                            c = 4 * (i % (Bk // 4))
+                            t, s = entry(q_indices, slots, r, first, count, st * E + e, tq,
+                                         topk)
+                            if t >= 0:
+                                x0, x1, x2, x3 = load_f32x4(ds, ((t * hkv + r) * topk + s) * Bk
+                                                            + c)
+                        dsr[4 * u] = x0
+                        dsr[4 * u + 1] = x1
+                        dsr[4 * u + 2] = x2
+                        dsr[4 * u + 3] = x3
+                if st > 0:
+                    pb = 1 - buf
+                    for i in range(ACC):
+                        acc[i] = float32(0.0)
+                    for ks in range(E // 16):
+                        for plane in range(3):
+                            a0, a1, a2, a3 = ldmatrix_x4_trans(
+                                smem, plane * 2 * PLANE + pb * PLANE + a_lane + 16 * ks * LDE)
+                            afr[4 * plane] = a0
+                            afr[4 * plane + 1] = a1
+                            afr[4 * plane + 2] = a2
+                            afr[4 * plane + 3] = a3
+                        for n2 in range(NN // 2):
+                            b0, b1, b2, b3 = ldmatrix_x4_trans(
+                                smem, b_lane + pb * QB + 16 * ks * LDQ + 8 * n2)
+                            n = 8 * n2
+                            for plane in range(3):
+                                a0 = afr[4 * plane]
+                                a1 = afr[4 * plane + 1]
+                                a2 = afr[4 * plane + 2]
+                                a3 = afr[4 * plane + 3]
+                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                    a0, a1, a2, a3, b0, b1, acc[n], acc[n + 1], acc[n + 2],
+                                    acc[n + 3])
+                                acc[n] = c0
+                                acc[n + 1] = c1
+                                acc[n + 2] = c2
+                                acc[n + 3] = c3
+                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
+                                    a0, a1, a2, a3, b2, b3, acc[n + 4], acc[n + 5],
+                                    acc[n + 6], acc[n + 7])
+                                acc[n + 4] = c0
+                                acc[n + 5] = c1
+                                acc[n + 6] = c2
+                                acc[n + 7] = c3
+                    for i in range(ACC):
+                        tot[i], comp[i] = _kahan_add(tot[i], comp[i], acc[i])
+                if st < steps:
+                    # split the staged dS rows into hi + mid + lo, entry-major, into buffer buf
+                    for u in range(DSPT):
+                        i = tid + u * NT
+                        if i < DSP:
+                            e = i // (Bk // 4)
+                            w = e * LDE + 2 * (i % (Bk // 4)) + buf * PLANE
+                            for half in range(2):
+                                xa = dsr[4 * u + 2 * half]
+                                xb = dsr[4 * u + 2 * half + 1]
+                                for plane in range(3):
+                                    word = pack_bf16x2(xa, xb)
+                                    smem[plane * 2 * PLANE + w + half] = word
+                                    xa = xa - bf16_to_f32(word & uint32(0xFFFF))
+                                    xb = xb - bf16_to_f32(word >> uint32(16))
+                wait_all()
+                cuda.syncthreads()
+        # C layout: keys 16w + g4 (+8), dims 8n + 2t4 (+1)
+        for n in range(NN):
+            for e in range(4):
+                key = 16 * warp + g4 + 8 * (e // 2)
+                d = d0 + 8 * n + 2 * t4 + e % 2
+                if key < nk:
+                    dk[key0 + kk0 + key, d] += (tot[4 * n + e] - comp[4 * n + e]) * index_scale
+
+    return _kl_kernel_keys_v4
 
 
 @cuda.jit(device=True)
@@ -2302,7 +2529,7 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
         scale: main-branch scale (default ``1/sqrt(D)``); index_scale: index scale (default
             ``1/sqrt(Didx)``).
         version: kernel version (module table); ``None`` picks the fastest that supports the
-            inputs (3 for fp16/bf16 with ``D, Didx, Bk`` multiples of 16 and a selection, else
+            inputs (4 for fp16/bf16 with ``D, Didx, Bk`` multiples of 16 and a selection, else
             2).
         validate: check ``block_indices`` and ``lse`` on host copies (module docstring).
 
@@ -2422,6 +2649,7 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
                                False)
     key_threads = _key_tiles(p.block_size, p.d_idx)[2]
     launch = _Plan.launch_v4 if p.version == 4 else _Plan.launch_v3
+    keys_v4 = p.version == 4 and _keys_v4_supported(p.kind, p.block_size, p.d_idx)
     for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, max_ds_bytes):
         tc = t1 - t0
         if bufs is None:
@@ -2444,6 +2672,15 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
                 part, p.I, p.d_cu_q, p.d_cu_k, p.block_size, t0, kl)
         row_offsets = block_row_offsets(cu_k_c, p.block_size)
         if int(row_offsets[-1]) == 0:
+            continue
+        if keys_v4:
+            qi_words = p.q_idx[t0:t1].view(np.uint32)
+            kernel = _kl_kernel_keys_mma(p.block_size, p.d_idx, is_aligned16(qi_words))
+            _, _, _, smem, dims = _keys_v4_layout(p.block_size, p.d_idx)
+            _mma.launch(kernel, int(row_offsets[-1]) * (p.d_idx // dims),
+                        2 * p.block_size, smem, qi_words, ds, row_ptr, q_indices, slots,
+                        _device_copy(cu_k_c), _device_copy(row_offsets.astype(np.int32)),
+                        np.float32(p.index_scale), dk[k_lo:k_hi])
             continue
         keys[int(row_offsets[-1]), key_threads](
             p.q, p.k, p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], lse, lse_idx, row_ptr, q_indices,

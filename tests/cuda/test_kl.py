@@ -563,12 +563,14 @@ def bad(**change):
     (dict(scale=-1.0), ValueError, "scale"),
     (dict(index_scale=float("inf")), ValueError, "index_scale"),
     (dict(version=3), ValueError, "version=3"),
-    (dict(version=4), ValueError, "version must be one of"),
+    (dict(version=4), ValueError, "version=4"),
+    (dict(version=5), ValueError, "version must be one of"),
 ], ids=["q-rank", "q-int", "q-float64", "k-dim", "k-dtype", "k_idx-dtype", "G-not-int",
         "q_idx-heads", "q_idx-length", "k_idx-dim", "k_idx-length", "lse-heads", "lse-length",
         "lse-float64", "lse-float16", "lse-nan", "lse-inf-on-support", "I-heads", "I-length",
         "I-K=0", "I-float", "I-out-of-range", "I-duplicate", "cu_q-total", "Lq>Lk", "Bk=0",
-        "scale<0", "index_scale-inf", "version=3-float32", "version-unknown"])
+        "scale<0", "index_scale-inf", "version=3-float32", "version=4-float32",
+        "version-unknown"])
 def test_bad_inputs(change, error, match):
     for fn in (gpu.kl_loss, gpu.kl_backward):
         with pytest.raises(error, match=match):
@@ -658,10 +660,10 @@ def test_production_sizes_bf16(mode, version):
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["v4-grad-bf16-G16", "v4-grad-fp16-G1-plain",
-                                    "v4-grad-bf16-G4", "v4-student-bf16"])
+                                    "v4-grad-bf16-G4", "v4-student-bf16", "v4-keys-bf16"])
 def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """v4's kernels compile for sm_90 (paper sizes) with no float64 instruction and no local
-    memory: the teacher's scores and the student's stay in registers."""
+    memory: the teacher's scores, the student's and dk_idx's accumulators stay in registers."""
     import re
 
     from numba import types
@@ -673,6 +675,9 @@ def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     if kernel == "v4-student-bf16":
         fn = gpu._kl_kernel_student_reg(True, 128, 128, 4, True)
         sig = (w3, w2, *index, f32, f4)
+    elif kernel == "v4-keys-bf16":
+        fn = gpu._kl_kernel_keys_mma(128, 128, True)
+        sig = (w3, f4, *index[:3], i32[::1], i32[::1], f32, f32[:, ::1])
     else:
         bf16, group, use_async = {"v4-grad-bf16-G16": (True, 16, True),
                                   "v4-grad-fp16-G1-plain": (False, 1, False),
