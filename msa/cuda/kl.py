@@ -130,9 +130,9 @@ from ._arrays import SIMULATOR, ArrayContext, is_bf16
 from .attention import _check_entry, _device_copy, _item_fields, _load_entry, _row_query
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
-                      lds_f32x4, lds_u32x2, load_f32x4, no_op)
+                      load_f32x4, no_op)
 from ._mma import (bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
-                   mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2)
+                   mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 
 VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = 4
@@ -1231,36 +1231,32 @@ _STUDENT_WARPS_V4 = 1 if SIMULATOR else 4  # student pass: 16 query positions pe
 
 
 def _v4_layout(block_size, head_dim, index_dim, rows, positions):
-    """v4 grad kernel's shared memory: ``(LD, LDI, LDT), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T,
-    OFF_DQ), bytes, KS``.
+    """v4 grad kernel's shared memory: ``(LD, LDI, LDT, LDE), (OFF_KI, OFF_Q, OFF_QI, OFF_X,
+    OFF_T, OFF_E), bytes``.
 
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
-    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ, then read by the dq_idx loop), sQ the R
-    query rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are
-    done, while its dS and dq_idx run; at the paper's sizes the footprint stays under half an
-    SM's, two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
-    zeros). Floats: sX [Bk keys x LDT] key-major,
-    LDT = 4 ceil(P/4): the student logits of the tile's positions, then their ``P^idx - P``;
-    sT [Bk x LDT] the teacher ``P`` (each element written and read by the lane that owns it:
-    a register array indexed by the lane's share of keys would live in local memory);
-    sDQ [KS x P x Didx] the dq_idx partials of KS key ranges (only when KS > 1)."""
+    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
+    rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
+    while its dS and dq_idx run; at the paper's sizes the footprint stays under half an SM's,
+    two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
+    zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid + lo`` of each
+    position's ``dS``, exact; rows past P zeros), the A operand of dq_idx. Floats: sX [Bk keys x
+    LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x LDT]
+    the teacher ``P`` (each element written and read by the lane that owns it: a register array
+    indexed by the lane's share of keys would live in local memory)."""
     ld = head_dim // 2 + 4
     ldi = index_dim // 2 + 4
+    lde = block_size // 2 + 4
     pp = -(-positions // 16) * 16
     ldt = 4 * -(-positions // 4)
-    threads = 2 * rows
-    items = (index_dim // 4) * (ldt // 4)  # dq_idx: 4 dims x 4 positions per thread
-    ks = 1
-    while items * ks * 2 <= threads and block_size // (ks * 2) >= 8:
-        ks *= 2
     off_ki = block_size * ld
     off_q = off_ki + block_size * ldi
     off_qi = off_q + rows * ld
     off_x = off_qi + 2 * pp * ldi
     off_t = off_x + block_size * ldt
-    off_dq = off_t + block_size * ldt
-    total = off_dq + (ks * positions * index_dim if ks > 1 else 0)
-    return (ld, ldi, ldt), (off_ki, off_q, off_qi, off_x, off_t, off_dq), 4 * total, ks
+    off_e = off_t + block_size * ldt
+    total = off_e + 3 * pp * lde
+    return (ld, ldi, ldt, lde), (off_ki, off_q, off_qi, off_x, off_t, off_e), 4 * total
 
 
 def _v4_student_layout(block_size, index_dim, positions):
@@ -1449,9 +1445,9 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     4. each lane, for its share of the position's keys, ``dS = P^idx - P`` (into ``sX`` and,
        times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
        ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
-    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j``: fp32 FMAs, each
-       thread 4 dims x 4 positions over a range of keys (64- and 128-bit shared loads), the
-       ranges' sums added in order.
+    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` on tensor cores:
+       ``dS`` split into three 16-bit planes (``hi + mid + lo``, exact; fp16 planes scaled by
+       2**14 so the residuals stay normal), three mma per product, fp32 accumulation.
 
     Outputs as v3's grad mode: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``,
     ``dq_part[slot, t, h, :]``."""
@@ -1461,7 +1457,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     NT = 32 * NW
     assert G in GQA_GROUP_SIZES and R % 16 == 0 and NW <= _mma.MAX_WARPS
     assert D % 16 == 0 and DI % 16 == 0 and Bk % 16 == 0
-    (LD, LDI, LDT), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T, OFF_DQ), _, KS = _v4_layout(
+    (LD, LDI, LDT, LDE), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T, OFF_E), _ = _v4_layout(
         Bk, D, DI, R, P)
     PP = -(-P // 16) * 16
     DW = D // 2
@@ -1482,10 +1478,14 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     MT = PP // 16
     NPAIRS = Bk // 16
     STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
-    PB = LDT // 4
-    WP = DIW // 2  # word pairs (4 dims) of a row of K_idx
-    ITEMS = WP * PB
-    KEYS_PER = Bk // KS
+    PLANE = PP * LDE  # words per dS plane
+    NPD = DI // 16  # n-tile pairs of dq_idx (16 dims), dealt to the warps
+    DQ_ITERS = -(-(MT * NPD) // NW)
+    KP = Bk // 16  # k-steps of dq_idx = dS K_idx
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    # fp16 planes hold dS * 2**14 (|dS| <= 1): the residuals stay clear of fp16's subnormals
+    ds_up = float32(1.0) if bf16_in else float32(2.0 ** 14)
+    ds_down = float32(1.0) if bf16_in else float32(2.0 ** -14)
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
     copy16 = cp_async16 if use_async else copy16_plain3
@@ -1524,7 +1524,8 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         pos_s = cuda.shared.array((2, P), int32)
         pos_q = cuda.shared.array((2, P), int32)
         s_acc = cuda.local.array(S_REGS, float32)
-        acc = cuda.local.array(16, float32)
+        acc = cuda.local.array(8, float32)
+        afr = cuda.local.array(12, uint32)  # A fragments of the three dS planes
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -1541,7 +1542,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         q_hi = int(cu_q[b + 1])
         pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
         num_tiles = (q_count + P - 1) // P
-        cq = coef * index_scale
+        cqs = coef * index_scale * ds_down
 
         # The key block (K and K_idx; keys past the sequence are 0) and the pad rows of both
         # index query buffers (zeros, never rewritten).
@@ -1561,6 +1562,9 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             bb = e // ((PP - P) * PIECES_I)
             rr = P + (e // PIECES_I) % (PP - P)
             copy16_2d(smem, OFF_QI + bb * QIBUF + rr * LDI + (e % PIECES_I) * 4, k_idx, 0, 0)
+        for e in range(tid, 3 * (PP - P) * LDE, NT):
+            smem[OFF_E + (e // ((PP - P) * LDE)) * PLANE + P * LDE + e % ((PP - P) * LDE)] = \
+                uint32(0)
         g_row = tid // 2
         g_half = tid % 2
         t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
@@ -1580,6 +1584,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
         ai_lane = l_rows * LDI + (lane >> 4) * 4
         ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
+        vi_lane = OFF_KI + l_rows * LDI + (lane >> 4) * 4  # K_idx as the B of dq_idx (.trans)
         u_own = g4 % GG  # this lane's share of its positions' keys: n-tiles i = u_own mod GG
 
         for tile in range(num_tiles):
@@ -1698,30 +1703,44 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             kl_bot = float32(0.0)
             for jj in range(OWN_TILES):
                 i = jj * GG + u_own
-                for e in range(2):
-                    c = 8 * i + 2 * t4 + e
-                    for half in range(1 if BOTH else 2):
-                        if i >= NS:
-                            continue
-                        pp = p_top if half == 0 else p_bot
-                        pj = sf[OFF_T + c * LDT + pp]
-                        li = li_top if half == 0 else li_bot
-                        t = t_top if half == 0 else t_bot
-                        sl = s_top if half == 0 else s_bot
-                        x = sf[OFF_X + c * LDT + pp]
+                for half in range(1 if BOTH else 2):
+                    if i >= NS:
+                        continue
+                    pp = p_top if half == 0 else p_bot
+                    li = li_top if half == 0 else li_bot
+                    t = t_top if half == 0 else t_bot
+                    sl = s_top if half == 0 else s_bot
+                    c = 8 * i + 2 * t4
+                    ds0 = float32(0.0)
+                    ds1 = float32(0.0)
+                    for e in range(2):
+                        pj = sf[OFF_T + (c + e) * LDT + pp]
+                        x = sf[OFF_X + (c + e) * LDT + pp]
                         dsv = float32(0.0)
                         klv = float32(0.0)
                         if x > _NEG_INF:
                             dsv = math.exp(x - li) - pj
                             if pj > float32(0.0):
                                 klv = pj * (math.log(pj) - (x - li))
-                        sf[OFF_X + c * LDT + pp] = dsv
-                        if t >= 0:
-                            ds[t, h, sl, c] = coef * dsv
+                        if e == 0:
+                            ds0 = dsv
+                        else:
+                            ds1 = dsv
                         if half == 0:
                             kl_top += klv
                         else:
                             kl_bot += klv
+                    if t >= 0:
+                        ds[t, h, sl, c] = coef * ds0
+                        ds[t, h, sl, c + 1] = coef * ds1
+                    # dS (keys c, c + 1) as hi + mid + lo 16-bit pairs, row pp of the planes
+                    xa = ds0 * ds_up
+                    xb = ds1 * ds_up
+                    for plane in range(3):
+                        word = pack(xa, xb)
+                        smem[OFF_E + plane * PLANE + pp * LDE + c // 2] = word
+                        xa = xa - half_to_f32(word & uint32(0xFFFF))
+                        xb = xb - half_to_f32(word >> uint32(16))
             # over the lanes sharing a position: t4 (offsets 1, 2) and u_own (4 .. 2 GG)
             off = 1
             for _ in range(2 + STEPS):
@@ -1733,60 +1752,57 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                     part[0, s_top, t_top, h] = kl_top
                 if t_bot >= 0 and not BOTH:
                     part[0, s_bot, t_bot, h] = kl_bot
-            cuda.syncthreads()  # sX holds dS of every position
+            cuda.syncthreads()  # the planes hold dS of every position
 
-            # 5. dq_idx partials: thread = (key range kr, 4 positions, a word pair = 4 dims).
-            for it in range(tid, ITEMS * KS, NT):
-                kr = it // ITEMS
-                wp = (it % ITEMS) % WP
-                pq = 4 * ((it % ITEMS) // WP)
-                for i in range(16):
+            # 5. dq_idx partials = dS K_idx on tensor cores: A = the three planes (exact
+            # products), B = K_idx by ldmatrix.trans (K1's V); (m-tile, n-tile pair) dealt to
+            # the warps, every warp running the same mma count.
+            for it in range(DQ_ITERS):
+                item = warp + it * NW
+                real = item < MT * NPD
+                if not real:
+                    item = 0
+                mt = item // NPD
+                n2 = item % NPD
+                for i in range(8):
                     acc[i] = float32(0.0)
-                for cc in range(KEYS_PER):
-                    c = kr * KEYS_PER + cc
-                    w0, w1 = lds_u32x2(smem, OFF_KI + c * LDI + 2 * wp)
-                    k0 = half_to_f32(w0 & uint32(0xFFFF))
-                    k1 = half_to_f32(w0 >> uint32(16))
-                    k2 = half_to_f32(w1 & uint32(0xFFFF))
-                    k3 = half_to_f32(w1 >> uint32(16))
-                    d0, d1, d2, d3 = lds_f32x4(sf, OFF_X + c * LDT + pq)
-                    acc[0] += d0 * k0
-                    acc[1] += d0 * k1
-                    acc[2] += d0 * k2
-                    acc[3] += d0 * k3
-                    acc[4] += d1 * k0
-                    acc[5] += d1 * k1
-                    acc[6] += d1 * k2
-                    acc[7] += d1 * k3
-                    acc[8] += d2 * k0
-                    acc[9] += d2 * k1
-                    acc[10] += d2 * k2
-                    acc[11] += d2 * k3
-                    acc[12] += d3 * k0
-                    acc[13] += d3 * k1
-                    acc[14] += d3 * k2
-                    acc[15] += d3 * k3
-                for u in range(4):
-                    p = pq + u
-                    if p < P:
-                        for v in range(4):
-                            d = 4 * wp + v
-                            if KS == 1:
-                                t = pos_t[buf, p]
-                                if t >= 0:
-                                    dq_part[pos_s[buf, p], t, h, d] = acc[4 * u + v] * cq
-                            else:
-                                sf[OFF_DQ + (kr * P + p) * DI + d] = acc[4 * u + v]
-            if KS > 1:
-                cuda.syncthreads()
-                for i in range(tid, P * DI, NT):
-                    p = i // DI
-                    t = pos_t[buf, p]
-                    if t >= 0:
-                        total = float32(0.0)
-                        for kr in range(KS):
-                            total += sf[OFF_DQ + (kr * P + p) * DI + i % DI]
-                        dq_part[pos_s[buf, p], t, h, i % DI] = total * cq
+                for kp in range(KP):
+                    for plane in range(3):
+                        a0, a1, a2, a3 = ldmatrix_x4(
+                            smem, OFF_E + plane * PLANE + (16 * mt + l_rows) * LDE
+                            + (lane >> 4) * 4 + 8 * kp)
+                        afr[4 * plane] = a0
+                        afr[4 * plane + 1] = a1
+                        afr[4 * plane + 2] = a2
+                        afr[4 * plane + 3] = a3
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, vi_lane + 16 * kp * LDI + 8 * n2)
+                    for plane in range(3):
+                        c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
+                                             afr[4 * plane + 2], afr[4 * plane + 3], b0, b1,
+                                             acc[0], acc[1], acc[2], acc[3])
+                        acc[0] = c0
+                        acc[1] = c1
+                        acc[2] = c2
+                        acc[3] = c3
+                        c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
+                                             afr[4 * plane + 2], afr[4 * plane + 3], b2, b3,
+                                             acc[4], acc[5], acc[6], acc[7])
+                        acc[4] = c0
+                        acc[5] = c1
+                        acc[6] = c2
+                        acc[7] = c3
+                if real:
+                    # C layout: positions 16 mt + g4 (+8), dims 16 n2 + 8 nn + 2 t4 (+1)
+                    for r8 in range(2):
+                        p = 16 * mt + g4 + 8 * r8
+                        if p < P:
+                            t = pos_t[buf, p]
+                            if t >= 0:
+                                sl = pos_s[buf, p]
+                                for nn in range(2):
+                                    d = 16 * n2 + 8 * nn + 2 * t4
+                                    dq_part[sl, t, h, d] = acc[4 * nn + 2 * r8] * cqs
+                                    dq_part[sl, t, h, d + 1] = acc[4 * nn + 2 * r8 + 1] * cqs
 
     return _kl_kernel_grad_v4
 
@@ -2281,8 +2297,12 @@ class _Plan:
     def _plan_v4(self):
         """v4's grad tile (``R = P G`` rows, as K1 v3) and student tile, if they fit."""
         rows = max(DEFAULT_TILE_ROWS_V4, self.group)
-        positions = rows // self.group
-        smem = _v4_layout(self.block_size, self.d, self.d_idx, rows, positions)[2]
+        while True:  # fewer rows where the positions' buffers would not fit (G = 1: 32)
+            positions = rows // self.group
+            smem = _v4_layout(self.block_size, self.d, self.d_idx, rows, positions)[2]
+            if smem <= _mma.DYNAMIC_SMEM_LIMIT or rows <= max(16, self.group):
+                break
+            rows //= 2
         smem_s = _v4_student_layout(self.block_size, self.d_idx, 16 * _STUDENT_WARPS_V4)[2]
         if max(smem, smem_s) > _mma.DYNAMIC_SMEM_LIMIT:
             raise ValueError(

@@ -682,7 +682,8 @@ def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         bf16, group, use_async = {"v4-grad-bf16-G16": (True, 16, True),
                                   "v4-grad-fp16-G1-plain": (False, 1, False),
                                   "v4-grad-bf16-G4": (True, 4, True)}[kernel]
-        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, 64 // group, use_async)
+        rows = 32 if group == 1 else 64  # as _Plan._plan_v4 picks them
+        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, rows // group, use_async)
         sig = (w3, w3, w3, w2, f32[:, ::1], f32[:, ::1], *index, f32, f32, f32, f4, f4, f4)
     try:
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
