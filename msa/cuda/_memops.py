@@ -84,18 +84,6 @@ if SIMULATOR:
                 np.uint32(f[flat + 3]))
 
     @cuda.jit(device=True)
-    def lds_f32x4(a, flat):
-        """Simulator twin of the shared-memory 128-bit load."""
-        f = a.reshape(-1)
-        return f[flat], f[flat + 1], f[flat + 2], f[flat + 3]
-
-    @cuda.jit(device=True)
-    def lds_u32x2(a, flat):
-        """Simulator twin of the shared-memory 64-bit load."""
-        f = a.reshape(-1)
-        return np.uint32(f[flat]), np.uint32(f[flat + 1])
-
-    @cuda.jit(device=True)
     def cp_async16(dst, d, src, s, nbytes):
         """Simulator twin: an immediate copy (zeros where ``nbytes`` is 0)."""
         fd = dst.reshape(-1)
@@ -179,37 +167,6 @@ else:
 
     load_f32x4 = _vec4_load(types.float32, ir.FloatType())
     load_u32x4 = _vec4_load(types.uint32, ir.IntType(32))
-
-    def _vec_load_shared(dtype, ir_type, n):
-        """An intrinsic ``(a, flat)`` -> the ``n`` ``dtype`` values ``a.flat[flat:flat+n]`` of a
-        C-contiguous shared array in one vector load (``flat`` a multiple of ``n``)."""
-
-        @intrinsic
-        def _load(typingctx, a, flat):
-            if not (isinstance(a, types.Array) and a.dtype == dtype and a.layout == "C"
-                    and isinstance(flat, types.Integer)):
-                return None
-            sig = types.UniTuple(dtype, n)(a, flat)
-
-            def codegen(context, builder, signature, args):
-                ary = context.make_array(signature.args[0])(context, builder, args[0])
-                index = context.cast(builder, args[1], signature.args[1], types.intp)
-                ptr = builder.gep(ary.data, [index])
-                vec = ir.VectorType(ir_type, n)
-                sptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec)),
-                                             ir.PointerType(vec, addrspace=3))
-                load = builder.load(sptr, align=4 * n)
-                outs = [builder.extract_element(load, ir.Constant(ir.IntType(32), k))
-                        for k in range(n)]
-                return context.make_tuple(builder, signature.return_type, outs)
-
-            return sig, codegen
-
-        return _load
-
-    # shared memory: ld.shared.v4.f32 / ld.shared.v2.u32 (the address must be aligned)
-    lds_f32x4 = _vec_load_shared(types.float32, ir.FloatType(), 4)
-    lds_u32x2 = _vec_load_shared(types.uint32, ir.IntType(32), 2)
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)

@@ -82,7 +82,8 @@ v    idea
      ``(m, l)`` (``LSE^idx``) or ``dS``, the slot's ``dq_idx`` partial and KL term
      (backward), into per-slot buffers that a Q-outer pass merges in slot order. ``dk_idx``
      as v2. fp16/bf16 only. ``kl_loss_and_backward`` skips the forward's teacher pass.
-4    v3's plan and forward; its backward kernels rewritten to keep their work in registers.
+4    v3's plan; kernels that keep their work in registers. The forward is the backward's
+     first two passes (``LSE^idx``, then the KL terms by the grad kernel without gradients).
      ``LSE^idx``: tiles of 64 index queries, ``S^idx`` in mma accumulators, row maximum and
      sum by quad shuffles. The grad pass: ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64 rows,
      ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by butterfly shuffles over the lanes
@@ -1241,9 +1242,10 @@ def _v4_layout(block_size, head_dim, index_dim, rows, positions):
     two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
     zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid + lo`` of each
     position's ``dS``, exact; rows past P zeros), the A operand of dq_idx. Floats: sX [Bk keys x
-    LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x LDT]
-    the teacher ``P`` (each element written and read by the lane that owns it: a register array
-    indexed by the lane's share of keys would live in local memory)."""
+    LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
+    LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row half) pairs of it
+    (the dS loop would index its registers at run time), each element written and read by the
+    same lane."""
     ld = head_dim // 2 + 4
     ldi = index_dim // 2 + 4
     lde = block_size // 2 + 4
@@ -1431,8 +1433,9 @@ def _kl_kernel_student_reg(bf16_in: bool, block_size: int, index_dim: int, warps
 
 @functools.lru_cache(maxsize=None)
 def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
-                        group: int, positions: int, use_async: bool = True):
-    """v4 grad pass: v3's ``"grad"`` mode with the teacher in registers.
+                        group: int, positions: int, use_async: bool = True, grads: bool = True):
+    """v4 grad pass: v3's ``"grad"`` mode with the teacher in registers (``grads=False``: the
+    KL terms only, ``kl_loss``'s pass; ``ds`` and ``dq_part`` are not touched).
 
     Per tile of ``R = P G`` rows (``P`` query positions x ``G`` heads, row ``r`` = position
     ``r // G``, head ``r % G``), warp ``w`` owning rows ``16w .. 16w + 15``:
@@ -1440,8 +1443,9 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     1. the student logits ``S^idx`` of the P positions (one mma m-tile per 16 positions, the
        n-tiles dealt to the warps) into ``sX`` (key-major), ``-inf`` where hidden;
     2. ``S = Q Kᵀ`` in registers as K1 v3, each head's ``P_h = exp(S scale - LSE_h)``;
-    3. the teacher ``P = mean_h P_h`` of each position by butterfly shuffles over the lanes of
-       the position's rows (``log2 min(G, 8)`` steps, plus the two row halves at G = 16);
+    3. the teacher ``P = mean_h P_h`` of each position, summed over the lanes holding the
+       position's rows by a reduce-scatter of shuffles (``log2 min(G, 8)`` steps, each halving
+       the keys a lane keeps; the two row halves added first at G = 16);
     4. each lane, for its share of the position's keys, ``dS = P^idx - P`` (into ``sX`` and,
        times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
        ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
@@ -1472,9 +1476,21 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     KSTEPS = D // 16
     KSTEPS_I = DI // 16
     GG = min(G, 8)  # lanes (g4 values) sharing a position's row within one row half
-    STEPS = GG.bit_length() - 1
+    STEPS = GG.bit_length() - 1  # lane bits to sum over (g4's low bits)
     BOTH = G == 16  # the two row halves of a lane are the same position
-    OWN_TILES = -(-NS // GG)  # n-tiles of a lane's share of its positions' keys (at most)
+    # The head sum is a reduce-scatter over g4's high bits first (each step halves the n-tiles
+    # a lane keeps), then, when the block has fewer n-tiles than lanes to share them (small
+    # blocks), an all-reduce over the remaining low bits.
+    SCATTER = min(STEPS, NS.bit_length() - 1)
+    RB = STEPS - SCATTER
+    LEN = NS >> SCATTER  # n-tiles a lane keeps
+    LOW_MASK = (1 << RB) - 1
+    HALVES_DS = 1 if BOTH else 2
+    USE_ST = LEN * HALVES_DS > 2  # the teacher through sT (see _v4_layout)
+    H1, H2, H3 = NS >> 1, NS >> 2, NS >> 3  # halves of the scatter steps (while used)
+    OFF1 = 4 << (STEPS - 1) if STEPS >= 1 else 0
+    OFF2 = 4 << (STEPS - 2) if STEPS >= 2 else 0
+    OFF3 = 4 << (STEPS - 3) if STEPS >= 3 else 0
     MT = PP // 16
     NPAIRS = Bk // 16
     STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
@@ -1486,6 +1502,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     # fp16 planes hold dS * 2**14 (|dS| <= 1): the residuals stay clear of fp16's subnormals
     ds_up = float32(1.0) if bf16_in else float32(2.0 ** 14)
     ds_down = float32(1.0) if bf16_in else float32(2.0 ** -14)
+    GRADS = grads
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
     copy16 = cp_async16 if use_async else copy16_plain3
@@ -1514,6 +1531,22 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             dst = OFF_QI + buf * QIBUF + p * LDI
             for u in range(PIECES_I):
                 copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t >= 0 else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def scatter_step(s_acc, half_len, off):
+        """One reduce-scatter step over lane bit ``off``: n-tiles ``[0, 2 half_len)`` of both
+        row halves -> this lane keeps the lower half (its bit 0) or the upper, summed with its
+        partner's, in ``[0, half_len)``."""
+        upper = (cuda.threadIdx.x & off) != 0
+        for j in range(half_len):
+            for x in range(4):  # top e = 0, 1; bottom e = 0, 1
+                a = s_acc[4 * j + x]
+                b = s_acc[4 * (j + half_len) + x]
+                send = a if upper else b
+                keep = b if upper else a
+                if BOTH and x >= 2:
+                    continue  # G = 16: the bottom half was added into the top
+                s_acc[4 * j + x] = keep + cuda.shfl_xor_sync(_FULL_MASK, send, off)
 
     @cuda.jit
     def _kl_kernel_grad_v4(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
@@ -1585,7 +1618,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         ai_lane = l_rows * LDI + (lane >> 4) * 4
         ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
         vi_lane = OFF_KI + l_rows * LDI + (lane >> 4) * 4  # K_idx as the B of dq_idx (.trans)
-        u_own = g4 % GG  # this lane's share of its positions' keys: n-tiles i = u_own mod GG
+        u_own = g4 % GG  # this lane among the GG holding a position's rows (one row half)
 
         for tile in range(num_tiles):
             buf = tile % 2
@@ -1675,20 +1708,32 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                         v_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
                     if c <= lim_bot:
                         v_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
-                    # 3. sum over the position's heads (partners add in either order: the
-                    # same bits)
-                    if BOTH:
+                    if BOTH:  # G = 16: both row halves are heads of the same position
                         v_top += v_bot
-                    off = 4
-                    for _ in range(STEPS):
-                        v_top += cuda.shfl_xor_sync(_FULL_MASK, v_top, off)
-                        if not BOTH:
-                            v_bot += cuda.shfl_xor_sync(_FULL_MASK, v_bot, off)
-                        off *= 2
-                    if i % GG == u_own:  # this lane's share of the position's keys
-                        sf[OFF_T + c * LDT + p_top] = v_top * inv_g
-                        if not BOTH:
-                            sf[OFF_T + c * LDT + p_bot] = v_bot * inv_g
+                    s_acc[4 * i + e] = v_top
+                    s_acc[4 * i + 2 + e] = v_bot
+            # 3. sum over the position's heads: reduce-scatter, then all-reduce (see above);
+            # n-tile j < LEN of s_acc is now n-tile (u_own >> RB) LEN + j of the block
+            if SCATTER >= 1:
+                scatter_step(s_acc, H1, OFF1)
+            if SCATTER >= 2:
+                scatter_step(s_acc, H2, OFF2)
+            if SCATTER >= 3:
+                scatter_step(s_acc, H3, OFF3)
+            off = 4
+            for _ in range(RB):
+                for j in range(LEN):
+                    for x in range(4):
+                        if not (BOTH and x >= 2):
+                            s_acc[4 * j + x] += cuda.shfl_xor_sync(_FULL_MASK, s_acc[4 * j + x],
+                                                                   off)
+                off *= 2
+            if USE_ST:
+                for j in range(LEN):
+                    c = 8 * ((u_own >> RB) * LEN + j) + 2 * t4
+                    for x in range(2 * HALVES_DS):
+                        pp = p_top if x < 2 else p_bot
+                        sf[OFF_T + (c + x % 2) * LDT + pp] = s_acc[4 * j + x]
             cuda.syncthreads()  # sX holds every position's student logits; sQ is free
             if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes
                 t_g, s_g, p_g = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
@@ -1701,25 +1746,27 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             # 4. dS = P^idx - P on this lane's share of keys; the slot's KL term.
             kl_top = float32(0.0)
             kl_bot = float32(0.0)
-            for jj in range(OWN_TILES):
-                i = jj * GG + u_own
+            own = (u_own & LOW_MASK) == 0  # one lane of those holding the same sums
+            for j in range(LEN):
+                c = 8 * ((u_own >> RB) * LEN + j) + 2 * t4
                 for half in range(1 if BOTH else 2):
-                    if i >= NS:
-                        continue
                     pp = p_top if half == 0 else p_bot
                     li = li_top if half == 0 else li_bot
                     t = t_top if half == 0 else t_bot
                     sl = s_top if half == 0 else s_bot
-                    c = 8 * i + 2 * t4
                     ds0 = float32(0.0)
                     ds1 = float32(0.0)
                     for e in range(2):
-                        pj = sf[OFF_T + (c + e) * LDT + pp]
+                        if USE_ST:
+                            pj = sf[OFF_T + (c + e) * LDT + pp] * inv_g
+                        else:
+                            pj = s_acc[4 * j + 2 * half + e] * inv_g
                         x = sf[OFF_X + (c + e) * LDT + pp]
                         dsv = float32(0.0)
                         klv = float32(0.0)
-                        if x > _NEG_INF:
-                            dsv = math.exp(x - li) - pj
+                        if own and x > _NEG_INF:
+                            if GRADS:
+                                dsv = math.exp(x - li) - pj
                             if pj > float32(0.0):
                                 klv = pj * (math.log(pj) - (x - li))
                         if e == 0:
@@ -1730,17 +1777,18 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                             kl_top += klv
                         else:
                             kl_bot += klv
-                    if t >= 0:
-                        ds[t, h, sl, c] = coef * ds0
-                        ds[t, h, sl, c + 1] = coef * ds1
-                    # dS (keys c, c + 1) as hi + mid + lo 16-bit pairs, row pp of the planes
-                    xa = ds0 * ds_up
-                    xb = ds1 * ds_up
-                    for plane in range(3):
-                        word = pack(xa, xb)
-                        smem[OFF_E + plane * PLANE + pp * LDE + c // 2] = word
-                        xa = xa - half_to_f32(word & uint32(0xFFFF))
-                        xb = xb - half_to_f32(word >> uint32(16))
+                    if own and GRADS:
+                        if t >= 0:
+                            ds[t, h, sl, c] = coef * ds0
+                            ds[t, h, sl, c + 1] = coef * ds1
+                        # dS (keys c, c + 1) as hi + mid + lo 16-bit pairs, row pp of the planes
+                        xa = ds0 * ds_up
+                        xb = ds1 * ds_up
+                        for plane in range(3):
+                            word = pack(xa, xb)
+                            smem[OFF_E + plane * PLANE + pp * LDE + c // 2] = word
+                            xa = xa - half_to_f32(word & uint32(0xFFFF))
+                            xb = xb - half_to_f32(word >> uint32(16))
             # over the lanes sharing a position: t4 (offsets 1, 2) and u_own (4 .. 2 GG)
             off = 1
             for _ in range(2 + STEPS):
@@ -1752,6 +1800,8 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                     part[0, s_top, t_top, h] = kl_top
                 if t_bot >= 0 and not BOTH:
                     part[0, s_bot, t_bot, h] = kl_bot
+            if not GRADS:
+                continue
             cuda.syncthreads()  # the planes hold dS of every position
 
             # 5. dq_idx partials = dS K_idx on tensor cores: A = the three planes (exact
@@ -2431,8 +2481,9 @@ class _Plan:
 
     def launch_v4(self, mode, work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
                   lse_idx, coef, part, ds, dq_part):
-        """v4's ``"student"`` (``part`` = slot states) or ``"grad"`` kernel over the work items
-        of one query chunk (arguments as ``launch_v3``)."""
+        """v4's ``"student"`` (``part`` = slot states), ``"grad"`` or ``"kl"`` (the grad kernel
+        without gradients: ``part[0]`` = the slots' KL terms) kernel over the work items of one
+        query chunk (arguments as ``launch_v3``)."""
         num_items = int(work.shape[0])
         if num_items == 0:
             return
@@ -2449,7 +2500,7 @@ class _Plan:
                         np.float32(self.index_scale * math.log2(math.e)), part)
             return
         kernel = _kl_kernel_grad_reg(bf16, self.block_size, self.d, self.d_idx, self.group,
-                                     self.positions_v4, aligned)
+                                     self.positions_v4, aligned, mode == "grad")
         _mma.launch(kernel, num_items, 2 * self.rows_v4, self.smem_v4, *words, lse[t0:t1],
                     lse_idx[t0:t1], work, q_indices, slots, *cu,
                     np.float32(self.scale * math.log2(math.e)), np.float32(self.index_scale),
@@ -2481,7 +2532,9 @@ def _kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
     loss = ctx.empty((1,), np.float32, fill=0.0 if p.tq == 0 else None)
     if p.tq:
         kl_arg = ctx.arg(kl)
-        if p.version >= 3:  # v4's forward is v3's
+        if p.version == 4:
+            _kl_v4(p, p.teacher_lse(), kl_arg)
+        elif p.version == 3:
             _kl_v3(p, p.teacher_lse(), kl_arg)
         else:
             p.launch_kl(p.teacher_lse(), kl_arg)
@@ -2521,6 +2574,32 @@ def _kl_v3(p, lse, kl):
         p.launch_v3("stats", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
                     kl, np.float32(0.0), part, dummy4, dummy4)
         p.combine_states(part, t0, True, kl)
+
+
+def _kl_v4(p, lse, kl):
+    """v4 forward, per query chunk: ``LSE^idx`` (the backward's student pass and slot merge),
+    then each slot's ``sum_j P_j (log P_j - S^idx_j + LSE^idx)`` by the grad kernel without
+    gradients, summed over the slots in order (as ``kl_loss_and_backward``)."""
+    ctx = p.ctx
+    per_query = 4 * p.hkv * p.topk * 4
+    part_buf = None
+    lse_idx = ctx.arg(ctx.empty((p.tq, p.hkv), np.float32))
+    dummy4 = _device_copy(np.zeros((1, 1, 1, 1), np.float32))
+    zero = np.float32(0.0)
+    for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c in p.chunks(per_query, MAX_DS_BYTES):
+        tc = t1 - t0
+        if part_buf is None:
+            part_buf = ctx.arg(ctx.empty((4 * p.topk * tc * p.hkv,), np.float32))
+        part = part_buf[:4 * p.topk * tc * p.hkv].reshape(4, p.topk, tc, p.hkv)
+        work, _, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        p.launch_v4("student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                    lse_idx, zero, part, dummy4, dummy4)
+        p.combine_states(part, t0, False, lse_idx)
+        p.launch_v4("kl", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+                    lse_idx, zero, part, dummy4, dummy4)
+        n = tc * p.hkv
+        _kl_kernel_combine_kl[_blocks(n, _THREADS_V1), _THREADS_V1](
+            part, p.I, p.d_cu_q, p.d_cu_k, p.block_size, t0, kl)
 
 
 def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,

@@ -213,6 +213,15 @@ def test_v3_matches_reference(case, version):
     check(p, selection(p, mode), version, dtype)
 
 
+@pytest.mark.parametrize("hq", [16, 8])
+def test_v4_head_sum_on_blocks_of_eight_n_tiles(hq):
+    """Bk = 64 (8 n-tiles, as many as the lanes sharing a position's row half): v4's head sum
+    is the production one, a reduce-scatter over all of g4's bits (Bk = 16 mixes in the
+    all-reduce); G = 8 keeps two positions per lane (the teacher through sT)."""
+    p = case_problem([70], [70], hq, 1, 16, 16, 64, 2, seed=21)
+    check(p, selection(p, "random"), 4, "bf16")
+
+
 @pytest.mark.parametrize("version", [3, 4])
 def test_v3_hot_block_split_over_work_items(version):
     """Block 0 chosen by every query: its CSR row is longer than a work item (2 K Bk = 64
@@ -425,11 +434,12 @@ def test_reruns_are_bitwise_identical(version):
 @pytest.mark.parametrize("mode", ["random", "warmup"])
 def test_loss_and_backward_in_one_call(mode, version):
     """``kl_loss_and_backward`` = ``kl_loss`` then ``kl_backward``: the gradients bitwise, the
-    loss bitwise for v1/v2 (the same kernels); v3 sums the KL in its backward pass (it knows
-    ``LSE^idx`` there), so its ``kl`` is held to the float rule instead."""
+    loss bitwise for v1/v2 (the same kernels) and v4 (its forward is its backward's passes
+    without the gradients); v3 sums the KL in its backward pass (it knows ``LSE^idx`` there)
+    but not in its forward, so its ``kl`` is held to the float rule instead."""
     if version >= 3:
         if mode == "warmup":
-            pytest.skip("v3 needs a selection (the warmup runs v2)")
+            pytest.skip("v3 and v4 need a selection (the warmup runs v2)")
         p, dtype = case_problem([11, 4], [27, 9], 4, 2, 16, 16, 16, 2, seed=9), "float16"
     else:
         p, dtype = case_problem([11, 4], [11, 9], 4, 2, 8, 8, 4, 3, seed=9), "float32"
@@ -442,7 +452,7 @@ def test_loss_and_backward_in_one_call(mode, version):
     kl1, loss1, dq1, dk1 = run_kernels(version, kin, I, lse, p, dtype, grad_loss=0.5)
     np.testing.assert_array_equal(dq, dq1)
     np.testing.assert_array_equal(dk, dk1)
-    if version < 3:
+    if version != 3:
         np.testing.assert_array_equal(kl, kl1)
         assert np.float32(loss) == loss1
     (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *vals, *tail)
@@ -660,7 +670,8 @@ def test_production_sizes_bf16(mode, version):
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["v4-grad-bf16-G16", "v4-grad-fp16-G1-plain",
-                                    "v4-grad-bf16-G4", "v4-student-bf16", "v4-keys-bf16"])
+                                    "v4-grad-bf16-G4", "v4-kl-bf16-G16", "v4-student-bf16",
+                                    "v4-keys-bf16"])
 def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """v4's kernels compile for sm_90 (paper sizes) with no float64 instruction and no local
     memory: the teacher's scores, the student's and dk_idx's accumulators stay in registers."""
@@ -681,9 +692,11 @@ def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     else:
         bf16, group, use_async = {"v4-grad-bf16-G16": (True, 16, True),
                                   "v4-grad-fp16-G1-plain": (False, 1, False),
-                                  "v4-grad-bf16-G4": (True, 4, True)}[kernel]
+                                  "v4-grad-bf16-G4": (True, 4, True),
+                                  "v4-kl-bf16-G16": (True, 16, True)}[kernel]
         rows = 32 if group == 1 else 64  # as _Plan._plan_v4 picks them
-        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, rows // group, use_async)
+        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, rows // group, use_async,
+                                     not kernel.startswith("v4-kl"))
         sig = (w3, w3, w3, w2, f32[:, ::1], f32[:, ::1], *index, f32, f32, f32, f4, f4, f4)
     try:
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
