@@ -1564,7 +1564,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
         lane = tid % 32
         g4 = lane // 4
         t4 = lane % 4
-        topk = ds.shape[2]
+        topk = part.shape[1]  # (ds is a dummy without gradients)
         hkv = k.shape[1]
         h, q_begin, q_count, b, j, key0, nk = _item_fields(
             work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
