@@ -86,10 +86,11 @@ v    idea
      first two passes (``LSE^idx``, then the KL terms by the grad kernel without gradients).
      ``LSE^idx``: tiles of 64 index queries, ``S^idx`` in mma accumulators, row maximum and
      sum by quad shuffles. The grad pass: ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64 rows,
-     ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by butterfly shuffles over the lanes
-     of a position, each lane ``dS`` and the KL term on its share of the keys, the slot's
-     ``dq_idx`` partial by register-blocked FMAs over shared memory; one Q buffer refilled
-     while ``dS`` and ``dq_idx`` run (105 KB at the paper's sizes: two CTAs per SM).
+     ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by a reduce-scatter of shuffles over
+     the lanes of a position, each lane ``dS`` and the KL term on the keys it keeps, the
+     slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact 16-bit planes); one Q
+     buffer refilled while ``dS`` and ``dq_idx`` run (110 KB at the paper's sizes: two CTAs
+     per SM).
      ``dk_idx`` (bf16, ``Bk <= 128``; else v2's kernel): per key block and 64 dims, the
      CSR row's ``dS`` rows split into three bf16 planes (exact), ``dSᵀ Q_idx`` by mma
      (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the next step staged
@@ -1446,7 +1447,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     3. the teacher ``P = mean_h P_h`` of each position, summed over the lanes holding the
        position's rows by a reduce-scatter of shuffles (``log2 min(G, 8)`` steps, each halving
        the keys a lane keeps; the two row halves added first at G = 16);
-    4. each lane, for its share of the position's keys, ``dS = P^idx - P`` (into ``sX`` and,
+    4. each lane, for the keys it keeps, ``dS = P^idx - P`` (into the planes of step 5 and,
        times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
        ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
     5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` on tensor cores:
@@ -2733,10 +2734,10 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
 
 
 def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
-    """v3 backward, per query chunk: the student's LSE (KV-outer, index scores only, slots
+    """v3/v4 backward, per query chunk: the student's LSE (KV-outer, index scores only, slots
     merged), then dS, the per-slot dq_idx partials and KL terms (KV-outer, tensor cores),
-    dq_idx (and ``kl`` if given) summed over the slots in order, dk_idx by v2's key-block
-    kernel from the dS buffer."""
+    dq_idx (and ``kl`` if given) summed over the slots in order, dk_idx from the dS buffer by
+    a key-block kernel (v4 with bf16 inputs: ``_kl_kernel_keys_mma``; else v2's)."""
     from ..reference.blocks import block_row_offsets
 
     ctx = p.ctx
