@@ -129,7 +129,8 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
 from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from .attention import _check_entry, _device_copy, _item_fields, _load_entry, _row_query
+from .attention import (_LN2, _LOG2E, _check_entry, _device_copy, _item_fields, _load_entry,
+                        _row_query)
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
                       load_f32x4, no_op)
@@ -1225,8 +1226,6 @@ def _kl_kernel_mma(mode: str, bf16_in: bool, block_size: int, head_dim: int, ind
 # student pass
 # =============================================================================================
 
-_LOG2E = float32(1.4426950408889634)
-_LN2 = float32(0.6931471805599453)
 # v4 tile rows R = P x G of the grad kernel (64 as K1 v3's default; the simulator's smallest)
 DEFAULT_TILE_ROWS_V4 = 16 if SIMULATOR else 64
 _STUDENT_WARPS_V4 = 1 if SIMULATOR else 4  # student pass: 16 query positions per warp
@@ -1419,12 +1418,12 @@ def _kl_kernel_student_reg(bf16_in: bool, block_size: int, index_dim: int, warps
             l_bot += cuda.shfl_xor_sync(_FULL_MASK, l_bot, 2)
             if t4 == 0:
                 if t_top >= 0:
-                    part[0, s_top, t_top, h] = m_top * _LN2 if l_top > 0 else _NEG_INF
+                    part[0, s_top, t_top, h] = m_top * float32(_LN2) if l_top > 0 else _NEG_INF
                     part[1, s_top, t_top, h] = l_top
                     part[2, s_top, t_top, h] = float32(0.0)
                     part[3, s_top, t_top, h] = float32(0.0)
                 if t_bot >= 0:
-                    part[0, s_bot, t_bot, h] = m_bot * _LN2 if l_bot > 0 else _NEG_INF
+                    part[0, s_bot, t_bot, h] = m_bot * float32(_LN2) if l_bot > 0 else _NEG_INF
                     part[1, s_bot, t_bot, h] = l_bot
                     part[2, s_bot, t_bot, h] = float32(0.0)
                     part[3, s_bot, t_bot, h] = float32(0.0)
@@ -1633,10 +1632,10 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             li_top = float32(0.0)
             li_bot = float32(0.0)
             if t_top >= 0:
-                lse_top = _finite_or_zero(lse[t_top, h * G + r_top % G]) * _LOG2E
+                lse_top = _finite_or_zero(lse[t_top, h * G + r_top % G]) * float32(_LOG2E)
                 li_top = lse_idx[t_top, h]
             if t_bot >= 0:
-                lse_bot = _finite_or_zero(lse[t_bot, h * G + r_bot % G]) * _LOG2E
+                lse_bot = _finite_or_zero(lse[t_bot, h * G + r_bot % G]) * float32(_LOG2E)
                 li_bot = lse_idx[t_bot, h]
             tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
                                          r_top, R)
@@ -2444,7 +2443,9 @@ class _Plan:
         return query_chunks(self.cu_q, self.cu_k, max(1, min(self.tq, budget // bytes_per_query)))
 
     def v3_schedule(self, t0, t1, cu_q_c, cu_k_c):
-        """``(work, q_indices, slots)`` of queries ``[t0, t1)``: k2q CSR and work items."""
+        """``(work, row_ptr, q_indices, slots, d_cu)`` of queries ``[t0, t1)``: k2q CSR and work
+        items, and ``d_cu`` the chunk's ``(cu_q, cu_k)`` on the device (copied once for the
+        chunk's launches)."""
         from .csr import build_csr
         from .schedule import build_schedule
 
@@ -2456,11 +2457,12 @@ class _Plan:
                               max_edges=max(1, (t1 - t0) * self.topk), validate=False)
         work = work[0] if isinstance(work, tuple) else work
         return (_kernel_array(work), _kernel_array(row_ptr), _kernel_array(q_indices),
-                _kernel_array(slots))
+                _kernel_array(slots), (_device_copy(cu_q_c), _device_copy(cu_k_c)))
 
-    def launch_v3(self, mode, work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
-                  lse_idx, coef, part, ds, dq_part):
-        """The v3 kernel in ``mode`` over the work items of one query chunk."""
+    def launch_v3(self, mode, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse, lse_idx,
+                  coef, part, ds, dq_part):
+        """The v3 kernel in ``mode`` over the work items of one query chunk (``d_cu`` from
+        ``v3_schedule``)."""
         num_items = int(work.shape[0])
         if num_items == 0:
             return
@@ -2476,12 +2478,11 @@ class _Plan:
         smem = _v3_layout(self.block_size, self.d, self.d_idx, self.rows, pad,
                           mode != "student")[2]
         _mma.launch(kernel, num_items, 2 * self.rows, smem, *words, lse[t0:t1],
-                    lse_idx[t0:t1], work, q_indices, slots, _device_copy(cu_q_c),
-                    _device_copy(cu_k_c), np.float32(self.scale), np.float32(self.index_scale),
-                    coef, part, ds, dq_part)
+                    lse_idx[t0:t1], work, q_indices, slots, *d_cu, np.float32(self.scale),
+                    np.float32(self.index_scale), coef, part, ds, dq_part)
 
-    def launch_v4(self, mode, work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
-                  lse_idx, coef, part, ds, dq_part):
+    def launch_v4(self, mode, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse, lse_idx,
+                  coef, part, ds, dq_part):
         """v4's ``"student"`` (``part`` = slot states), ``"grad"`` or ``"kl"`` (the grad kernel
         without gradients: ``part[0]`` = the slots' KL terms) kernel over the work items of one
         query chunk (arguments as ``launch_v3``)."""
@@ -2492,25 +2493,30 @@ class _Plan:
                                              self.q_idx[t0:t1], self.k_idx[k_lo:k_hi])]
         aligned = all(is_aligned16(x) for x in words)
         bf16 = self.kind == "bfloat16"
-        cu = (_device_copy(cu_q_c), _device_copy(cu_k_c))
         if mode == "student":
             kernel = _kl_kernel_student_reg(bf16, self.block_size, self.d_idx,
                                             _STUDENT_WARPS_V4, aligned)
             _mma.launch(kernel, num_items, 32 * _STUDENT_WARPS_V4, self.smem_student_v4,
-                        words[2], words[3], work, q_indices, slots, *cu,
-                        np.float32(self.index_scale * math.log2(math.e)), part)
+                        words[2], words[3], work, q_indices, slots, *d_cu,
+                        np.float32(self.index_scale * _LOG2E), part)
             return
         kernel = _kl_kernel_grad_reg(bf16, self.block_size, self.d, self.d_idx, self.group,
                                      self.positions_v4, aligned, mode == "grad")
         _mma.launch(kernel, num_items, 2 * self.rows_v4, self.smem_v4, *words, lse[t0:t1],
-                    lse_idx[t0:t1], work, q_indices, slots, *cu,
-                    np.float32(self.scale * math.log2(math.e)), np.float32(self.index_scale),
+                    lse_idx[t0:t1], work, q_indices, slots, *d_cu,
+                    np.float32(self.scale * _LOG2E), np.float32(self.index_scale),
                     coef, part, ds, dq_part)
 
     def combine_states(self, part, t0, want_kl, out):
         n = int(part.shape[2]) * self.hkv
         _kl_kernel_combine_states[_blocks(n, _THREADS_V1), _THREADS_V1](
             part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, want_kl, out)
+
+    def combine_kl(self, part, t0, kl):
+        """``kl[t, r] = sum_s part[0, s, t, r]`` over the chunk's queries (v3/v4 KL terms)."""
+        n = int(part.shape[2]) * self.hkv
+        _kl_kernel_combine_kl[_blocks(n, _THREADS_V1), _THREADS_V1](
+            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, kl)
 
     def combine_dq(self, dq_part, t0, dq):
         n = int(dq_part.shape[1]) * self.hkv * self.d_idx
@@ -2571,8 +2577,8 @@ def _kl_v3(p, lse, kl):
         if part_buf is None:
             part_buf = ctx.arg(ctx.empty((4 * p.topk * tc * p.hkv,), np.float32))
         part = part_buf[:4 * p.topk * tc * p.hkv].reshape(4, p.topk, tc, p.hkv)
-        work, _, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
-        p.launch_v3("stats", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+        work, _, q_indices, slots, d_cu = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        p.launch_v3("stats", work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                     kl, np.float32(0.0), part, dummy4, dummy4)
         p.combine_states(part, t0, True, kl)
 
@@ -2592,15 +2598,13 @@ def _kl_v4(p, lse, kl):
         if part_buf is None:
             part_buf = ctx.arg(ctx.empty((4 * p.topk * tc * p.hkv,), np.float32))
         part = part_buf[:4 * p.topk * tc * p.hkv].reshape(4, p.topk, tc, p.hkv)
-        work, _, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
-        p.launch_v4("student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+        work, _, q_indices, slots, d_cu = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        p.launch_v4("student", work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                     lse_idx, zero, part, dummy4, dummy4)
         p.combine_states(part, t0, False, lse_idx)
-        p.launch_v4("kl", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+        p.launch_v4("kl", work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                     lse_idx, zero, part, dummy4, dummy4)
-        n = tc * p.hkv
-        _kl_kernel_combine_kl[_blocks(n, _THREADS_V1), _THREADS_V1](
-            part, p.I, p.d_cu_q, p.d_cu_k, p.block_size, t0, kl)
+        p.combine_kl(part, t0, kl)
 
 
 def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
@@ -2759,33 +2763,30 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
         ds = bufs[1][:tc * p.hkv * p.topk * p.block_size].reshape(tc, p.hkv, p.topk,
                                                                   p.block_size)
         dq_part = bufs[2][:p.topk * tc * p.hkv * p.d_idx].reshape(p.topk, tc, p.hkv, p.d_idx)
-        work, row_ptr, q_indices, slots = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
-        launch(p, "student", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+        work, row_ptr, q_indices, slots, d_cu = p.v3_schedule(t0, t1, cu_q_c, cu_k_c)
+        launch(p, "student", work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                lse_idx, zero, part, dummy4, dummy4)
         p.combine_states(part, t0, False, lse_idx)
-        launch(p, "grad", work, q_indices, slots, cu_q_c, cu_k_c, t0, t1, k_lo, k_hi, lse,
+        launch(p, "grad", work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                lse_idx, coef, part, ds, dq_part)
         p.combine_dq(dq_part, t0, dq)
         if kl is not None:
-            n = tc * p.hkv
-            _kl_kernel_combine_kl[_blocks(n, _THREADS_V1), _THREADS_V1](
-                part, p.I, p.d_cu_q, p.d_cu_k, p.block_size, t0, kl)
+            p.combine_kl(part, t0, kl)
         row_offsets = block_row_offsets(cu_k_c, p.block_size)
         if int(row_offsets[-1]) == 0:
             continue
+        d_rows = _device_copy(row_offsets.astype(np.int32))
         if keys_v4:
             qi_words = p.q_idx[t0:t1].view(np.uint32)
             kernel = _kl_kernel_keys_mma(p.block_size, p.d_idx, is_aligned16(qi_words))
             _, _, _, smem, dims = _keys_v4_layout(p.block_size, p.d_idx)
             _mma.launch(kernel, int(row_offsets[-1]) * (p.d_idx // dims),
                         2 * p.block_size, smem, qi_words, ds, row_ptr, q_indices, slots,
-                        _device_copy(cu_k_c), _device_copy(row_offsets.astype(np.int32)),
-                        np.float32(p.index_scale), dk[k_lo:k_hi])
+                        d_cu[1], d_rows, np.float32(p.index_scale), dk[k_lo:k_hi])
             continue
         keys[int(row_offsets[-1]), key_threads](
             p.q, p.k, p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], lse, lse_idx, row_ptr, q_indices,
-            slots, ds, _device_copy(cu_q_c), _device_copy(cu_k_c),
-            _device_copy(row_offsets.astype(np.int32)), p.block_size, np.float32(p.scale),
+            slots, ds, *d_cu, d_rows, p.block_size, np.float32(p.scale),
             np.float32(p.index_scale), coef, dk[k_lo:k_hi])
 
 

@@ -35,6 +35,7 @@ from msa.reference.blocks import query_positions
 from msa.reference.csr import build_csr
 from msa.reference.schedule import build_schedule
 from msa.testing.backends import to_numpy
+from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
 U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in versions 2, 3
@@ -810,16 +811,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     else:
         fn = _combine_kernel_vec(128, True, "bf16", False, _V2_WARPS, _v2_unroll(128, True))
         sig = (types.uint32[:, :, :, ::1], parts[1], types.uint32[:, :, ::1], types.float32[:, ::1])
-    try:
-        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
-    except Exception as exc:  # no NVVM here: nothing to check
-        if "NVVM" in str(exc) or "nvvm" in str(exc):
-            pytest.skip(f"NVVM unavailable: {exc}")
-        raise
-    import re
-
-    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
-    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"
+    ptx = sm90_ptx(fn, sig)
+    assert_no_f64_or_local(ptx)
     if kernel.startswith(("k1-v2", "k1-v3")) and _mma.MMA_BACKEND == "ptx":
         assert "mma.sync.aligned.m16n8k16" in ptx
     if kernel.startswith("k1-v3"):

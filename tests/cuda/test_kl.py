@@ -29,6 +29,7 @@ from msa.reference.blocks import local_blocks, max_blocks, query_positions
 from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
 from msa.testing.backends import to_numpy
+from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
 from msa.testing.strategies import block_indices_for, problem_shapes, problems_with_indices
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
@@ -686,8 +687,6 @@ def test_production_sizes_bf16(mode, version):
 def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """v4's kernels compile for sm_90 (paper sizes) with no float64 instruction and no local
     memory: the teacher's scores, the student's and dk_idx's accumulators stay in registers."""
-    import re
-
     from numba import types
 
     i32, f32 = types.int32, types.float32
@@ -709,11 +708,4 @@ def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, rows // group, use_async,
                                      not kernel.startswith("v4-kl"))
         sig = (w3, w3, w3, w2, f32[:, ::1], f32[:, ::1], *index, f32, f32, f32, f4, f4, f4)
-    try:
-        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
-    except Exception as exc:  # no NVVM here: nothing to check
-        if "NVVM" in str(exc) or "nvvm" in str(exc):
-            pytest.skip(f"NVVM unavailable: {exc}")
-        raise
-    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
-    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"
+    assert_no_f64_or_local(sm90_ptx(fn, sig))
