@@ -89,6 +89,26 @@ def main() -> int:
                                dev(lse_ref), dev(cq), dev(ck), bk)
         dq_ref, dk_ref = R.kl_backward(p.q, p.k, p.q_idx, p.k_idx, idx_ref, lse_ref, cq, ck, bk)
         report("kl_backward", np.allclose(dk.cpu().numpy(), dk_ref, rtol=1e-3, atol=1e-6))
+        # The tensor-core versions (bf16 only; v4 is the default there), against the reference
+        # on the bf16-rounded inputs: relative to the largest reference value.
+        rb = lambda a: bf(a).float().cpu().numpy()  # noqa: E731
+        qb, kb, qib, kib = rb(p.q), rb(p.k), rb(p.q_idx), rb(p.k_idx)
+        _, lse_b = R.sparse_attention(qb, kb, rb(p.v), idx_ref, cq, ck, bk)
+        kl_b, _ = R.kl_loss(qb, kb, qib, kib, idx_ref, lse_b, cq, ck, bk)
+        dq_b, dk_b = R.kl_backward(qb, kb, qib, kib, idx_ref, lse_b, cq, ck, bk)
+        close = lambda got, ref: float(np.abs(got.float().cpu().numpy() - ref).max()) <= (  # noqa: E731
+            2e-2 * max(float(np.abs(ref).max()), 1e-6))
+        for version in (3, 4):
+            args = (bf(p.q), bf(p.k), bf(p.q_idx), bf(p.k_idx), dev(idx_ref), dev(lse_b),
+                    dev(cq), dev(ck), bk)
+            try:
+                kl, _ = C.kl_loss(*args, version=version)
+                dq, dk = C.kl_backward(*args, version=version)
+                good = close(kl, kl_b) and close(dq, dq_b) and close(dk, dk_b)
+            except Exception as exc:  # report it and run the other stages
+                print(f"kl v{version} bf16: {type(exc).__name__}: {exc}", flush=True)
+                good = False
+            report(f"kl v{version} bf16", good)
     torch.cuda.synchronize()
     print("all stages ok" if ok else "SOME STAGE MISMATCHED")
     return 0 if ok else 1
