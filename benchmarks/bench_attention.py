@@ -235,7 +235,7 @@ def _error_row(case, impl, exc):
 
 
 def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=16384, gate=False,
-                    tile_rows=None):
+                    tile_rows=None, groups=None):
     """ms of CSR + schedule, K1 and K2 for the last ``max_queries`` queries (one query chunk of
     ``sparse_attention``, against every key), CUDA events around each stage. With ``gate``, the
     chunk's last 512 outputs are first compared with ``gather_attention`` (rel err in the
@@ -253,7 +253,7 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     q, I = q[n - c:], I[n - c:]
     cu_q, cu_k = np.array([0, c], np.int32), np.array([0, n], np.int32)
     spec = A._Spec(q, k, v)
-    plan = A._K1Plan(spec, BK, version, tile_rows)
+    plan = A._K1Plan(spec, BK, version, tile_rows, groups)
     chunk = -(-2 * TOPK * BK // plan.positions) * plan.positions
     scale = 1.0 / math.sqrt(D)
     ctx = A.ArrayContext(q, k, v, I)
@@ -297,7 +297,8 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     flops = 4 * HQ * D * visible_tokens(I, t_offset=n - c)
     del o_part, lse_part
     part_bytes = 2 if bf16_partials else 4
-    return dict(extra, version=plan.version, tile_rows=plan.rows, breakdown_queries=c,
+    return dict(extra, version=plan.version, tile_rows=plan.rows, groups=plan.groups,
+                breakdown_queries=c,
                 csr_schedule_ms=times[0],
                 k1_ms=times[1], k2_ms=times[2],
                 k1_TFLOPs=flops / times[1] / 1e9,
@@ -326,17 +327,19 @@ def bench_sparse(n, pattern, args):
     # Correctness gate against the PyTorch gather implementation.
     gate = None
     msa = {}
-    configs = [(version, partials) for version in args.versions
+    configs = [(version, partials, None) for version in args.versions
                for partials in (args.partials if version == args.versions[0] else args.partials[:1])]
-    for version, partials in configs:
-        impl = f"msa v{version} ({partials} partials)"
+    # v3 with each requested number of warp groups, bf16 partials
+    configs += [(3, args.partials[0], g) for g in args.groups if 3 in args.versions]
+    for version, partials, groups in configs:
+        impl = f"msa v{version} ({partials} partials" + (f", groups={groups})" if groups else ")")
         if version == 1 and n > args.v1_max_n:
             continue
         try:
-            def run(version=version, partials=partials):
+            def run(version=version, partials=partials, groups=groups):
                 return sparse_attention(q, k, v, I, cu, cu, BK, version=version, validate=False,
                                         max_partial_bytes=args.max_partial_bytes,
-                                        partial_dtype=partials)
+                                        partial_dtype=partials, groups=groups)
             (o, _), peak = _peak_and_first(run)
             if gate is None:
                 spans = [(0, min(n, 512)), (n // 2, n // 2 + 512), (n - 512, n)]
@@ -349,11 +352,11 @@ def bench_sparse(n, pattern, args):
                                  error=f"correctness gate failed: rel err {err:.3g} >= {GATE_REL}"))
                 continue
             ms = cuda_time_ms(run, warmup=1, reps=args.reps)
-            msa[(version, partials)] = ms
+            msa[(version, partials, groups)] = ms
             extra = dict(gate_rel_err=err)
             if args.breakdown and version == args.versions[0]:
                 try:
-                    extra.update(stage_breakdown(q, k, v, I, version, partials))
+                    extra.update(stage_breakdown(q, k, v, I, version, partials, groups=groups))
                 except Exception as exc:  # the breakdown is a diagnosis, never fatal
                     extra["breakdown_error"] = f"{type(exc).__name__}: {exc}"
             rows.append(_row(case, impl, ms, flops, peak, **extra))
@@ -409,13 +412,17 @@ def bench_k1(n, pattern, args):
     q, k, v = _qkv(n, seed=3)
     I = make_selection(pattern, n, seed=3)
     print(f"== {case}", flush=True)
-    # v3 also at 64-row tiles: 4 warps and 104 KB of shared memory, two CTAs per SM
-    configs = [(version, None) for version in args.k1_versions]
-    configs += [(3, 64)] if 3 in args.k1_versions else []
-    for version, tile_rows in configs:
-        impl = f"K1 v{version}" + (f" T={tile_rows}" if tile_rows else "") + " (bf16 partials)"
+    # v3 also at 128-row tiles (8 warps, one CTA per SM) and with several warp groups of
+    # 64-row tiles per CTA (--k1-groups)
+    configs = [(version, None, None) for version in args.k1_versions]
+    configs += [(3, 128, None)] if 3 in args.k1_versions else []
+    configs += [(3, 64, g) for g in args.k1_groups if 3 in args.k1_versions]
+    for version, tile_rows, groups in configs:
+        impl = (f"K1 v{version}" + (f" T={tile_rows}" if tile_rows else "")
+                + (f" groups={groups}" if groups else "") + " (bf16 partials)")
         try:
-            r = stage_breakdown(q, k, v, I, version, "bfloat16", gate=True, tile_rows=tile_rows)
+            r = stage_breakdown(q, k, v, I, version, "bfloat16", gate=True, tile_rows=tile_rows,
+                                groups=groups)
             rows.append(dict(case=case, impl=impl, ms=r["k1_ms"], TFLOPs=r["k1_TFLOPs"], **r))
         except Exception as exc:
             rows.append(_error_row(case, impl, exc))
@@ -449,13 +456,15 @@ def bench_prefill(n, args):
     try:
         def run():
             return msa_prefill(q, k, v, q_idx, k_idx, cu, cu, BK, TOPK,
-                               max_partial_bytes=args.max_partial_bytes)
+                               max_partial_bytes=args.max_partial_bytes,
+                               groups=args.prefill_groups)
         (o, lse, I), peak = _peak_and_first(run)
         S = visible_tokens(I)
         flops = 4 * HQ * D * S + HKV * D_IDX * n * n  # attention + index (eq 12's two terms)
         del o, lse, I
         ms_prefill = cuda_time_ms(run, warmup=0, reps=reps)
-        rows.append(_row(case, "msa_prefill (index + top-k + sparse)", ms_prefill, flops, peak))
+        rows.append(_row(case, "msa_prefill (index + top-k + sparse)", ms_prefill, flops, peak,
+                         groups=args.prefill_groups))
     except Exception as exc:
         rows.append(_error_row(case, "msa_prefill", exc))
     torch.cuda.empty_cache()
@@ -497,11 +506,19 @@ def main(argv=None):
     p.add_argument("--dense-max-n", type=int, default=1 << 20)
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="skip the cases left once this much wall time has passed")
+    p.add_argument("--k1-groups", default="2,3,4",
+                   help="K1 v3 warp groups per CTA to time in the K1 section (64-row tiles)")
+    p.add_argument("--groups", default="",
+                   help="also time sparse attention with K1 v3 and these warp groups")
+    p.add_argument("--prefill-groups", type=int, default=None,
+                   help="K1 v3 warp groups in the prefill (default: the library's)")
     p.add_argument("--skip-flex", action="store_true")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     args = p.parse_args(argv)
     args.versions = [int(x) for x in args.versions.split(",") if x]
     args.k1_versions = [int(x) for x in args.k1_versions.split(",") if x]
+    args.k1_groups = [int(x) for x in args.k1_groups.split(",") if x]
+    args.groups = [int(x) for x in args.groups.split(",") if x]
     args.partials = [x for x in args.partials.split(",") if x]
     t_start = time.time()
     rows = []

@@ -53,7 +53,7 @@ from numba import cuda, float32, types, uint16, uint32
 
 from ._arrays import SIMULATOR
 
-MAX_WARPS = 8
+MAX_WARPS = 16
 STATIC_SMEM_LIMIT = 48 * 1024
 # Hopper (sm_90) allows 227 KB of shared memory per block (opt-in), static + dynamic; kernels
 # keep STATIC_RESERVE of it for their static arrays (row tables, the twin's register exchange).

@@ -44,7 +44,11 @@ v    idea
      128. 136 KB of dynamic shared memory at D = Bk = 128, R = 128 (one CTA of 8 warps per
      SM); 168 registers, no spills, at D = 128 with Bk = 128 (every D, Bk in {16, 32, 64, 128}
      at most 168; sm_90, offline ptxas). Inputs that are not 16-byte aligned are copied by
-     plain loads instead of ``cp.async``.
+     plain loads instead of ``cp.async``. ``groups`` > 1 makes the CTA that many independent
+     groups of tile warps over one shared K/V block (each group its own Q buffers and
+     ``bar.sync`` barrier; 3 groups of 4 warps: 170 KB, 168 registers under launch bounds, no
+     spills), so that more warps share each load of K/V and one group's softmax overlaps
+     another's mma.
 ===  =========================================================================================
 
 ``version=None`` takes ``DEFAULT_TC_VERSION`` (3)
@@ -77,7 +81,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
 from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                      is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
+                      group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
 from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
@@ -97,6 +101,8 @@ MAX_PARTIAL_BYTES = 4 << 30
 # are as small as the kernels allow.
 DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128,
                      3: 16 if SIMULATOR else 64}
+# Warp groups per K1 v3 CTA (``groups``): independent groups of tiles sharing one K/V block.
+DEFAULT_V3_GROUPS = 1
 _THREADS_V1 = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
 _LOG2E = 1.4426950408889634
@@ -571,16 +577,17 @@ V3_MAX_HEAD_DIM = 128
 V3_MAX_BLOCK_SIZE = 128
 
 
-def _v3_layout(block_size, head_dim, rows):
+def _v3_layout(block_size, head_dim, rows, groups=1):
     """Row stride (32-bit words), word offsets of sV and sQ, and total bytes of K1 v3's shared
     memory: sK [Bk rows] and sV [Bk rows] row-major (V's B fragments come from
-    ``ldmatrix.trans``), sQ two buffers of R rows (tile i+1 is gathered while tile i computes).
+    ``ldmatrix.trans``), then for each of the CTA's ``groups`` warp groups two sQ buffers of R
+    rows (tile i+1 is gathered while tile i computes).
     Rows of ``D/2 + 4`` words: 16-byte aligned for ``cp.async``, and the 8 rows x 16 bytes of
     an ``ldmatrix`` phase hit 32 different banks."""
     ld = head_dim // 2 + 4
     off_v = block_size * ld
     off_q = 2 * block_size * ld
-    total = off_q + 2 * rows * ld
+    total = off_q + groups * 2 * rows * ld
     return ld, off_v, off_q, 4 * total
 
 
@@ -605,20 +612,34 @@ else:
 
 @functools.lru_cache(maxsize=None)
 def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
-                   bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1):
+                   bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1,
+                   groups: int = 1):
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
-    copied by ``cp.async`` or by plain loads when they are not 16-byte aligned).
+    copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups).
 
     Arguments as v2's kernel (uint32 views of q, k, v; with ``bf16_partials`` ``o_part`` is a
     uint32 view ``[K, Tq, Hq, D/2]``), without the run-time constants: every loop over
     fragments here has a compile-time trip count and is unrolled, so that the accumulator
-    arrays are registers."""
+    arrays are registers.
+
+    ``groups`` > 1: the CTA is that many independent groups of ``R/16`` warps sharing the K/V
+    block in shared memory; group ``g`` takes tiles ``g, g + groups, ...`` with its own two Q
+    buffers and its own barrier (``bar.sync 1 + g``), so that one group's softmax overlaps
+    another's mma and more warps share one load of K/V. The CTA needs ``groups`` times one
+    group's registers: it is launched with bounds that cap them (168 a thread for 3 groups of
+    4 warps: 64K registers an SM)."""
     Bk, D, G, P = block_size, head_dim, group, positions
     R = P * G
     NW = R // 16
     NT = 32 * NW
-    assert R % 16 == 0 and NW <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
-    LD, OFF_V, OFF_Q, _ = _v3_layout(Bk, D, R)
+    NG = groups
+    assert R % 16 == 0 and NW * NG <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
+    assert 1 <= NG <= 15
+    CTA_THREADS = NG * NT
+    # The twin mma (simulator, MSA_MMA=twin) runs syncthreads inside: every group then walks
+    # the same number of tiles (a group past the end computes on stale rows and stores nothing).
+    UNIFORM = _mma.MMA_BACKEND == "twin"
+    LD, OFF_V, OFF_Q, _ = _v3_layout(Bk, D, R, NG)
     DW = D // 2  # words per row of Q/K/V
     QBUF = R * LD  # words per Q buffer
     PIECES = DW // 4  # 16-byte pieces per row
@@ -640,23 +661,29 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, h, row, half, t, dst_buf):
-        """Start copying this thread's half of query row ``row`` (token ``t``, zeros if -1)."""
+        """Start copying this thread's half of query row ``row`` (token ``t``, zeros if -1)
+        into the Q buffer at word ``dst_buf``."""
         src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
-        dst = OFF_Q + dst_buf * QBUF + row * LD + half * HALF * 4
+        dst = dst_buf + row * LD + half * HALF * 4
         for u in range(HALF):
             copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
 
-    @cuda.jit
+    jit = {} if SIMULATOR or NG == 1 else {"launch_bounds": (CTA_THREADS, 1)}
+
+    @cuda.jit(**jit)
     def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
         smem = _v3_smem()
         s_acc = cuda.local.array(S_REGS, float32)
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V mma
         o_acc = cuda.local.array(O_REGS, float32)
-        tid = cuda.threadIdx.x
+        cta_tid = cuda.threadIdx.x
+        grp = cta_tid // NT  # this thread's warp group ...
+        tid = cta_tid % NT  # ... and its index in it
         warp = tid // 32
         lane = tid % 32
         g4 = lane // 4
         t4 = lane % 4
+        q_buf0 = OFF_Q + 2 * grp * QBUF  # the group's two Q buffers
         topk = o_part.shape[0]
         h, q_begin, q_count, b, j, key0, nk = _item_fields(
             work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
@@ -669,29 +696,35 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)  # Lk - Lq: bottom-right
         num_tiles = (q_count + P - 1) // P
         hkv = k.shape[1]
+        # the group's tiles: grp, grp + NG, ... (with UNIFORM every group walks as many steps)
+        num_steps = (num_tiles + NG - 1 - (0 if UNIFORM else grp)) // NG
 
         # The K/V block (keys past the sequence: zeros, so that 0 * V stays 0).
-        for e in range(tid, Bk * PIECES, NT):
+        for e in range(cta_tid, Bk * PIECES, CTA_THREADS):
             c = e // PIECES
             w = (e % PIECES) * 4
             ok = c < nk
             src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
             copy16(smem, c * LD + w, k, src, 16 if ok else 0)
             copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
-        # Tile 0's queries; thread tid gathers half of row tid // 2 of every tile.
+        # The group's first tile; thread tid gathers half of row tid // 2 of every tile.
         g_row = tid // 2
         g_half = tid % 2
-        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, grp, P, G, g_row, R)
         t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-        gather(smem, q, h, g_row, g_half, t_g, 0)
+        gather(smem, q, h, g_row, g_half, t_g, q_buf0)
         commit()
-        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, g_row, R)
+        t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, grp + NG, P, G, g_row,
+                                   R)
+        if NG > 1:  # K/V came from every group: one CTA barrier before the groups part
+            wait_all()
+            cuda.syncthreads()
 
         # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
         r_top = 16 * warp + g4
         r_bot = r_top + 8
-        tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_top, R)
-        tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_bot, R)
+        tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, grp, P, G, r_top, R)
+        tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, grp, P, G, r_bot, R)
         # ldmatrix row addresses of this lane (matrix lane // 8, row lane % 8 of it): A of Q and
         # B of V (.trans) take matrices (rows 0-7, 8-15) x (words 0-3, 4-7); B of K takes
         # (words 0-3, 4-7) x (keys 0-7, 8-15), i.e. two n-tiles a load.
@@ -700,27 +733,32 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
         v_lane = OFF_V + l_rows * LD + (lane >> 4) * 4
 
-        for tile in range(num_tiles):
-            buf = tile % 2
+        for step in range(num_steps):
+            tile = step * NG + grp
+            buf = step % 2
             wait_all()
-            cuda.syncthreads()  # tile's queries (and K/V) landed; all warps are past tile - 1
-            if tile + 1 < num_tiles:  # the buffer of tile - 1 is free: gather tile + 1 into it
+            # the tile's queries (and K/V) landed; the group's warps are past its previous tile
+            if NG == 1:
+                cuda.syncthreads()
+            else:
+                group_barrier(1 + grp, NT)
+            if tile + NG < num_tiles:  # the buffer of the last tile is free: gather the next
                 t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-                gather(smem, q, h, g_row, g_half, t_g, 1 - buf)
+                gather(smem, q, h, g_row, g_half, t_g, q_buf0 + (1 - buf) * QBUF)
             commit()
-            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
-                                       g_row, R)
+            t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 2 * NG, P,
+                                       G, g_row, R)
             t_top, s_top, pos_top = _check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
             t_bot, s_bot, pos_bot = _check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
-            tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+            tt_raw, st_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + NG, P, G,
                                          r_top, R)
-            tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+            tb_raw, sb_raw = _load_entry(q_indices, slots, h, q_begin, q_count, tile + NG, P, G,
                                          r_bot, R)
 
             # S = Q Kᵀ (raw scores, fp32 registers).
             for i in range(S_REGS):
                 s_acc[i] = float32(0.0)
-            qa = OFF_Q + buf * QBUF + a_lane
+            qa = q_buf0 + buf * QBUF + a_lane
             for ks in range(KS):
                 a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
                 for n2 in range(NS // 2):
@@ -888,7 +926,7 @@ class _Spec:
 class _K1Plan:
     """Kernel version, tile shape and shared memory of K1 for one problem."""
 
-    def __init__(self, spec: _Spec, block_size: int, version, tile_rows):
+    def __init__(self, spec: _Spec, block_size: int, version, tile_rows, groups=None):
         d, g, bk = spec.d, spec.g, block_size
         why_not_v2 = None
         if spec.kind == "float32":
@@ -922,6 +960,16 @@ class _K1Plan:
             raise ValueError(f"tile_rows must be 16, 32, 64 or 128 for version={version}, got "
                              f"{tile_rows}")
         positions = -(-tile_rows // g)  # ceil(T / G) query positions x G heads per tile
+        rows = positions * g
+        if version != 3:
+            if groups not in (None, 1):
+                raise ValueError(f"groups must be None or 1 for version={version} (warp groups "
+                                 f"are a version 3 option), got {groups!r}")
+            groups = 1
+        elif groups is None:
+            groups = min(DEFAULT_V3_GROUPS, _mma.MAX_WARPS // (rows // 16))
+        else:
+            groups = check_positive_int("groups", groups, high=_mma.MAX_WARPS // (rows // 16))
         limit = _mma.DYNAMIC_SMEM_LIMIT
         if version == 1:
             while positions > 1 and _v1_layout(bk, d, positions * g)[3] > limit:
@@ -930,12 +978,15 @@ class _K1Plan:
         elif version == 2:
             smem = _v2_layout(bk, d, positions * g)[2]
         else:
-            smem = _v3_layout(bk, d, positions * g)[3]
+            smem = _v3_layout(bk, d, rows, groups)[3]
         if smem > limit:
             raise ValueError(
-                f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d} and "
-                f"block_size={bk}, more than the {limit} it may use; use a smaller block_size")
-        self.version, self.positions, self.rows, self.smem = version, positions, positions * g, smem
+                f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d}, "
+                f"block_size={bk}" + (f" and groups={groups}" if groups > 1 else "") +
+                f", more than the {limit} it may use; use a smaller block_size"
+                + (" or fewer groups" if groups > 1 else ""))
+        self.version, self.positions, self.rows, self.smem = version, positions, rows, smem
+        self.groups = groups
         self.block_size = bk
         self.spec = spec
 
@@ -971,8 +1022,9 @@ class _K1Plan:
             # aligned; an input that is not falls back to plain loads
             aligned = all(is_aligned16(x) for x in (q, k, v))
             kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
-                                    bf16_partials, aligned, _v3_o_parts(spec.d))
-            _mma.launch(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
+                                    bf16_partials, aligned, _v3_o_parts(spec.d), self.groups)
+            _mma.launch(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
+                        q_indices,
                         slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part)
         else:
             if bf16_partials:
@@ -986,7 +1038,7 @@ class _K1Plan:
 
 def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
                        block_size, topk, scale=None, *, version=None, tile_rows=None,
-                       validate=True):
+                       groups=None, validate=True):
     """Paper §4.2 K1: KV-outer partial attention, one partial per (query, block), on the GPU.
 
     .. math::  L_s = \\log \\sum_{j \\in J_s} e^{S_j}, \\qquad O_s = \\sum_{j \\in J_s} e^{S_j - L_s} V_j
@@ -1009,6 +1061,9 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
             ``DEFAULT_TC_VERSION`` (3) when it applies, else 2 or 1.
         tile_rows: rows T of a query tile (``ceil(T/G)`` positions x G heads); 16, 32, 64 or
             128 for versions 2 and 3; default on a GPU 128 for version 2, 64 for versions 3 and 1.
+        groups: version 3 only: independent groups of ``T/16`` warps per CTA that share one
+            K/V block, each walking its own tiles (``None``: ``DEFAULT_V3_GROUPS``). Each group
+            adds two Q buffers of shared memory; the outputs do not depend on it.
         validate: check the work items against the CSR and the problem on host copies
             (``msa.reference.attention``'s checks: one device-to-host copy of ``work``,
             ``q_indices`` and ``partial_slots``). ``False`` skips that; bad entries are then
@@ -1034,7 +1089,7 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     check_array("q_indices", q_indices, ndim=2, dtypes=("int",), shape=(spec.hkv, None))
     check_array("partial_slots", partial_slots, ndim=2, dtypes=("int",),
                 shape=tuple(int(s) for s in q_indices.shape))
-    plan = _K1Plan(spec, block_size, version, tile_rows)
+    plan = _K1Plan(spec, block_size, version, tile_rows, groups)
     if validate:
         _validate_work(work, q_indices, partial_slots, spec, topk, cu_q, cu_k, block_size)
     ctx = ArrayContext(q, k, v, work, q_indices, partial_slots)
@@ -1093,8 +1148,8 @@ def query_chunks(cu_q, cu_k, chunk: int):
 
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
-                     *, version=None, tile_rows=None, chunk_size=None, max_partial_bytes=None,
-                     partial_dtype=None, validate=True):
+                     *, version=None, tile_rows=None, groups=None, chunk_size=None,
+                     max_partial_bytes=None, partial_dtype=None, validate=True):
     """Paper eq 8 on the GPU: attention over the causally visible keys of the selected blocks.
 
     .. math::  O_t^{(h)} = \\mathrm{softmax}\\big(Q_t^{(h)} K^{(r)}[\\mathcal{I}_t^{(r)}]^\\top s\\big)\\, V^{(r)}[\\mathcal{I}_t^{(r)}]
@@ -1113,7 +1168,8 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
         block_size: Bk >= 1.
         scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
-        version, tile_rows: K1's kernel and tile (see ``attention_partials``).
+        version, tile_rows, groups: K1's kernel, tile and warp groups (see
+            ``attention_partials``).
         chunk_size: most queries per work item (default ``2*K*Bk`` as in the paper, rounded up
             to whole tiles).
         max_partial_bytes: memory for one query chunk's partials (default 4 GiB).
@@ -1146,7 +1202,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
                          f"shape {tuple(block_indices.shape)}")
-    plan = _K1Plan(spec, block_size, version, tile_rows)
+    plan = _K1Plan(spec, block_size, version, tile_rows, groups)
     if chunk_size is None:
         chunk_size = 2 * topk * block_size
     chunk_size = check_positive_int("chunk_size", chunk_size)
@@ -1229,7 +1285,7 @@ def _kernel_array(x):
 
 
 def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, scale=None,
-                index_scale=None, *, version=None, tile_rows=None, chunk_size=None,
+                index_scale=None, *, version=None, tile_rows=None, groups=None, chunk_size=None,
                 max_partial_bytes=None, partial_dtype=None):
     """Paper Algorithm 1 lines 3-5 on the GPU: index branch, top-k, sparse attention in one call.
 
@@ -1245,7 +1301,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
         block_size: Bk >= 1. topk: K in [1, 64].
         scale: attention softmax scale (default ``1/sqrt(D)``); index_scale: the index scores'
             scale (default ``1/sqrt(Didx)``).
-        version, tile_rows, chunk_size, max_partial_bytes, partial_dtype: as
+        version, tile_rows, groups, chunk_size, max_partial_bytes, partial_dtype: as
             ``sparse_attention``.
 
     Returns:
@@ -1260,7 +1316,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
     block_indices = select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk,
                                         block_size, index_scale)
     o, lse = sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
-                              scale, version=version, tile_rows=tile_rows,
+                              scale, version=version, tile_rows=tile_rows, groups=groups,
                               chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,
                               partial_dtype=partial_dtype, validate=False)
     return o, lse, block_indices

@@ -147,7 +147,7 @@ def problem(lq, lk, hq, hkv, d, bk, topk, seed=0, **sel):
 
 # --- K1 on its own: exact slots, O_s and L_s ----------------------------------------------------
 
-def run_k1(p, I, kind, version, *, chunk_size=8, pad=0, tile_rows=None):
+def run_k1(p, I, kind, version, *, chunk_size=8, pad=0, tile_rows=None, groups=None):
     cu_q, cu_k, bk, topk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, I.shape[2]
     row_ptr, q_indices, slots = build_csr(I, cu_q, cu_k, bk)
     work = build_schedule(row_ptr, cu_k, bk, chunk_size)
@@ -157,7 +157,8 @@ def run_k1(p, I, kind, version, *, chunk_size=8, pad=0, tile_rows=None):
     # A device-built schedule pads its work array with -1 rows: they must do nothing.
     padded = np.concatenate([work, np.full((pad, 6), -1, np.int32)])
     o_part, lse_part = gpu.attention_partials(q, k, v, padded, q_indices, slots, cu_q, cu_k, bk,
-                                              topk, version=version, tile_rows=tile_rows)
+                                              topk, version=version, tile_rows=tile_rows,
+                                              groups=groups)
     o_part, lse_part = to_numpy(o_part), to_numpy(lse_part)
     assert o_part.dtype == lse_part.dtype == np.float32
     assert o_part.shape == (topk, *q.shape) and lse_part.shape == (topk, *q.shape[:2])
@@ -227,6 +228,18 @@ def test_k1_tile_rows_do_not_change_the_result(version):
     p, I = problem([30], [30], 2, 1, 16, 16, 2, seed=5)
     a = run_k1(p, I, "float16", version, tile_rows=16)
     b = run_k1(p, I, "float16", version, tile_rows=32)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_k1_v3_warp_groups_do_not_change_the_result(groups):
+    """v3 with 2 or 3 warp groups per CTA (each walking every groups-th tile of an item, with
+    its own barrier) gives bitwise v3's one-group partials: items of up to 4 tiles, so the
+    groups get unequal numbers of tiles, and some items fewer tiles than groups."""
+    p, I = problem([40, 9], [40, 30], 4, 2, 16, 16, 2, seed=8, hot=(0,))
+    a = run_k1(p, I, "float16", 3, chunk_size=28, tile_rows=16)
+    b = run_k1(p, I, "float16", 3, chunk_size=28, tile_rows=16, groups=groups)
     for x, y in zip(a, b):
         assert x.tobytes() == y.tobytes()
 
@@ -455,6 +468,9 @@ def test_sparse_attention_rejects_bad_inputs(case):
             block_indices=np.zeros((6, 2, 1), np.int32))),
         "version-4": (ValueError, "version", {}),
         "tile-rows": (ValueError, "tile_rows", {}),
+        "groups-v2": (ValueError, "groups", {}),
+        "groups-0": (ValueError, "groups", {}),
+        "groups-too-many": (ValueError, "groups", {}),
         "block-size": (ValueError, "block_size", dict(block_size=0)),
         "scale": (ValueError, "scale", {}),
         "partial-dtype": (ValueError, "partial_dtype", {}),
@@ -475,6 +491,12 @@ def test_sparse_attention_rejects_bad_inputs(case):
         kw = dict(version=4)
     elif case == "tile-rows":
         kw = dict(version=1, tile_rows=500)
+    elif case == "groups-v2":
+        kw = dict(version=2, groups=2)
+    elif case == "groups-0":
+        kw = dict(version=3, groups=0)
+    elif case == "groups-too-many":  # 16-row tiles are one warp: at most MAX_WARPS groups
+        kw = dict(version=3, tile_rows=16, groups=gpu._mma.MAX_WARPS + 1)
     elif case == "scale":
         kw = dict(scale=-1.0)
     elif case == "partial-dtype":
@@ -755,6 +777,21 @@ def test_big_tensor_core_shapes(version, d, bk, tile_rows):
 
 
 @pytest.mark.big
+def test_big_warp_groups_bitwise_equal_one_group():
+    """The paper configuration at 4K: K1 v3 with 2 and 3 warp groups per CTA (bar.sync per
+    group, launch bounds capping the registers) gives bitwise the output of one group."""
+    torch = pytest.importorskip("torch")
+    q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=4)
+    args = (_torch_bf16(q), _torch_bf16(k), _torch_bf16(v), torch.from_numpy(I).cuda(), cu_q,
+            cu_k, 128)
+    o1, l1 = gpu.sparse_attention(*args, version=3, groups=1, validate=False)
+    for groups in (2, 3):
+        o2, l2 = gpu.sparse_attention(*args, version=3, groups=groups, validate=False)
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), groups
+        assert torch.equal(l1, l2), groups
+
+
+@pytest.mark.big
 @pytest.mark.parametrize("version", [None, 3])
 def test_big_reruns_bitwise_identical(version):
     torch = pytest.importorskip("torch")
@@ -771,6 +808,7 @@ def test_big_reruns_bitwise_identical(version):
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
                                     "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
+                                    "k1-v3-bf16-partials-groups3",
                                     "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
@@ -797,6 +835,9 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         sig = (words, words, words, *index, *parts)
     elif kernel == "k1-v3-bf16-partials":
         fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, True, True, gpu._v3_o_parts(128))
+        sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1])
+    elif kernel == "k1-v3-bf16-partials-groups3":
+        fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3)
         sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1])
     elif kernel == "k1-v3-fp16-D64-plain":
         fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
