@@ -457,14 +457,15 @@ def bench_prefill(n, args):
         def run():
             return msa_prefill(q, k, v, q_idx, k_idx, cu, cu, BK, TOPK,
                                max_partial_bytes=args.max_partial_bytes,
-                               groups=args.prefill_groups)
+                               groups=args.prefill_groups,
+                               index_version=args.prefill_index_version)
         (o, lse, I), peak = _peak_and_first(run)
         S = visible_tokens(I)
         flops = 4 * HQ * D * S + HKV * D_IDX * n * n  # attention + index (eq 12's two terms)
         del o, lse, I
         ms_prefill = cuda_time_ms(run, warmup=0, reps=reps)
         rows.append(_row(case, "msa_prefill (index + top-k + sparse)", ms_prefill, flops, peak,
-                         groups=args.prefill_groups))
+                         groups=args.prefill_groups, index_version=args.prefill_index_version))
     except Exception as exc:
         rows.append(_error_row(case, "msa_prefill", exc))
     torch.cuda.empty_cache()
@@ -512,6 +513,8 @@ def main(argv=None):
                    help="also time sparse attention with K1 v3 and these warp groups")
     p.add_argument("--prefill-groups", type=int, default=None,
                    help="K1 v3 warp groups in the prefill (default: the library's)")
+    p.add_argument("--prefill-index-version", default=None,
+                   help="select_blocks_fused version in the prefill (default: the library's)")
     p.add_argument("--skip-flex", action="store_true")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     args = p.parse_args(argv)

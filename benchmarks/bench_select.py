@@ -237,7 +237,7 @@ def bench_index(n, with_torch=True):
         except Exception as exc:
             row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
         out.append(row)
-    for version in ("heap", "heap2") if heavy else S.FUSED_VERSIONS:
+    for version in ("heap2", "heap3") if heavy else S.FUSED_VERSIONS:
         row = dict(case=case, impl=f"msa select_blocks_fused ({version})")
         try:
             fused = lambda: S.select_blocks_fused(q, k, cu, cu, TOPK, BK, version=version)  # noqa: E731
@@ -251,7 +251,7 @@ def bench_index(n, with_torch=True):
         out.append(row)
     if n == 131072:  # the two stages apart, M materialised (4 * N * NB * 4 bytes = 2 GiB)
         M = None
-        for kversion in ("tc", "tc2"):
+        for kversion in ("tc", "tc2", "tc3"):
             row = dict(case=case, impl=f"msa block_scores ({kversion}), M written")
             try:
                 ms = cuda_time_ms(lambda: X.block_scores(q, k, cu, cu, BK, version=kversion),
@@ -286,14 +286,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/select.json")
     parser.add_argument("--quick", action="store_true", help="top-k and N=32K only")
+    parser.add_argument("--index-sizes", default=None,
+                        help="N of the index + top-k section, comma separated (default 32K, 128K, "
+                             "1M; the PyTorch pipeline up to 128K)")
+    parser.add_argument("--skip-topk", action="store_true", help="skip the top-k section")
     args = parser.parse_args(argv)
     results = []
-    for nb in (1024, 8192):
+    for nb in () if args.skip_topk else (1024, 8192):
         try:
             results += bench_topk(nb)
         except Exception as exc:
             results.append(dict(case=f"topk NB={nb}", error=f"{type(exc).__name__}: {exc}"))
     sizes = [(32768, True)] if args.quick else [(32768, True), (131072, True), (1048576, False)]
+    if args.index_sizes is not None:
+        sizes = [(int(n), int(n) <= 131072) for n in args.index_sizes.split(",") if n]
     for n, with_torch in sizes:
         try:
             results += bench_index(n, with_torch)

@@ -1286,7 +1286,7 @@ def _kernel_array(x):
 
 def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, scale=None,
                 index_scale=None, *, version=None, tile_rows=None, groups=None, chunk_size=None,
-                max_partial_bytes=None, partial_dtype=None):
+                max_partial_bytes=None, partial_dtype=None, index_version=None):
     """Paper Algorithm 1 lines 3-5 on the GPU: index branch, top-k, sparse attention in one call.
 
     ``I = msa.cuda.select.select_blocks_fused(q_idx, k_idx, ..., topk, block_size, index_scale)``
@@ -1303,6 +1303,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
             scale (default ``1/sqrt(Didx)``).
         version, tile_rows, groups, chunk_size, max_partial_bytes, partial_dtype: as
             ``sparse_attention``.
+        index_version: ``select_blocks_fused``'s ``version`` (default: its default).
 
     Returns:
         ``(o [Tq, Hq, D] in q's dtype, lse float32 [Tq, Hq], block_indices int32 [Tq, Hkv, K])``
@@ -1314,7 +1315,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
     check_array("q_idx", q_idx, ndim=3, shape=(spec.tq, spec.hkv, None))
     check_array("k_idx", k_idx, ndim=2, shape=(spec.tk, None))
     block_indices = select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk,
-                                        block_size, index_scale)
+                                        block_size, index_scale, version=index_version)
     o, lse = sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
                               scale, version=version, tile_rows=tile_rows, groups=groups,
                               chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,

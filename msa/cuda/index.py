@@ -76,7 +76,7 @@ from ._memops import (
 )
 from ._mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
 
-VERSIONS = ("v1", "tc", "tc2")
+VERSIONS = ("v1", "tc", "tc2", "tc3")
 POOLS = ("max", "mean")
 _THREADS_V1 = 128
 # Warps per CTA of the tensor-core kernel (16 (query, group) rows each). The simulator runs
@@ -401,13 +401,20 @@ def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool,
 
 @functools.lru_cache(maxsize=None)
 def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool, mean: bool,
-                             cap: int = 0):
+                             cap: int = 0, mtiles: int = 1):
     """``_block_scores_kernel_tc`` with the key chunks double-buffered by ``cp.async`` (the copy
     of chunk ``c + 1`` runs while chunk ``c`` is multiplied; one barrier a chunk), B fragments
     by ``ldmatrix.x4`` (two n-tiles a load) and the quad's partial maxima combined by two
     shuffles before they are staged. Same arguments, same results bit for bit (the same
     products, sums and maxima in the same order). Needs ``Bk % 16 == 0`` and 16-byte aligned
-    ``k_idx`` (the launcher checks)."""
+    ``k_idx`` (the launcher checks).
+
+    ``mtiles = 2`` (version ``tc3``): each warp owns two 16-row m-tiles (32 rows; the CTA
+    ``32 * warps``), so every B fragment loaded by ``ldmatrix`` feeds four mma instead of two,
+    halving the shared-memory reads per product; the chunk is walked n-tile pair by n-tile pair
+    (all k-steps of a pair, then its maxima), so only 16 accumulators are live next to the
+    64 registers of A fragments. Every row's products, sums and maxima are still taken in tc's
+    order: the same results bit for bit."""
     from .select import _offer  # here, not at the top: msa.cuda.select imports this module
 
     fused = cap > 0
@@ -416,7 +423,10 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     KC = _key_chunk(block_size)
     NT = KC // 8  # n-tiles of 8 keys per chunk (even: ldmatrix.x4 loads two)
     NP = NT // 2
-    R = 16 * warps  # (query, group) rows per CTA
+    MT = mtiles
+    assert MT in (1, 2)
+    R = 16 * MT * warps  # (query, group) rows per CTA
+    ACC_TILES = NT if MT == 1 else 2 * MT  # live accumulator n-tiles (see the docstring)
     SK = D2 + 4  # padded shared row (16-byte multiple): an 8-row ldmatrix phase hits 32 banks
     BUF = KC * SK  # words per key buffer
     SK_WORDS = 2 * BUF  # two buffers
@@ -451,6 +461,44 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
             cp_async16(sk, dst0 + kr * SK + kw, k32, src, 16 if ok else 0)
             e += NTHREADS
 
+    @cuda.jit(device=True, inline=True)
+    def _mma_pair(acc, nt, aq, mi, ks, b0, b1, b2, b3):
+        """n-tiles ``nt`` and ``nt + 1`` of m-tile ``mi`` += A (k-step ``ks``) times B."""
+        d0, d1, d2, d3 = mma(aq[mi, ks, 0], aq[mi, ks, 1], aq[mi, ks, 2], aq[mi, ks, 3], b0, b1,
+                             acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
+        acc[nt, 0] = d0
+        acc[nt, 1] = d1
+        acc[nt, 2] = d2
+        acc[nt, 3] = d3
+        d0, d1, d2, d3 = mma(aq[mi, ks, 0], aq[mi, ks, 1], aq[mi, ks, 2], aq[mi, ks, 3], b2, b3,
+                             acc[nt + 1, 0], acc[nt + 1, 1], acc[nt + 1, 2], acc[nt + 1, 3])
+        acc[nt + 1, 0] = d0
+        acc[nt + 1, 1] = d1
+        acc[nt + 1, 2] = d2
+        acc[nt + 1, 3] = d3
+
+    @cuda.jit(device=True, inline=True)
+    def _fold(acc, nt, m_a, m_b, mi, j, masked, pa, pb):
+        """Fold n-tile ``nt`` (keys ``j``, ``j + 1`` of this lane) into m-tile ``mi``'s rows."""
+        if mean:
+            if not masked or j <= pa:
+                m_a[mi] += acc[nt, 0]
+            if not masked or j + 1 <= pa:
+                m_a[mi] += acc[nt, 1]
+            if not masked or j <= pb:
+                m_b[mi] += acc[nt, 2]
+            if not masked or j + 1 <= pb:
+                m_b[mi] += acc[nt, 3]
+        else:
+            if not masked or j <= pa:
+                m_a[mi] = _fmax(m_a[mi], acc[nt, 0])
+            if not masked or j + 1 <= pa:
+                m_a[mi] = _fmax(m_a[mi], acc[nt, 1])
+            if not masked or j <= pb:
+                m_b[mi] = _fmax(m_b[mi], acc[nt, 2])
+            if not masked or j + 1 <= pb:
+                m_b[mi] = _fmax(m_b[mi], acc[nt, 3])
+
     @cuda.jit(**_TC_JIT_OPTIONS)
     def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
         sk = key_buffers()
@@ -475,23 +523,28 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
         if fused:
             b_last -= 1
 
-        row_a = warp * 16 + g
-        row_b = row_a + 8
-        t_a = ta + row_a // hkv
-        t_b = ta + row_b // hkv
-        r_a = row_a % hkv
-        r_b = row_b % hkv
-        pos_a = t_a + shift if t_a < tb else -1
-        pos_b = t_b + shift if t_b < tb else -1
-
-        aq = cuda.local.array((KS, 4), uint32)
-        for ks in range(KS):
-            w = ks * 8 + tq
-            aq[ks, 0] = q32[t_a, r_a, w] if t_a < tb else uint32(0)
-            aq[ks, 1] = q32[t_b, r_b, w] if t_b < tb else uint32(0)
-            aq[ks, 2] = q32[t_a, r_a, w + 4] if t_a < tb else uint32(0)
-            aq[ks, 3] = q32[t_b, r_b, w + 4] if t_b < tb else uint32(0)
-        acc = cuda.local.array((NT, 4), float32)
+        # this lane's rows: m-tile mi holds rows (warp MT + mi) 16 + g (a) and that + 8 (b)
+        pos_a = cuda.local.array(MT, int32)
+        pos_b = cuda.local.array(MT, int32)
+        aq = cuda.local.array((MT, KS, 4), uint32)
+        for mi in range(MT):
+            row_a = (warp * MT + mi) * 16 + g
+            row_b = row_a + 8
+            t_a = ta + row_a // hkv
+            t_b = ta + row_b // hkv
+            r_a = row_a % hkv
+            r_b = row_b % hkv
+            pos_a[mi] = t_a + shift if t_a < tb else -1
+            pos_b[mi] = t_b + shift if t_b < tb else -1
+            for ks in range(KS):
+                w = ks * 8 + tq
+                aq[mi, ks, 0] = q32[t_a, r_a, w] if t_a < tb else uint32(0)
+                aq[mi, ks, 1] = q32[t_b, r_b, w] if t_b < tb else uint32(0)
+                aq[mi, ks, 2] = q32[t_a, r_a, w + 4] if t_a < tb else uint32(0)
+                aq[mi, ks, 3] = q32[t_b, r_b, w + 4] if t_b < tb else uint32(0)
+        acc = cuda.local.array((ACC_TILES, 4), float32)
+        m_a = cuda.local.array(MT, float32)
+        m_b = cuda.local.array(MT, float32)
         # this lane's ldmatrix row: matrix lane // 8 is n-tile lane // 16, word half (lane // 8) % 2
         lrow = ((lane >> 4) * 8 + (lane & 7)) * SK + ((lane >> 3) & 1) * 4
 
@@ -516,8 +569,9 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                 b = bg + bl
                 if b > b_last:  # the same for the whole CTA
                     break
-                m_a = float32(0.0) if mean else neg
-                m_b = float32(0.0) if mean else neg
+                for mi in range(MT):
+                    m_a[mi] = float32(0.0) if mean else neg
+                    m_b[mi] = float32(0.0) if mean else neg
                 for kc0 in range(0, block_size, KC):
                     j0 = b * block_size + kc0
                     if j0 > p_last:  # past every row's position (the same for the whole CTA)
@@ -531,61 +585,54 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                     if jn <= p_last and jn // block_size <= b_last:
                         copy_chunk(sk, k32, k_base, lk, jn, BUF - cur, tid)
                     cp_async_commit()
-                    for ks in range(KS):
-                        for npair in range(NP):
-                            b0, b1, b2, b3 = ldmatrix_x4(sk, cur + lrow + npair * 16 * SK + ks * 8)
-                            nt = 2 * npair
-                            if ks == 0:  # the first k-step starts from zero (no zeroing moves)
-                                for e4 in range(4):
-                                    acc[nt, e4] = float32(0.0)
-                                    acc[nt + 1, e4] = float32(0.0)
-                            d0, d1, d2, d3 = mma(aq[ks, 0], aq[ks, 1], aq[ks, 2], aq[ks, 3], b0, b1,
-                                                 acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-                            acc[nt, 0] = d0
-                            acc[nt, 1] = d1
-                            acc[nt, 2] = d2
-                            acc[nt, 3] = d3
-                            d0, d1, d2, d3 = mma(aq[ks, 0], aq[ks, 1], aq[ks, 2], aq[ks, 3], b2, b3,
-                                                 acc[nt + 1, 0], acc[nt + 1, 1], acc[nt + 1, 2],
-                                                 acc[nt + 1, 3])
-                            acc[nt + 1, 0] = d0
-                            acc[nt + 1, 1] = d1
-                            acc[nt + 1, 2] = d2
-                            acc[nt + 1, 3] = d3
                     masked = not fused and j0 + KC - 1 > p_first
-                    for nt in range(NT):
-                        j = j0 + nt * 8 + 2 * tq
-                        if mean:
-                            if not masked or j <= pos_a:
-                                m_a += acc[nt, 0]
-                            if not masked or j + 1 <= pos_a:
-                                m_a += acc[nt, 1]
-                            if not masked or j <= pos_b:
-                                m_b += acc[nt, 2]
-                            if not masked or j + 1 <= pos_b:
-                                m_b += acc[nt, 3]
-                        else:
-                            if not masked or j <= pos_a:
-                                m_a = _fmax(m_a, acc[nt, 0])
-                            if not masked or j + 1 <= pos_a:
-                                m_a = _fmax(m_a, acc[nt, 1])
-                            if not masked or j <= pos_b:
-                                m_b = _fmax(m_b, acc[nt, 2])
-                            if not masked or j + 1 <= pos_b:
-                                m_b = _fmax(m_b, acc[nt, 3])
+                    if MT == 1:  # every n-tile of the chunk at once, k-step by k-step
+                        for ks in range(KS):
+                            for npair in range(NP):
+                                b0, b1, b2, b3 = ldmatrix_x4(sk, cur + lrow + npair * 16 * SK
+                                                             + ks * 8)
+                                nt = 2 * npair
+                                if ks == 0:  # the first k-step starts from zero
+                                    for e4 in range(4):
+                                        acc[nt, e4] = float32(0.0)
+                                        acc[nt + 1, e4] = float32(0.0)
+                                _mma_pair(acc, nt, aq, 0, ks, b0, b1, b2, b3)
+                        for nt in range(NT):
+                            _fold(acc, nt, m_a, m_b, 0, j0 + nt * 8 + 2 * tq, masked, pos_a[0],
+                                  pos_b[0])
+                    else:  # n-tile pair by pair: all k-steps, then the pair's maxima
+                        for npair in range(NP):
+                            for ks in range(KS):
+                                b0, b1, b2, b3 = ldmatrix_x4(sk, cur + lrow + npair * 16 * SK
+                                                             + ks * 8)
+                                for mi in range(MT):
+                                    if ks == 0:
+                                        for e4 in range(4):
+                                            acc[2 * mi, e4] = float32(0.0)
+                                            acc[2 * mi + 1, e4] = float32(0.0)
+                                    _mma_pair(acc, 2 * mi, aq, mi, ks, b0, b1, b2, b3)
+                            for half in range(2):
+                                j = j0 + (2 * npair + half) * 8 + 2 * tq
+                                for mi in range(MT):
+                                    _fold(acc, 2 * mi + half, m_a, m_b, mi, j, masked, pos_a[mi],
+                                          pos_b[mi])
                 # the quad's four partials, combined as tc combines them: (p0 . p1) . (p2 . p3)
-                for off in (1, 2):
-                    o_a = cuda.shfl_xor_sync(0xFFFFFFFF, m_a, off)
-                    o_b = cuda.shfl_xor_sync(0xFFFFFFFF, m_b, off)
-                    if mean:
-                        m_a = m_a + o_a if (tq & off) == 0 else o_a + m_a
-                        m_b = m_b + o_b if (tq & off) == 0 else o_b + m_b
-                    else:
-                        m_a = _fmax(m_a, o_a) if (tq & off) == 0 else _fmax(o_a, m_a)
-                        m_b = _fmax(m_b, o_b) if (tq & off) == 0 else _fmax(o_b, m_b)
-                if tq == 0:
-                    sm[row_a, bl] = m_a
-                    sm[row_b, bl] = m_b
+                for mi in range(MT):
+                    ma = m_a[mi]
+                    mb = m_b[mi]
+                    for off in (1, 2):
+                        o_a = cuda.shfl_xor_sync(0xFFFFFFFF, ma, off)
+                        o_b = cuda.shfl_xor_sync(0xFFFFFFFF, mb, off)
+                        if mean:
+                            ma = ma + o_a if (tq & off) == 0 else o_a + ma
+                            mb = mb + o_b if (tq & off) == 0 else o_b + mb
+                        else:
+                            ma = _fmax(ma, o_a) if (tq & off) == 0 else _fmax(o_a, ma)
+                            mb = _fmax(mb, o_b) if (tq & off) == 0 else _fmax(o_b, mb)
+                    if tq == 0:
+                        row_a = (warp * MT + mi) * 16 + g
+                        sm[row_a, bl] = ma
+                        sm[row_a + 8, bl] = mb
             cuda.syncthreads()
             if fused:
                 if tid < R and own_t < tb and kmax > 0:
@@ -635,6 +682,18 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
 
 
 # -- launchers ----------------------------------------------------------------------------------
+
+def _tc_mtiles(version) -> int:
+    """16-row m-tiles per warp of a tensor-core version (tc3: 2)."""
+    return 2 if version == "tc3" else 1
+
+
+def _tc2_static_smem(d_idx: int, block_size: int, mtiles: int) -> int:
+    """Bytes of static shared memory of the tc2/tc3 kernel: two key chunks of padded rows and
+    the staged maxima of ``16 * mtiles * _TC_WARPS`` rows."""
+    kc = _key_chunk(block_size)
+    return 4 * (2 * kc * (d_idx // 2 + 4) + 16 * mtiles * _TC_WARPS * (_TC_FLUSH + 1))
+
 
 def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, t0: int, t1: int, tile_queries: int, block_size):
     """int32 [n, 3] rows ``(sequence, ta, tb)``: queries ``[t0, t1)`` cut into tiles of at most
@@ -698,6 +757,9 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     k = ctx.input("k_idx", k_idx)
     # tc2 copies 16-byte pieces of k_idx rows with cp.async and loads two n-tiles per ldmatrix
     tc2_ok = tc_ok and block_size % 16 == 0 and is_aligned16(k)
+    # tc3: tc2 with 32 rows a warp; its two key buffers and staged maxima are static shared
+    # memory (at most 48 KB)
+    tc3_ok = tc2_ok and _tc2_static_smem(d_idx, block_size, 2) <= 48 * 1024
     if version is None:
         version = "tc2" if tc2_ok else "tc" if tc_ok else "v1"
     elif version == "tc" and not tc_ok:
@@ -709,7 +771,13 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
             f"version 'tc2' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 16 == 0, "
             f"Hkv <= {16 * _TC_WARPS} and k_idx data 16-byte aligned; got {kind}, Didx={d_idx}, "
             f"block_size={block_size}, Hkv={hkv}, aligned={is_aligned16(k)}")
-    if version in ("tc", "tc2"):
+    elif version == "tc3" and not tc3_ok:
+        raise ValueError(
+            f"version 'tc3' needs what 'tc2' needs and at most 48 KB of static shared memory "
+            f"({_tc2_static_smem(d_idx, block_size, 2)} bytes at Didx={d_idx}, "
+            f"block_size={block_size}); got {kind}, Didx={d_idx}, block_size={block_size}, "
+            f"Hkv={hkv}, aligned={is_aligned16(k)}")
+    if version in ("tc", "tc2", "tc3"):
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
     return SimpleNamespace(
@@ -718,7 +786,7 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
         tq=tq, tk=tk, hkv=hkv, d_idx=d_idx, nb=nb, block_size=block_size, kind=kind,
         scale=np.float64(scale) if wide else np.float32(scale),
         out_dtype=np.float64 if wide else np.float32, mean=pool == "mean", version=version,
-        tile_queries=max(1, 16 * _TC_WARPS // hkv))
+        tile_queries=max(1, 16 * _tc_mtiles(version) * _TC_WARPS // hkv))
 
 
 def _launch_block_scores(p, M, t0: int, t1: int):
@@ -744,8 +812,12 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
     tiles = _tiles(p.cu_q_host, p.cu_k_host, t0, t1, p.tile_queries, p.block_size)
     if tiles.shape[0] == 0:
         return
-    factory = _block_scores_kernel_tc2 if p.version == "tc2" else _block_scores_kernel_tc
-    kernel = factory(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16", p.mean, cap)
+    if p.version == "tc":
+        kernel = _block_scores_kernel_tc(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
+                                         p.mean, cap)
+    else:
+        kernel = _block_scores_kernel_tc2(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
+                                          p.mean, cap, _tc_mtiles(p.version))
     tiles_dev = tiles if SIMULATOR else cuda.to_device(tiles)
     kernel[tiles.shape[0], 32 * _TC_WARPS](p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb,
                                            p.scale, M, topk, out)

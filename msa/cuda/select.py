@@ -82,8 +82,9 @@ if SIMULATOR:
 
 VERSIONS = ("v1", "warp", "warp2", "warp3")
 DEFAULT_VERSION = "warp3"
-FUSED_VERSIONS = ("chunked", "heap", "heap2")
-_FUSED_KERNEL = {"heap": "tc", "heap2": "tc2"}  # msa.cuda.index kernel of each one-kernel version
+FUSED_VERSIONS = ("chunked", "heap", "heap2", "heap3")
+# msa.cuda.index kernel of each one-kernel version
+_FUSED_KERNEL = {"heap": "tc", "heap2": "tc2", "heap3": "tc3"}
 MAX_TOPK = 64  # heap capacity of the kernels: K - 1 <= 63 entries per lane
 FULL_MASK = 0xFFFFFFFF
 _NO_BLOCK = 0x7FFFFFFF  # id of "no candidate": loses every tie against a real block
@@ -943,7 +944,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
             raise ValueError(message) from None
         raise
     if version is None:
-        version = {"tc": "heap", "tc2": "heap2"}.get(p.version, "chunked")
+        version = {"tc": "heap", "tc2": "heap2", "tc3": "heap3"}.get(p.version, "chunked")
     if memory_budget is None:
         memory_budget = FUSED_MEMORY_BUDGET
     memory_budget = check_positive_int("memory_budget", memory_budget)
@@ -953,7 +954,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
     if p.tq == 0:
         return ctx.output(out)
     out_arg = ctx.arg(out)
-    if version in ("heap", "heap2"):
+    if version in ("heap", "heap2", "heap3"):
         _index._launch_fused_heap(p, topk, _heap_capacity(topk), out_arg)
         return ctx.output(out)
     per_query = p.hkv * max(p.nb, 1) * np.dtype(p.out_dtype).itemsize

@@ -66,13 +66,17 @@ def _versions(dtype, d_idx, block_size):
     if SIMULATOR:
         return ["v1"] + (["tc2"] if tc2 and dtype == "bf16" else ["tc"] if tc and dtype == "bf16"
                          else [])
-    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc2 else [])
+    return ["v1"] + (["tc"] if tc else []) + (["tc2", "tc3"] if tc2 else [])
 
 
 def _all_versions(dtype, d_idx, block_size):
     """Every version that applies, float16 tensor cores included (the fuzz tests)."""
     tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
-    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc and block_size % 16 == 0 else [])
+    tc2 = tc and block_size % 16 == 0
+    # tc3 (tc2 with two m-tiles a warp) on a GPU; the simulator checks it in
+    # test_tc3_equals_the_reference_and_tc2
+    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc2 else []) + (
+        ["tc3"] if tc2 and not SIMULATOR else [])
 
 
 # Sequences up to 40 tokens under the simulator (still several blocks of 16 and partial ones).
@@ -120,7 +124,7 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=N
 # Error allowed, in units of the float32 reference's error against float64. Tensor cores sum the
 # exact products of an mma in fp32 but align and truncate instead of rounding each addition, so
 # their error may be a few times that of round-to-nearest float32 sums.
-_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0}
+_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0, "tc3": 4.0}
 
 
 def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
@@ -269,6 +273,7 @@ BAD = {
                         ValueError, "version 'tc'"),
     "version-tc-Bk=4": (lambda a: dict(block_size=4, version="tc"), ValueError, "version 'tc'"),
     "version-tc2-Bk=8": (lambda a: dict(version="tc2"), ValueError, "version 'tc2'"),
+    "version-tc3-Bk=8": (lambda a: dict(version="tc3"), ValueError, "version 'tc3'"),
 }
 
 
@@ -298,13 +303,30 @@ def test_block_scores_production_sizes(dtype):
     assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR["tc"], name=f"M[{dtype}]")
 
 
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_tc3_equals_the_reference_and_tc2(pool):
+    """tc3 (two m-tiles a warp, the chunk walked n-tile pair by pair) on the simulator's tile
+    of 2 warps = 64 rows: exact against the reference on integer inputs (causal masks inside
+    chunks, partial blocks, varlen with Lq < Lk, a partial last tile), and bitwise equal to tc2
+    on random ones (the same products, sums and maxima in the same order), at Bk = 16 (one
+    n-tile pair a chunk) and Bk = 32 (two)."""
+    for bk, lq, lk in ((16, [21, 9], [37, 30]), (32, [40], [70])):
+        _check_exact(lq, lk, 2, 16, bk, "bf16", pool, seed=bk, versions=["tc3"])
+        q64, k64, cu_q, cu_k = _problem(lq, lk, 2, 16, bk, bk, integer=False)
+        (_, _), args = _inputs(q64, k64, "bf16")
+        scale = None if pool == "max" else 0.25
+        a = _run(args, cu_q, cu_k, bk, scale, pool, "tc2", "bf16")
+        b = _run(args, cu_q, cu_k, bk, scale, pool, "tc3", "bf16")
+        assert a.tobytes() == b.tobytes()
+
+
 def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
     # The simulator runs the tc kernels with 2 warps a CTA for speed; the GPU uses 8 (128 rows:
     # 32 queries x 4 groups). Same kernel body, so run that geometry once here too.
     # 30 queries x 4 groups = 120 rows: the eighth warp holds a partial tile.
     monkeypatch.setattr(cuda_index, "_TC_WARPS", 8)
     # The simulator runs the default kernels (tc2, heap2) in this geometry; a GPU runs all.
-    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2"]
+    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2", "tc3"]
     _check_exact([30], [32], 4, 16, 16, "bf16", "max", seed=5, versions=tc_versions)
     import msa.cuda.select as cuda_select
     import msa.reference.select as ref_select
@@ -312,6 +334,6 @@ def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
     q64, k64, cu_q, cu_k = _problem([30], [32], 4, 16, 16, 5, integer=False)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
-    for version in ["heap2"] if SIMULATOR else ["heap", "heap2"]:
+    for version in ["heap2"] if SIMULATOR else ["heap", "heap2", "heap3"]:
         got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version)
         np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))
