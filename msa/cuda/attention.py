@@ -102,7 +102,14 @@ MAX_PARTIAL_BYTES = 4 << 30
 DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128,
                      3: 16 if SIMULATOR else 64}
 # Warp groups per K1 v3 CTA (``groups``): independent groups of tiles sharing one K/V block.
-DEFAULT_V3_GROUPS = 1
+# 3 groups of 4 warps (64-row tiles; 170 KB, 168 registers: one CTA of 12 warps per SM) against
+# one group (two CTAs of 4 warps per SM): K1 3-4% faster at 32K and 128K, the whole sparse
+# attention at 128K 2-6% faster on the three selections (H200, paper configuration; at 32K one
+# selection of three was 7% slower). The default applies where the CTA stays at 12 warps or
+# fewer (so launch bounds leave 168 registers a thread) and fits shared memory; else 1 group.
+# The simulator runs one group (its tests run more explicitly).
+DEFAULT_V3_GROUPS = 1 if SIMULATOR else 3
+_V3_MAX_GROUP_WARPS = 12
 _THREADS_V1 = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
 _LOG2E = 1.4426950408889634
@@ -967,7 +974,10 @@ class _K1Plan:
                                  f"are a version 3 option), got {groups!r}")
             groups = 1
         elif groups is None:
-            groups = min(DEFAULT_V3_GROUPS, _mma.MAX_WARPS // (rows // 16))
+            groups = DEFAULT_V3_GROUPS
+            if (rows // 16 * groups > _V3_MAX_GROUP_WARPS
+                    or _v3_layout(bk, d, rows, groups)[3] > _mma.DYNAMIC_SMEM_LIMIT):
+                groups = 1
         else:
             groups = check_positive_int("groups", groups, high=_mma.MAX_WARPS // (rows // 16))
         limit = _mma.DYNAMIC_SMEM_LIMIT

@@ -56,6 +56,8 @@ heap     one kernel (``msa.cuda.index``'s tensor-core kernel with a top-k epilog
          owned by one thread; M is never written. bf16/fp16 with Didx % 16 == 0, Bk % 8 == 0.
 heap2    the same epilogue on ``msa.cuda.index``'s ``tc2`` kernel (key chunks double-buffered
          by ``cp.async``, B fragments by ``ldmatrix``). Bk % 16 == 0, k_idx 16-byte aligned.
+heap3    the same on ``tc3`` (two m-tiles a warp: half the shared-memory reads per mma); the
+         default where it applies.
 =======  ====================================================================================
 """
 
@@ -914,13 +916,15 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
         topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
-        version: one of ``FUSED_VERSIONS``; default ``"heap2"`` where its kernel applies
-            (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``),
-            else ``"heap"`` where the tensor-core kernel applies (``Bk % 8 == 0``), else
-            ``"chunked"``. ``"heap"``: one kernel streams the KV blocks of a tile of queries
-            through tensor cores and offers each block maximum to the row's heap; M is never
-            written. ``"heap2"``: the same on ``msa.cuda.index``'s ``tc2`` kernel (key chunks
-            double-buffered by cp.async, ldmatrix fragments).
+        version: one of ``FUSED_VERSIONS``; default ``"heap3"`` where its kernel applies
+            (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``, key
+            chunks within 48 KB of static shared memory), else ``"heap2"`` (the same without
+            that last condition), else ``"heap"`` where the tensor-core kernel applies
+            (``Bk % 8 == 0``), else ``"chunked"``. ``"heap"``: one kernel streams the KV
+            blocks of a tile of queries through tensor cores and offers each block maximum to
+            the row's heap; M is never written. ``"heap2"``: the same on ``msa.cuda.index``'s
+            ``tc2`` kernel (key chunks double-buffered by cp.async, ldmatrix fragments);
+            ``"heap3"``: on ``tc3`` (two 16-row m-tiles a warp).
             ``"chunked"``: the queries in chunks whose block scores fit ``memory_budget`` bytes
             (default ``FUSED_MEMORY_BUDGET`` = 4 GiB, at least one tile) in one reused buffer:
             ``block_scores``' fastest kernel, then the warp top-k, chunk by chunk.

@@ -244,6 +244,20 @@ def test_k1_v3_warp_groups_do_not_change_the_result(groups):
         assert x.tobytes() == y.tobytes()
 
 
+def test_k1_default_groups_keep_a_cta_at_12_warps_or_fewer(monkeypatch):
+    """The GPU default (3 warp groups) applies to tiles of up to 4 warps only, where launch
+    bounds leave 168 registers a thread; 128-row tiles (8 warps) keep one group; an explicit
+    ``groups`` is taken as given, and other versions have one."""
+    monkeypatch.setattr(gpu, "DEFAULT_V3_GROUPS", 3)
+    spec = gpu._Spec(np.zeros((4, 16, 128), np.float16), np.zeros((4, 1, 128), np.float16),
+                     np.zeros((4, 1, 128), np.float16))
+    assert gpu._K1Plan(spec, 128, 3, 64, None).groups == 3
+    assert gpu._K1Plan(spec, 128, 3, 16, None).groups == 3
+    assert gpu._K1Plan(spec, 128, 3, 128, None).groups == 1
+    assert gpu._K1Plan(spec, 128, 3, 128, 2).groups == 2
+    assert gpu._K1Plan(spec, 128, 2, None, None).groups == 1
+
+
 # --- K1 + K2: sparse attention end to end -------------------------------------------------------
 
 def run_sparse(p, I, kind, version, factor=2.0, **kw):
