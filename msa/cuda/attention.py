@@ -74,7 +74,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
@@ -624,8 +624,10 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
     copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups).
 
-    Arguments as v2's kernel (uint32 views of q, k, v; with ``bf16_partials`` ``o_part`` is a
-    uint32 view ``[K, Tq, Hq, D/2]``), without the run-time constants: every loop over
+    Arguments as v2's kernel (uint32 views of q, k, v), except that ``o_part`` is flat: the
+    C-order elements of ``[K, Tq, Hq, D]`` float32, or with ``bf16_partials`` of the uint32
+    view ``[K, Tq, Hq, D/2]`` (shape from ``lse_part [K, Tq, Hq]``: plain index arithmetic per
+    row and one add per store); and without the run-time constants: every loop over
     fragments here has a compile-time trip count and is unrolled, so that the accumulator
     arrays are registers.
 
@@ -665,6 +667,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
     BF16_PARTIALS = bf16_partials
+    O_ROW = DW if bf16_partials else D  # elements of one O_s row in o_part
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, h, row, half, t, dst_buf):
@@ -691,7 +694,11 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         g4 = lane // 4
         t4 = lane % 4
         q_buf0 = OFF_Q + 2 * grp * QBUF  # the group's two Q buffers
-        topk = o_part.shape[0]
+        topk = lse_part.shape[0]
+        q_total = lse_part.shape[1]
+        hq_total = lse_part.shape[2]
+        col = int32(2 * t4)  # this lane's first key (S) or output column (O) in an n-tile
+        lane_col = uint64(t4) if BF16_PARTIALS else uint64(col)  # ... as an o_part offset
         h, q_begin, q_count, b, j, key0, nk = _item_fields(
             work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
         if q_count <= 0:
@@ -786,17 +793,25 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
 
             # Token-level causal mask (and keys past the sequence): key c of the block is
             # visible to a row iff c <= lim; rows without a query have pos = -1: nothing.
-            lim_top = min(pos_top - key_pos0, nk - 1)
-            lim_bot = min(pos_bot - key_pos0, nk - 1)
+            # Only a block that reaches past a row's position (its local block, or the last,
+            # partial one) needs it: int32 compares, skipped when both rows see every key.
+            lim_top = int32(min(pos_top - key_pos0, nk - 1))
+            lim_bot = int32(min(pos_bot - key_pos0, nk - 1))
+            if lim_top < Bk - 1 or lim_bot < Bk - 1:
+                # key 8 i + e of this lane's n-tile i is col + 8 i + e: hidden iff
+                # 8 i + e > lim - col, compared in float32 (exact: |lim - col| < 2**24)
+                thr_top = float32(lim_top - col)
+                thr_bot = float32(lim_bot - col)
+                for i in range(NS):
+                    for e in range(2):
+                        if float32(8 * i + e) > thr_top:
+                            s_acc[4 * i + e] = _NEG_INF
+                        if float32(8 * i + e) > thr_bot:
+                            s_acc[4 * i + 2 + e] = _NEG_INF
             m_top = _NEG_INF
             m_bot = _NEG_INF
             for i in range(NS):
-                c = 8 * i + 2 * t4
                 for e in range(2):
-                    if c + e > lim_top:
-                        s_acc[4 * i + e] = _NEG_INF
-                    if c + e > lim_bot:
-                        s_acc[4 * i + 2 + e] = _NEG_INF
                     m_top = max(m_top, s_acc[4 * i + e])
                     m_bot = max(m_bot, s_acc[4 * i + 2 + e])
             # the quad's four lanes hold the row: combine their maxima
@@ -811,11 +826,11 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             # 2j+1 is the A layout of k-step j of P V.
             l_top = float32(0.0)
             l_bot = float32(0.0)
-            for i in range(NS):
-                p0 = exp2(s_acc[4 * i] * scale_log2 - mb_top)
-                p1 = exp2(s_acc[4 * i + 1] * scale_log2 - mb_top)
-                p2 = exp2(s_acc[4 * i + 2] * scale_log2 - mb_bot)
-                p3 = exp2(s_acc[4 * i + 3] * scale_log2 - mb_bot)
+            for i in range(NS):  # one fused multiply-add a score
+                p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
+                p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
+                p2 = exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot))
+                p3 = exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot))
                 l_top += p0 + p1
                 l_bot += p2 + p3
                 p_frag[2 * i] = pack(p0, p1)
@@ -832,6 +847,15 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             inv_bot = float32(1.0) / l_bot if l_bot > float32(0.0) else float32(0.0)
             hq_top = h * G + r_top % G
             hq_bot = h * G + r_bot % G
+            # first element of each row's O_s in the flat o_part (0 for a row without a query:
+            # not stored) plus this lane's first column (its word with bf16 partials), so
+            # that a store adds only a constant; unsigned, so no negative-index checks
+            at_top = lane_col
+            at_bot = lane_col
+            if t_top >= 0:
+                at_top += uint64(((s_top * q_total + t_top) * hq_total + hq_top) * O_ROW)
+            if t_bot >= 0:
+                at_bot += uint64(((s_bot * q_total + t_bot) * hq_total + hq_bot) * O_ROW)
             for part in range(O_PARTS):
                 for i in range(O_REGS):
                     o_acc[i] = float32(0.0)
@@ -857,21 +881,23 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                         o_acc[n + 6] = d2
                         o_acc[n + 7] = d3
                 for i in range(NO_PART):
-                    d = 8 * (part * NO_PART + i) + 2 * t4
-                    if BF16_PARTIALS:
+                    # output columns 8 (part NO_PART + i) + col and the next one
+                    if BF16_PARTIALS:  # one word (two bf16) per column pair
+                        d = uint64(4 * (part * NO_PART + i))
                         if t_top >= 0:
-                            o_part[s_top, t_top, hq_top, d // 2] = pack_bf16x2(
-                                o_acc[4 * i] * inv_top, o_acc[4 * i + 1] * inv_top)
+                            o_part[at_top + d] = pack_bf16x2(o_acc[4 * i] * inv_top,
+                                                             o_acc[4 * i + 1] * inv_top)
                         if t_bot >= 0:
-                            o_part[s_bot, t_bot, hq_bot, d // 2] = pack_bf16x2(
-                                o_acc[4 * i + 2] * inv_bot, o_acc[4 * i + 3] * inv_bot)
+                            o_part[at_bot + d] = pack_bf16x2(o_acc[4 * i + 2] * inv_bot,
+                                                             o_acc[4 * i + 3] * inv_bot)
                     else:
+                        d = uint64(8 * (part * NO_PART + i))
                         if t_top >= 0:
-                            o_part[s_top, t_top, hq_top, d] = o_acc[4 * i] * inv_top
-                            o_part[s_top, t_top, hq_top, d + 1] = o_acc[4 * i + 1] * inv_top
+                            o_part[at_top + d] = o_acc[4 * i] * inv_top
+                            o_part[at_top + d + uint64(1)] = o_acc[4 * i + 1] * inv_top
                         if t_bot >= 0:
-                            o_part[s_bot, t_bot, hq_bot, d] = o_acc[4 * i + 2] * inv_bot
-                            o_part[s_bot, t_bot, hq_bot, d + 1] = o_acc[4 * i + 3] * inv_bot
+                            o_part[at_bot + d] = o_acc[4 * i + 2] * inv_bot
+                            o_part[at_bot + d + uint64(1)] = o_acc[4 * i + 3] * inv_bot
             # L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible)
             if t4 == 0:
                 if t_top >= 0:
@@ -1028,6 +1054,7 @@ class _K1Plan:
         elif self.version == 3:
             if bf16_partials:
                 o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
+            o_part = o_part.reshape(o_part.size)  # the kernel indexes it flat
             # cp.async needs 16-byte aligned rows: D % 16 == 0 keeps slices of aligned arrays
             # aligned; an input that is not falls back to plain loads
             aligned = all(is_aligned16(x) for x in (q, k, v))

@@ -844,18 +844,18 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     elif kernel == "k1-v2-fp16-D64":
         fn = gpu._k1_kernel_mma(128, 64, 4, 32, False)
         sig = (words, words, words, *index, *parts, i32, i32)
-    elif kernel == "k1-v3-bf16":
+    elif kernel == "k1-v3-bf16":  # v3 takes o_part flat
         fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, False, True, gpu._v3_o_parts(128))
-        sig = (words, words, words, *index, *parts)
+        sig = (words, words, words, *index, types.float32[::1], parts[1])
     elif kernel == "k1-v3-bf16-partials":
         fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, True, True, gpu._v3_o_parts(128))
-        sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1])
+        sig = (words, words, words, *index, types.uint32[::1], parts[1])
     elif kernel == "k1-v3-bf16-partials-groups3":
         fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3)
-        sig = (words, words, words, *index, types.uint32[:, :, :, ::1], parts[1])
+        sig = (words, words, words, *index, types.uint32[::1], parts[1])
     elif kernel == "k1-v3-fp16-D64-plain":
         fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
-        sig = (words, words, words, *index, *parts)
+        sig = (words, words, words, *index, types.float32[::1], parts[1])
     elif kernel == "k1-v1-bf16":
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
