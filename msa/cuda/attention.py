@@ -1005,7 +1005,9 @@ class _K1Plan:
                     or _v3_layout(bk, d, rows, groups)[3] > _mma.DYNAMIC_SMEM_LIMIT):
                 groups = 1
         else:
-            groups = check_positive_int("groups", groups, high=_mma.MAX_WARPS // (rows // 16))
+            # at most MAX_WARPS warps a CTA, and barrier ids 1..15 for the groups
+            groups = check_positive_int("groups", groups,
+                                        high=min(15, _mma.MAX_WARPS // (rows // 16)))
         limit = _mma.DYNAMIC_SMEM_LIMIT
         if version == 1:
             while positions > 1 and _v1_layout(bk, d, positions * g)[3] > limit:
