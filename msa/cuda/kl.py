@@ -177,6 +177,18 @@ def _loader(kind: str):
     return bf16_to_f32 if kind == "bfloat16" else _to_f32_plain
 
 
+@cuda.jit(device=True, inline=True)
+def _deal(warp, it, nw, total, per_row):
+    """Work item ``warp + it * nw`` of ``total`` dealt round-robin to the warps, as ``(real,
+    row, col)`` with ``per_row`` items a row; past the end item 0 again with ``real`` False, so
+    that every warp runs the same mma count."""
+    item = warp + it * nw
+    real = item < total
+    if not real:
+        item = 0
+    return real, item // per_row, item % per_row
+
+
 @cuda.jit(device=True)
 def _finite_or_zero(x):
     """An empty support's ``-inf`` LSE becomes 0 (its keys are never read), as in the reference."""
@@ -1644,12 +1656,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
 
             # 1. Student logits into sX[key, position] (every warp runs the same mma count).
             for it in range(STUDENT_ITERS):
-                item = warp + it * NW
-                real = item < MT * NPAIRS
-                if not real:
-                    item = 0
-                mt = item // NPAIRS
-                n2 = item % NPAIRS
+                real, mt, n2 = _deal(warp, it, NW, MT * NPAIRS, NPAIRS)
                 c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = float32(0.0)
                 qa = OFF_QI + buf * QIBUF + 16 * mt * LDI + ai_lane
                 for ks in range(KSTEPS_I):
@@ -1808,12 +1815,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
             # products), B = K_idx by ldmatrix.trans (K1's V); (m-tile, n-tile pair) dealt to
             # the warps, every warp running the same mma count.
             for it in range(DQ_ITERS):
-                item = warp + it * NW
-                real = item < MT * NPD
-                if not real:
-                    item = 0
-                mt = item // NPD
-                n2 = item % NPD
+                real, mt, n2 = _deal(warp, it, NW, MT * NPD, NPD)
                 for i in range(8):
                     acc[i] = float32(0.0)
                 for kp in range(KP):

@@ -948,7 +948,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
             raise ValueError(message) from None
         raise
     if version is None:
-        version = {"tc": "heap", "tc2": "heap2", "tc3": "heap3"}.get(p.version, "chunked")
+        version = {k: v for v, k in _FUSED_KERNEL.items()}.get(p.version, "chunked")
     if memory_budget is None:
         memory_budget = FUSED_MEMORY_BUDGET
     memory_budget = check_positive_int("memory_budget", memory_budget)
@@ -958,7 +958,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
     if p.tq == 0:
         return ctx.output(out)
     out_arg = ctx.arg(out)
-    if version in ("heap", "heap2", "heap3"):
+    if version in _FUSED_KERNEL:  # one kernel: index scores with a top-k epilogue
         _index._launch_fused_heap(p, topk, _heap_capacity(topk), out_arg)
         return ctx.output(out)
     per_query = p.hkv * max(p.nb, 1) * np.dtype(p.out_dtype).itemsize
