@@ -1229,7 +1229,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         or (with ``validate``) a bad entry.
     """
     from .csr import MAX_TOPK, build_csr
-    from .schedule import build_schedule
+    from .schedule import build_schedule, launch_rows
 
     spec = _Spec(q, k, v)
     block_size = check_positive_int("block_size", block_size)
@@ -1283,8 +1283,9 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         row_ptr, q_indices, slots = build_csr(I[t0:t1], cu_q_c, cu_k_c, block_size,
                                               validate=False)
         # padded work array (its -1 rows are skipped by K1): no host round trip
-        work, _ = build_schedule(row_ptr, cu_k_c, block_size, chunk_size, max_edges=tc * topk,
-                                 validate=False)
+        work, num_items = build_schedule(row_ptr, cu_k_c, block_size, chunk_size,
+                                         max_edges=tc * topk, validate=False)
+        work = launch_rows(work, num_items)
         o_part = o_buf[:topk * tc * spec.hq * spec.d].reshape(topk, tc, spec.hq, spec.d)
         lse_part = l_buf[:topk * tc * spec.hq].reshape(topk, tc, spec.hq)
         # Only L_s needs a value in unused slots: K2 never reads O_s where L_s = -inf.

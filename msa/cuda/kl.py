@@ -2449,15 +2449,15 @@ class _Plan:
         items, and ``d_cu`` the chunk's ``(cu_q, cu_k)`` on the device (copied once for the
         chunk's launches)."""
         from .csr import build_csr
-        from .schedule import build_schedule
+        from .schedule import build_schedule, launch_rows
 
         row_ptr, q_indices, slots = build_csr(self.I[t0:t1], cu_q_c, cu_k_c, self.block_size,
                                               validate=False)
         chunk = 2 * self.topk * self.block_size  # the paper's hot-row cut, in whole tiles
         chunk = -(-chunk // self.positions) * self.positions
-        work = build_schedule(row_ptr, cu_k_c, self.block_size, chunk,
-                              max_edges=max(1, (t1 - t0) * self.topk), validate=False)
-        work = work[0] if isinstance(work, tuple) else work
+        work = launch_rows(*build_schedule(row_ptr, cu_k_c, self.block_size, chunk,
+                                           max_edges=max(1, (t1 - t0) * self.topk),
+                                           validate=False))
         return (_kernel_array(work), _kernel_array(row_ptr), _kernel_array(q_indices),
                 _kernel_array(slots), (_device_copy(cu_q_c), _device_copy(cu_k_c)))
 

@@ -220,6 +220,19 @@ def build_schedule(row_ptr, cu_seqlens_k, block_size: int, chunk_size: int, *,
                            validate=validate)
 
 
+def launch_rows(work, num_items):
+    """The rows of ``build_schedule``'s ``work`` that a kernel launch should cover.
+
+    On a GPU all ``capacity`` rows: the padding rows (-1) exit at once, and reading ``num_items``
+    would cost a host round trip. In the simulator only the first ``num_items[0]`` rows: there
+    every CTA of the grid runs as one Python thread per CUDA thread, padding rows included
+    (tens of times the real work on small problems).
+    """
+    if not SIMULATOR:
+        return work
+    return work[:int(np.asarray(cu_to_host(num_items)).reshape(-1)[0])]
+
+
 def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=None,
                     validate=True, item_tile=None, scan_version=3, scan_threads=None):
     """``build_schedule`` with the tile size and scan exposed to the tests."""

@@ -556,3 +556,48 @@ def test_static_shared_array_is_one_array_per_block(monkeypatch):
     out = np.zeros(32, np.int64)
     _sum_of_a_shared_array[1, 32](out)
     np.testing.assert_array_equal(out, np.full(32, 32 * 33 // 2))
+
+
+
+def _sleep(seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def _late_failure():
+    raise RuntimeError("the second thread's later failure")
+
+
+@cuda.jit
+def _two_failures(out):
+    if cuda.threadIdx.x == 0:
+        _sleep(0.05)  # simulator-only kernel: the manager's first poll passes while both sleep
+        out[1] = 1  # out of bounds: an IndexError in the simulator
+    else:
+        _sleep(0.6)
+        _late_failure()
+
+
+@pytest.mark.simulator
+def test_first_failure_is_reported_even_if_its_thread_ends_between_two_polls(monkeypatch):
+    """The simulator polls ``thread.exception`` and then drops the threads no longer alive; a
+    thread that failed and ended between the two was only found by the final check, after every
+    other thread had ended, and that check reports whichever failed thread comes first in a set
+    (seen in CI: a deadlock error replaced by a late lane's failure on poison). ``is_alive`` is
+    slowed here so that thread 0 fails and ends in that window every time; the block loop that
+    ``install()`` puts in place checks an ended thread for an exception before dropping it, so
+    the launch reports thread 0's error at once."""
+    import time
+
+    from numba.cuda.simulator import kernel
+
+    real = kernel.BlockThread.is_alive
+
+    def slow_is_alive(self):
+        time.sleep(0.1)
+        return real(self)
+
+    monkeypatch.setattr(kernel.BlockThread, "is_alive", slow_is_alive)
+    with pytest.raises(IndexError):
+        _two_failures[1, 2](np.zeros(1, np.int32))
