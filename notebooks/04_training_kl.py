@@ -128,6 +128,33 @@ nbtools.table(["direction", "finite difference", "<gradient, direction>"],
                ("K_idx", f"{fd_k:.10f}", f"{(dk_idx * E_k).sum():.10f}")])
 
 # %% [markdown]
+# ## The main branch's gradient (eq 8 backward)
+#
+# The language-model loss trains $W_q, W_k, W_v$ through eq 8. Its backward is FlashAttention's
+# rule on the same support: with $P = e^{S - \mathrm{LSE}}$ (0 off the support) and
+# $D_t = \sum_d dO_{t,d} O_{t,d}$,
+# $dV = P^\top dO$, $dS = P \circ (dO\,V^\top - D)$, $dQ = s\,dS\,K$, $dK = s\,dS^\top Q$,
+# summed over the $G$ heads of a group. `sparse_attention_backward` reuses the forward's LSE, so no
+# softmax is recomputed from scratch. A central difference of $\sum dO \circ O$ checks it.
+
+# %%
+dO = rng.standard_normal(o.shape)
+dq_main, dk_main, dv_main = R.sparse_attention_backward(p.q, p.k, p.v, o, lse, dO, I, *args)
+fd_main, an_main = [], []
+for i, (name, grad) in enumerate((("Q", dq_main), ("K", dk_main), ("V", dv_main))):
+    E = rng.standard_normal(grad.shape)
+
+    def main_loss(sign, i=i, E=E):
+        qkv = [p.q, p.k, p.v]
+        qkv[i] = qkv[i] + sign * step * E
+        return (R.sparse_attention(*qkv, I, *args)[0] * dO).sum()
+
+    fd_main.append((main_loss(1) - main_loss(-1)) / (2 * step))
+    an_main.append((grad * E).sum())
+nbtools.table(["direction", "finite difference", "<gradient, direction>"],
+              [(n, f"{a:.10f}", f"{b:.10f}") for n, a, b in zip("QKV", fd_main, an_main)])
+
+# %% [markdown]
 # ## Stop-gradient: what the KL may train
 #
 # | cut | blocks |
@@ -308,6 +335,9 @@ nbtools.check("kl_backward == chain rule through dS = (P_idx - P) / (N Hkv)",
               f"max |diff| {max(np.abs(dq_idx - dq_chain).max(), np.abs(dk_idx - dk_chain).max()):.1e}")
 rel = max(abs(fd_q - (dq_idx * E_q).sum()) / abs(fd_q), abs(fd_k - (dk_idx * E_k).sum()) / abs(fd_k))
 nbtools.check("kl_backward == central finite differences of kl_loss", rel < 1e-6, f"relative error {rel:.1e}")
+rel_main = max(abs(a - b) / abs(a) for a, b in zip(fd_main, an_main))
+nbtools.check("sparse_attention_backward == central finite differences of eq 8", rel_main < 1e-6,
+              f"relative error {rel_main:.1e}")
 nbtools.check("warmup KL (full support) == sparse KL with every visible block", abs(loss_warm - loss_every) < 1e-14,
               f"|diff| = {abs(loss_warm - loss_every):.1e}")
 nbtools.check("training on L_KL alone raises the recall of the teacher's mass by > 0.3",

@@ -6,7 +6,7 @@ module                  paper
 ``blocks``              eq 3-4: GQA groups, KV blocks, packed-batch positions
 ``index``               eq 5-6, 11: index projections, token scores, causal block max
 ``select``              eq 7, §2.2, §3.2: exp-free top-k with the forced local block
-``attention``           eq 1 (dense), eq 8 (restricted, Q-outer), K1 partials (§4.2)
+``attention``           eq 1 (dense), eq 8 (restricted, Q-outer) and its gradient, K1 (§4.2)
 ``combine``             K2: exact log-sum-exp combine of partials (§4.2)
 ``csr``                 §4.2: q2k -> k2q CSR as histogram, exclusive scan, scatter
 ``schedule``            §4.2: hot-row scheduler (work items, chunk limit)
@@ -19,7 +19,8 @@ Every function takes NumPy arrays, computes in float64 when given float64 (float
 and validates its inputs with errors that name the argument.
 """
 
-from .attention import attention_partials, dense_attention, sparse_attention
+from .attention import (attention_partials, dense_attention, sparse_attention,
+                        sparse_attention_backward)
 from .blocks import (block_partition, block_row_offsets, gqa_group, key_positions, local_blocks,
                      max_blocks, num_blocks, query_positions)
 from .combine import combine_partials
@@ -37,7 +38,7 @@ __all__ = [
     "block_row_offsets", "max_blocks",
     "index_projections", "index_scores", "block_scores",
     "select_blocks", "fixed_blocks", "check_block_indices",
-    "dense_attention", "sparse_attention", "attention_partials",
+    "dense_attention", "sparse_attention", "sparse_attention_backward", "attention_partials",
     "combine_partials",
     "csr_histogram", "exclusive_prefix_sum", "csr_scatter", "build_csr",
     "build_schedule", "schedule_stats",

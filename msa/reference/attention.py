@@ -9,6 +9,8 @@ alignment (``msa.reference.blocks.query_positions``):
 * ``sparse_attention`` (eq 8): only the causally visible keys of the blocks the indexer selected
   for the query's group, ``I[t, r, :]``. This is the definition, written query by query
   (Q-outer).
+* ``sparse_attention_backward``: eq 8's gradient (``dq, dk, dv`` given ``dO``), the main
+  branch's backward for training (the paper leaves it to the usual FlashAttention rule).
 * ``attention_partials`` (K1): the same edges visited block by block (KV-outer, paper §4.2): a
   work item loads one K/V block and serves every query of its CSR chunk with it, writing one
   locally normalised partial per (query, block). ``msa.reference.combine.combine_partials`` (K2)
@@ -208,6 +210,90 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
                 o[t0:t1, r * g:(r + 1) * g] = o_c  # [C, G, D]
                 lse[t0:t1, r * g:(r + 1) * g] = lse_c  # [C, G]
     return o, lse
+
+
+
+def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
+                              block_size, scale=None):
+    r"""The gradient of eq 8 (the main branch's backward): ``(dq, dk, dv)`` given ``dO``.
+
+    With ``P = exp(S - LSE)`` on the support of ``sparse_attention`` (0 elsewhere), ``S = s Q Kᵀ``
+    and ``D_t = rowsum(dO_t * O_t)`` (FlashAttention's backward):
+
+    .. math::  dV = P^\top dO, \quad dS = P \circ (dO\, V^\top - D), \quad
+               dQ = s\, dS\, K, \quad dK = s\, dS^\top Q
+
+    summed over the G query heads that share a KV head and over every query whose support holds
+    the key. Only keys in the support get a gradient; a query with an empty support (``lse`` =
+    -inf) contributes nothing and gets ``dq = 0``. The chunks and block unions are those of
+    ``sparse_attention``.
+
+    Args:
+        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as
+            ``sparse_attention``.
+        o, lse: its outputs ``[Tq, Hq, D]``, ``[Tq, Hq]`` (``o`` enters only through ``D``).
+        do: ``dL/dO`` [Tq, Hq, D].
+
+    Returns:
+        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``: float64 for float64 input,
+        float32 otherwise.
+
+    Raises:
+        As ``sparse_attention``, plus ``o``, ``lse`` or ``do`` of the wrong shape or not float.
+    """
+    q, k, v, g = _check_qkv(q, k, v)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    check_array("o", o, ndim=3, dtypes=("float",), shape=(tq, hq, d))
+    check_array("do", do, ndim=3, dtypes=("float",), shape=(tq, hq, d))
+    check_array("lse", lse, ndim=2, dtypes=("float",), shape=(tq, hq))
+    o, do, lse = (np.asarray(x, dtype=q.dtype) for x in (o, do, lse))
+    block_size = check_positive_int("block_size", block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
+    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+    topk = I.shape[2]
+    dq = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
+    dk = np.zeros(k.shape, dtype=q.dtype)  # [Tk, Hkv, D]
+    dv = np.zeros(k.shape, dtype=q.dtype)
+    delta = np.einsum("thd,thd->th", do, o)  # [Tq, Hq]: D_t of every head
+    offsets = np.arange(block_size)  # [Bk]
+    for b in range(lq.size):
+        nb = -(-int(lk[b]) // block_size)
+        per_block = g * block_size
+        chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
+                    math.isqrt(_TILE_ELEMENTS // (per_block * max(topk, 1))))
+        for i0 in range(0, int(lq[b]), chunk):
+            i1 = min(i0 + chunk, int(lq[b]))
+            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
+            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
+            q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d)  # [C, Hkv, G, D]
+            do_c = do[t0:t1].reshape(c, hkv, g, d)
+            lse_c = lse[t0:t1].reshape(c, hkv, g)
+            delta_c = delta[t0:t1].reshape(c, hkv, g)
+            for r in range(hkv):
+                I_r = I[t0:t1, r]  # [C, K]
+                chosen = np.zeros((c, nb), dtype=bool)  # [C, NB]
+                rows, cols = np.nonzero(I_r >= 0)
+                chosen[rows, I_r[rows, cols]] = True
+                union = np.flatnonzero(chosen.any(axis=0))  # [U]
+                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
+                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
+                visible = visible.reshape(c, 1, -1)  # [C, 1, N], N = U*Bk
+                keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [N], clamped
+                k_r, v_r = k[keys, r], v[keys, r]  # [N, D]
+                s = (q_c[:, r].reshape(c * g, d) @ k_r.T).reshape(c, g, -1)  # [C, G, N]
+                l_r = lse_c[:, r, :, None]  # [C, G, 1]
+                live = visible & np.isfinite(l_r)  # an empty support has lse = -inf
+                p = np.where(live, np.exp(s - np.where(np.isfinite(l_r), l_r, 0)), 0)  # [C, G, N]
+                dp = (do_c[:, r].reshape(c * g, d) @ v_r.T).reshape(c, g, -1)  # [C, G, N]
+                ds = p * (dp - delta_c[:, r, :, None])  # [C, G, N]
+                dq[t0:t1, r * g:(r + 1) * g] = scale * (ds @ k_r)  # [C, G, D]
+                # every (C, G) row adds into the keys of the union; clamped duplicates add 0
+                np.add.at(dk[:, r], keys, ds.reshape(c * g, -1).T @ q_c[:, r].reshape(c * g, d))
+                np.add.at(dv[:, r], keys, p.reshape(c * g, -1).T @ do_c[:, r].reshape(c * g, d))
+    return dq, dk, dv
 
 
 def check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_size):

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from msa.problems import make_problem
 from msa.reference import attention
-from msa.reference.attention import attention_partials, dense_attention, sparse_attention
+from msa.reference.attention import (attention_partials, dense_attention, sparse_attention,
+                                     sparse_attention_backward)
 from msa.reference.blocks import query_positions
 from msa.reference.combine import combine_partials
 from msa.reference.csr import build_csr
@@ -329,6 +330,125 @@ def test_sparse_empty_support_gives_zero_and_neg_inf():
     assert (o[:, :2] == 0).all() and np.isneginf(lse[:, :2]).all()
     assert (o[:16, 2:] == 0).all() and np.isneginf(lse[:16, 2:]).all()
     assert np.isfinite(lse[16:, 2:]).all()
+
+
+
+# The gradient of eq 8 (the main branch's backward).
+
+
+def slow_attention_backward(q, k, v, do, support, scale=None):
+    """(dq, dk, dv) of sum(do * o) for slow_attention, one (t, h) at a time: the softmax
+    Jacobian written out (dS_j = P_j (dP_j - sum_i P_i dP_i)), no LSE or D_t shortcut."""
+    tq, hq, d = q.shape
+    g = hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(k.shape)
+    for t in range(tq):
+        for h in range(hq):
+            r = h // g
+            keys = support(t, r)
+            if keys.size == 0:
+                continue
+            s = (k[keys, r] @ q[t, h]) * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            dp = v[keys, r] @ do[t, h]  # dL/dP_j
+            ds = p * (dp - p @ dp)  # dL/dS_j
+            dq[t, h] = scale * (ds @ k[keys, r])
+            dk[keys, r] += scale * ds[:, None] * q[t, h]
+            dv[keys, r] += p[:, None] * do[t, h]
+    return dq, dk, dv
+
+
+def backward_problem(p, I, seed=0):
+    """(o, lse, do) of eq 8 on p's float64 inputs: the forward's outputs and a random dO."""
+    o, lse = sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    do = np.random.default_rng(seed).standard_normal(o.shape)
+    return o, lse, do
+
+
+def check_backward(p, I, seed=0):
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    o, lse, do = backward_problem(p, I, seed)
+    with np.errstate(**NO_FP_WARNINGS):
+        got = sparse_attention_backward(p.q, p.k, p.v, o, lse, do, I, cu_q, cu_k, bk)
+    ref = slow_attention_backward(p.q, p.k, p.v, do, supports_sparse(I, cu_q, cu_k, bk))
+    q32, k32, v32 = f32(p)
+    o32, lse32 = sparse_attention(q32, k32, v32, I, cu_q, cu_k, bk)
+    base32 = sparse_attention_backward(q32, k32, v32, o32, lse32, do.astype(np.float32), I,
+                                       cu_q, cu_k, bk)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, ref, base32):
+        assert a.dtype == np.float64 and c.dtype == np.float32, name
+        assert max_err(a, b) <= F64_FACTOR * yardstick(c, b), name
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("tile_elements", [1, 1 << 22], ids=["tile_one_query", "tile_default"])
+def test_sparse_backward_matches_loop(name, tile_elements):
+    p = case(name)
+    with tile(tile_elements):
+        check_backward(p, random_block_indices(p, seed=2))
+
+
+@given(shapes_and_seed(), st.sampled_from([1, 300, 1 << 22]), st.booleans())
+def test_sparse_backward_matches_loop_fuzz(shape_seed, tile_elements, future):
+    shape, seed = shape_seed
+    p = make_problem(**shape)
+    with tile(tile_elements):
+        check_backward(p, random_block_indices(p, seed, future=future, empty_rows=future), seed)
+
+
+@pytest.mark.parametrize("name", ["G8_two_groups", "T_not_multiple_of_Bk", "G1"])
+def test_sparse_backward_is_the_derivative(name):
+    """A central difference of sum(dO * O) along a random direction, in float64."""
+    p = case(name, seed=4)
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    I = random_block_indices(p, seed=5, future=False)
+    o, lse, do = backward_problem(p, I, seed=6)
+    grads = sparse_attention_backward(p.q, p.k, p.v, o, lse, do, I, cu_q, cu_k, bk)
+    rng = np.random.default_rng(7)
+    eps = 1e-6
+    for i, name_x in enumerate(("q", "k", "v")):
+        u = rng.standard_normal(grads[i].shape)
+
+        def loss(step):
+            x = [p.q, p.k, p.v]
+            x[i] = x[i] + step * u
+            return float((sparse_attention(*x, I, cu_q, cu_k, bk)[0] * do).sum())
+
+        numeric = (loss(eps) - loss(-eps)) / (2 * eps)
+        analytic = float((grads[i] * u).sum())
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), name_x
+
+
+def test_sparse_backward_of_an_empty_support_is_zero():
+    """Rows that see nothing (lse = -inf) give dq = 0 and touch no key; no NaN anywhere."""
+    p = make_problem((20,), num_q_heads=4, num_kv_heads=2, block_size=4, topk=2)
+    I = np.full((20, 2, 2), -1, dtype=np.int32)
+    I[:, 1, 0] = 4  # block 4 = positions 16..19: future for queries 0..15
+    o, lse, do = backward_problem(p, I)
+    with np.errstate(**NO_FP_WARNINGS):
+        dq, dk, dv = sparse_attention_backward(p.q, p.k, p.v, o, lse, do, I, p.cu_seqlens_q,
+                                               p.cu_seqlens_k, 4)
+    assert (dq[:, :2] == 0).all() and (dq[:16, 2:] == 0).all() and (dq[16:, 2:] != 0).any()
+    assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all()  # group 0 sees nothing
+    assert (dk[:16, 1] == 0).all() and (dv[:16, 1] == 0).all()  # only block 4 is seen
+    assert (dv[16:, 1] != 0).all()
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("bad", ["o_shape", "do_shape", "lse_shape", "do_int"])
+def test_bad_inputs_sparse_backward(bad):
+    p = make_problem((9,), block_size=4, topk=2)
+    I = random_block_indices(p, 0)
+    o, lse, do = backward_problem(p, I)
+    args = dict(o=o, lse=lse, do=do)
+    name = bad.split("_")[0]
+    args[name] = {"o_shape": o[:, :1], "do_shape": do[:-1], "lse_shape": lse[:, None],
+                  "do_int": do.astype(np.int64)}[bad]
+    with pytest.raises((TypeError, ValueError), match=name):
+        sparse_attention_backward(p.q, p.k, p.v, args["o"], args["lse"], args["do"], I,
+                                  p.cu_seqlens_q, p.cu_seqlens_k, 4)
 
 
 @pytest.mark.parametrize("dtype,want", [(np.float64, np.float64), (np.float32, np.float32),

@@ -117,6 +117,21 @@ def test_sparse_attention_backward_equals_autograd_of_a_masked_softmax(case):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-11, err_msg=f"d{name}")
 
 
+
+@given(mst.problems_with_indices(max_len=40, max_heads=4, max_topk=3, dims=(4, 8)))
+def test_sparse_attention_backward_equals_the_reference(case):
+    """msa.torch's backward and msa.reference's (NumPy) compute the same gradient (float64)."""
+    p, I = case
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    o, lse = R.sparse_attention(p.q, p.k, p.v, I, cu_q, cu_k, bk)
+    do = np.random.default_rng(1).standard_normal(p.q.shape)
+    want = R.sparse_attention_backward(p.q, p.k, p.v, o, lse, do, I, cu_q, cu_k, bk)
+    got = sparse_attention_backward(*(T(x) for x in (p.q, p.k, p.v, o, lse, do)), T(I), cu_q,
+                                    cu_k, bk)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-9, atol=1e-11, err_msg=f"d{name}")
+
+
 def test_dense_attention_equals_reference_and_gradcheck():
     p = make_problem((13, 6), (9, 6), num_q_heads=4, num_kv_heads=2, head_dim=4, seed=1)
     q, k, v = (T(x).requires_grad_() for x in (p.q, p.k, p.v))
