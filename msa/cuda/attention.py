@@ -1361,3 +1361,313 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
                               chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,
                               partial_dtype=partial_dtype, validate=False)
     return o, lse, block_indices
+
+
+# --- the backward of eq 8 (training the main branch) ----------------------------------------------
+#
+# Version 1, CUDA cores, deterministic (no atomics), FlashAttention's rule with the forward's LSE:
+#   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a thread per (t, h)
+#   dQ: a CTA per (query, KV head), Q-outer       _attention_bwd_kernel_dq
+#       per selected block: dS [G, Bk] in shared memory, then dQ[g, :] += dS[g, :] K_block
+#   dK, dV: a CTA per (KV head, k2q CSR row), KV-outer   _attention_bwd_kernel_dkdv
+#       the row's queries in CSR order (ascending), QC at a time: P, dS [QC*G, Bk], then
+#       dK[c, :] += dS[:, c]ᵀ (sQ), dV[c, :] += P[:, c]ᵀ dO, accumulated in shared memory.
+# Every key belongs to one block, so every dK/dV row is written by one CTA; every dQ row by one.
+
+# threads per CTA (the simulator runs each thread as a Python thread: fewer there, same kernels)
+_BWD_THREADS = 32 if SIMULATOR else 128
+
+
+def _bwd_rows(group: int) -> int:
+    """(query, head) rows per round of the dK/dV kernel: 16 // G queries (at least one) x G."""
+    return max(1, 16 // group) * group
+
+
+def _bwd_dkdv_smem(block_size: int, head_dim: int, group: int) -> int:
+    """Bytes of the dK/dV kernel's dynamic shared memory (float32 words, see its layout)."""
+    rw = _bwd_rows(group)
+    return 4 * (2 * block_size * head_dim + 2 * rw * head_dim + 2 * rw * block_size + 2 * rw)
+
+
+def _bwd_dq_smem(block_size: int, head_dim: int, group: int) -> int:
+    """Bytes of the dQ kernel's static shared arrays (sQ, sdO, sAcc [G, D], sdS [G, Bk])."""
+    return 4 * (3 * group * head_dim + group * block_size + 2 * group)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, threads: int):
+    """The three backward kernels specialised for (Bk, D, G, input kind, threads)."""
+    Bk, D, G, NT = block_size, head_dim, group, threads
+    QC = max(1, 16 // G)  # queries per round of the dK/dV kernel
+    RW = QC * G  # (query, head) rows per round
+    OFF_AV = Bk * D  # dynamic shared memory of dK/dV, float32 words: acc_k, acc_v [Bk, D],
+    OFF_Q = 2 * Bk * D  # sQ, sdO [RW, D], sP, sdS [RW, Bk], sLSE, sDelta [RW]
+    OFF_DO = OFF_Q + RW * D
+    OFF_P = OFF_DO + RW * D
+    OFF_DS = OFF_P + RW * Bk
+    OFF_L = OFF_DS + RW * Bk
+    OFF_DL = OFF_L + RW
+    to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
+    neg_inf = float32(-math.inf)
+
+    @cuda.jit
+    def _attention_bwd_kernel_delta(o, do, delta):
+        i = cuda.grid(1)
+        hq = o.shape[1]
+        if i >= o.shape[0] * hq:
+            return
+        t = i // hq
+        h = i % hq
+        acc = float32(0.0)
+        for d in range(D):
+            acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
+        delta[t, h] = acc
+
+    @cuda.jit
+    def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, q_batch, q_pos, cu_k, scale, dq):
+        sq = cuda.shared.array((G, D), float32)  # s * q of the group's heads
+        sdo = cuda.shared.array((G, D), float32)
+        sacc = cuda.shared.array((G, D), float32)
+        sds = cuda.shared.array((G, Bk), float32)
+        slse = cuda.shared.array(G, float32)
+        sdelta = cuda.shared.array(G, float32)
+        tid = cuda.threadIdx.x
+        hkv = k.shape[1]
+        t = cuda.blockIdx.x // hkv
+        r = cuda.blockIdx.x % hkv
+        b = q_batch[t]
+        pos = q_pos[t]
+        key_base = cu_k[b]
+        lk = cu_k[b + 1] - key_base
+        nblocks = (lk + Bk - 1) // Bk
+        for i in range(tid, G * D, NT):
+            g = i // D
+            d = i % D
+            sq[g, d] = to_f32(q[t, r * G + g, d]) * scale
+            sdo[g, d] = to_f32(do[t, r * G + g, d])
+            sacc[g, d] = float32(0.0)
+        for g in range(tid, G, NT):
+            slse[g] = lse[t, r * G + g]
+            sdelta[g] = delta[t, r * G + g]
+        cuda.syncthreads()
+        for s in range(I.shape[2]):
+            j = I[t, r, s]
+            if j < 0 or j >= nblocks:
+                continue  # the same for every thread of the CTA
+            key0 = j * Bk
+            nk = min(Bk, lk - key0)
+            for i in range(tid, G * Bk, NT):  # dS[g, c]
+                g = i // Bk
+                c = i % Bk
+                ds = float32(0.0)
+                l = slse[g]
+                if c < nk and key0 + c <= pos and l > neg_inf:
+                    key = key_base + key0 + c
+                    sc = float32(0.0)
+                    dp = float32(0.0)
+                    for d in range(D):
+                        sc += sq[g, d] * to_f32(k[key, r, d])
+                        dp += sdo[g, d] * to_f32(v[key, r, d])
+                    ds = math.exp(sc - l) * (dp - sdelta[g])
+                sds[g, c] = ds
+            cuda.syncthreads()
+            for i in range(tid, G * D, NT):  # each (g, d) has one owner thread throughout
+                g = i // D
+                d = i % D
+                acc = sacc[g, d]
+                for c in range(nk):
+                    acc += sds[g, c] * to_f32(k[key_base + key0 + c, r, d])
+                sacc[g, d] = acc
+            cuda.syncthreads()  # sdS is rewritten by the next block
+        for i in range(tid, G * D, NT):
+            g = i // D
+            d = i % D
+            dq[t, r * G + g, d] = sacc[g, d] * scale
+
+    @cuda.jit
+    def _attention_bwd_kernel_dkdv(q, k, v, do, lse, delta, row_ptr, q_indices, row_batch,
+                                   row_offsets, cu_q, cu_k, q_pos, scale, dk, dv):
+        smem = cuda.shared.array(0, float32)
+        s_t = cuda.shared.array(QC, int32)
+        tid = cuda.threadIdx.x
+        rows = row_ptr.shape[1] - 1
+        r = cuda.blockIdx.x // rows
+        row = cuda.blockIdx.x % rows
+        b = row_batch[row]
+        j = row - row_offsets[b]
+        lk = cu_k[b + 1] - cu_k[b]
+        key_base = cu_k[b] + j * Bk
+        nk = min(Bk, lk - j * Bk)
+        e0 = row_ptr[r, row]
+        e1 = row_ptr[r, row + 1]
+        if e1 <= e0 or nk <= 0 or e0 < 0 or e1 > q_indices.shape[1]:
+            return  # dK, dV of this block stay 0 (no query sees it)
+        q_lo = cu_q[b]
+        q_hi = cu_q[b + 1]
+        for i in range(tid, 2 * Bk * D, NT):
+            smem[i] = float32(0.0)
+        for c0 in range(e0, e1, QC):
+            cuda.syncthreads()  # the previous round is done with s_t and the row tiles
+            for x in range(tid, QC, NT):
+                t = -1
+                if c0 + x < e1:
+                    t = q_indices[r, c0 + x]
+                    if t < q_lo or t >= q_hi:
+                        t = -1  # not a query of this sequence (unvalidated input): skipped
+                s_t[x] = t
+            cuda.syncthreads()
+            for i in range(tid, RW * D, NT):
+                w = i // D
+                d = i % D
+                t = s_t[w // G]
+                xq = float32(0.0)
+                xdo = float32(0.0)
+                if t >= 0:
+                    h = r * G + w % G
+                    xq = to_f32(q[t, h, d]) * scale
+                    xdo = to_f32(do[t, h, d])
+                smem[OFF_Q + i] = xq
+                smem[OFF_DO + i] = xdo
+            for w in range(tid, RW, NT):
+                t = s_t[w // G]
+                l = neg_inf
+                dl = float32(0.0)
+                if t >= 0:
+                    l = lse[t, r * G + w % G]
+                    dl = delta[t, r * G + w % G]
+                smem[OFF_L + w] = l
+                smem[OFF_DL + w] = dl
+            cuda.syncthreads()
+            for i in range(tid, RW * Bk, NT):  # P[w, c], dS[w, c]
+                w = i // Bk
+                c = i % Bk
+                t = s_t[w // G]
+                p = float32(0.0)
+                ds = float32(0.0)
+                l = smem[OFF_L + w]
+                if t >= 0 and c < nk and j * Bk + c <= q_pos[t] and l > neg_inf:
+                    sc = float32(0.0)
+                    dp = float32(0.0)
+                    for d in range(D):
+                        sc += smem[OFF_Q + w * D + d] * to_f32(k[key_base + c, r, d])
+                        dp += smem[OFF_DO + w * D + d] * to_f32(v[key_base + c, r, d])
+                    p = math.exp(sc - l)
+                    ds = p * (dp - smem[OFF_DL + w])
+                smem[OFF_P + i] = p
+                smem[OFF_DS + i] = ds
+            cuda.syncthreads()
+            for i in range(tid, Bk * D, NT):  # each (c, d) has one owner thread throughout
+                c = i // D
+                d = i % D
+                ak = smem[i]
+                av = smem[OFF_AV + i]
+                for w in range(RW):
+                    ak += smem[OFF_DS + w * Bk + c] * smem[OFF_Q + w * D + d]
+                    av += smem[OFF_P + w * Bk + c] * smem[OFF_DO + w * D + d]
+                smem[i] = ak
+                smem[OFF_AV + i] = av
+        for i in range(tid, nk * D, NT):  # the owners of these words wrote them last
+            c = i // D
+            d = i % D
+            dk[key_base + c, r, d] = smem[i]
+            dv[key_base + c, r, d] = smem[OFF_AV + i]
+
+    return _attention_bwd_kernel_delta, _attention_bwd_kernel_dq, _attention_bwd_kernel_dkdv
+
+
+def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
+                              block_size, scale=None, *, validate=True):
+    """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
+
+    Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
+    math): ``D = rowsum(dO * O)``, then ``dQ`` Q-outer (a CTA per query and KV head, walking its
+    selected blocks) and ``dK, dV`` KV-outer (a CTA per KV head and k2q CSR row from
+    ``msa.cuda.csr.build_csr``, walking the row's queries in ascending order), with ``P`` rebuilt
+    from the forward's LSE. Version 1: CUDA cores, float32 accumulation, no atomics, bitwise
+    identical on reruns. A hot row (a sink block every query picks) is one long CTA.
+
+    Args:
+        q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
+        o: the forward's output [Tq, Hq, D] (q's dtype); lse: its float32 [Tq, Hq];
+            do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
+        block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
+        validate: check ``block_indices`` on a host copy first; ``False`` skips it (invalid
+            entries are then skipped by the kernels: memory safe, result unspecified).
+
+    Returns:
+        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``, float32, in the caller's library.
+        Keys no query sees get 0; a query with an empty support (``lse = -inf``) gets ``dq = 0``.
+
+    Raises:
+        TypeError/ValueError as ``sparse_attention``, plus ``o``, ``do`` or ``lse`` of the wrong
+        shape or dtype, and ``Bk``, ``D``, ``G`` too large for the kernels' shared memory
+        (the paper's Bk = D = 128, G = 16 fit; so does D = 256 with Bk = 64, G <= 8).
+    """
+    from ..reference.blocks import block_row_offsets, query_positions
+    from .csr import MAX_TOPK, build_csr
+
+    spec = _Spec(q, k, v)
+    tq, hq, d, tk, hkv = spec.tq, spec.hq, spec.d, spec.tk, spec.hkv
+    for name, x in (("o", o), ("do", do)):
+        check_array(name, x, ndim=3, shape=(tq, hq, d))
+        if dtype_kind(x) != spec.kind:
+            raise TypeError(f"{name} must have the dtype of q ({spec.kind}), got {dtype_kind(x)}")
+    check_array("lse", lse, ndim=2, shape=(tq, hq))
+    if dtype_kind(lse) != "float32":
+        raise TypeError(f"lse must be float32 (sparse_attention's), got {dtype_kind(lse)}")
+    block_size = check_positive_int("block_size", block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
+    check_array("block_indices", block_indices, ndim=3, dtypes=("int",), shape=(tq, hkv, None))
+    topk = int(block_indices.shape[2])
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
+                         f"shape {tuple(block_indices.shape)}")
+    smem = _bwd_dkdv_smem(block_size, d, spec.g)
+    for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
+                                ("dQ", _bwd_dq_smem(block_size, d, spec.g),
+                                 _mma.STATIC_SMEM_LIMIT)):
+        if need > limit:
+            raise ValueError(f"block_size={block_size} with head dim D={d} and G={spec.g}: the "
+                             f"{kernel} kernel needs {need} bytes of shared memory, more than "
+                             f"{limit}")
+    if validate:
+        from ..reference.select import check_block_indices
+
+        check_block_indices(cu_to_host(block_indices), cu_q, cu_k, block_size)
+
+    ctx = ArrayContext(q, k, v, o, lse, do, block_indices)
+    dq = ctx.empty((tq, hq, d), np.float32)
+    dk = ctx.empty((tk, hkv, d), np.float32, fill=0)
+    dv = ctx.empty((tk, hkv, d), np.float32, fill=0)
+    if tq == 0 or tk == 0:
+        return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+    views = []
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        arr = ctx.input(name, x)
+        if spec.bf16 and str(arr.dtype) not in ("uint16", "int16"):
+            arr = arr.view(np.uint16)
+        views.append(arr)
+    qa, ka, va, oa, doa = views
+    lse_a = ctx.input("lse", lse)
+    I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
+                                                                      block_indices)
+    row_ptr, q_indices, _ = build_csr(I, cu_q, cu_k, block_size, validate=False)
+    q_batch, q_pos = query_positions(cu_q, cu_k, tq, tk)
+    row_offsets = block_row_offsets(cu_k, block_size)
+    row_batch = np.repeat(np.arange(cu_k.size - 1), np.diff(row_offsets))
+    d_q_batch, d_q_pos, d_row_offsets, d_row_batch, d_cu_q, d_cu_k = (
+        _device_copy(np.ascontiguousarray(x, dtype=np.int32))
+        for x in (q_batch, q_pos, row_offsets, row_batch, cu_q, cu_k))
+    delta = ctx.empty((tq, hq), np.float32)
+    dq_a, dk_a, dv_a, delta_a = (ctx.arg(x) for x in (dq, dk, dv, delta))
+    k_delta, k_dq, k_dkdv = _bwd_kernels(block_size, d, spec.g, spec.bf16, _BWD_THREADS)
+    k_delta[-(-(tq * hq) // _BWD_THREADS), _BWD_THREADS](oa, doa, delta_a)
+    k_dq[tq * hkv, _BWD_THREADS](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_q_batch,
+                                 d_q_pos, d_cu_k, np.float32(scale), dq_a)
+    rows = int(row_offsets[-1])
+    if rows:
+        _mma.launch(k_dkdv, hkv * rows, _BWD_THREADS, smem, qa, ka, va, doa, lse_a, delta_a,
+                    _kernel_array(row_ptr), _kernel_array(q_indices), d_row_batch,
+                    d_row_offsets, d_cu_q, d_cu_k, d_q_pos, np.float32(scale), dk_a, dv_a)
+    return ctx.output(dq), ctx.output(dk), ctx.output(dv)

@@ -415,6 +415,101 @@ def test_sparse_v3_property(s):
     run_sparse(p, I, "float16", 3)
 
 
+# --- the backward of eq 8 ----------------------------------------------------------------------
+
+def run_backward(p, I, kind, factor=2.0, **kw):
+    """The kernel's (dq, dk, dv) against the reference's (float64 oracle, float32 baseline) on
+    the values the kernel gets: q, k, v, o, dO in ``kind``, the forward's float32 lse."""
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    (q, q32), (k, k32), (v, v32) = cast(p.q, kind), cast(p.k, kind), cast(p.v, kind)
+    o_f, lse = ref.sparse_attention(q32, k32, v32, I, cu_q, cu_k, bk)
+    (o, o32), (do, do32) = cast(o_f, kind), cast(
+        np.random.default_rng(3).standard_normal(o_f.shape), kind)
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention_backward, q32, k32, v32, o32,
+                                           lse, do32, I, cu_q, cu_k, bk)
+    got = gpu.sparse_attention_backward(q, k, v, o, lse, do, I, cu_q, cu_k, bk, **kw)
+    factor = factor if SIMULATOR else max(factor, 4.0)  # expf on the GPU: 2 ulp
+    for name, x, want, base in zip(("dq", "dk", "dv"), got, oracle, baseline):
+        x = to_numpy(x)
+        assert x.dtype == np.float32, name
+        assert_close_to_oracle(x, want, base, name=name, factor=factor)
+    return tuple(to_numpy(x) for x in got)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel", [c[1:] for c in SPARSE_CASES],
+                         ids=[c[0] for c in SPARSE_CASES])
+def test_backward_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
+    p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk) + 1, **sel)
+    run_backward(p, I, "float32")
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_backward_half_precision_inputs(kind, bf16_as_uint16):
+    p, I = problem([13, 9], [21, 30], 8, 2, 16, 8, 3, seed=4, fill=False, future=True)
+    run_backward(p, I, kind)
+
+
+@settings(max_examples=6)
+@given(s=shapes)
+def test_backward_property(s):
+    p, I = _draw_problem(s)
+    run_backward(p, I, "float32")
+
+
+def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
+    """Deterministic (no atomics); a query group that sees nothing (lse = -inf) gets dq = 0 and
+    gives its keys nothing."""
+    p, _ = problem([20], [20], 4, 2, 16, 4, 2, seed=6)
+    I = np.full((20, 2, 2), -1, dtype=np.int32)
+    I[:, 1, 0] = 4  # group 1 sees block 4 (positions 16..19) from query 16 on; group 0 nothing
+    a = run_backward(p, I, "float32")
+    b = run_backward(p, I, "float32")
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+    dq, dk, dv = a
+    assert (dq[:, :2] == 0).all() and (dq[:16, 2:] == 0).all() and (dq[16:, 2:] != 0).any()
+    assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all() and (dv[:16, 1] == 0).all()
+
+
+@pytest.mark.parametrize("bad", ["o_shape", "do_dtype", "lse_dtype", "lse_shape", "I_shape",
+                                 "smem"])
+def test_backward_bad_input_names_the_argument(bad):
+    p, I = problem([9], [9], 2, 1, 16, 8, 2, seed=1)
+    q, k, v = (x.astype(np.float32) for x in (p.q, p.k, p.v))
+    o, lse = ref.sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    args = dict(o=o, lse=lse.astype(np.float32), do=o.copy(), I=I, bk=8)
+    name, change = {"o_shape": ("o", o[:, :1]), "do_dtype": ("do", o.astype(np.float64)),
+                    "lse_dtype": ("lse", lse.astype(np.float64)), "lse_shape": ("lse", lse[:-1]),
+                    "I_shape": ("I", I[:, :, :0]), "smem": ("bk", 4096)}[bad]
+    args[name] = change
+    match = {"I": "block_indices", "bk": "block_size"}.get(name, name)
+    with pytest.raises((TypeError, ValueError), match=match):
+        gpu.sparse_attention_backward(q, k, v, args["o"], args["lse"], args["do"], args["I"],
+                                      p.cu_seqlens_q, p.cu_seqlens_k, args["bk"])
+
+
+@pytest.mark.big
+def test_big_backward_paper_configuration():
+    """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 4K sequence, bf16 (torch), sink + random; and a
+    rerun bitwise equal."""
+    torch = pytest.importorskip("torch")
+    q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=5)
+    q32, k32, v32 = (bf16_bits_to_f32(f32_to_bf16_bits(x)) for x in (q, k, v))
+    o_f, lse = ref.sparse_attention(q32, k32, v32, I, cu_q, cu_k, 128)
+    o32 = bf16_bits_to_f32(f32_to_bf16_bits(o_f))
+    do32 = bf16_bits_to_f32(f32_to_bf16_bits(np.random.default_rng(3).standard_normal(o_f.shape)))
+    oracle, baseline = oracle_and_baseline(ref.sparse_attention_backward, q32, k32, v32, o32,
+                                           lse, do32, I, cu_q, cu_k, 128)
+    args = (*(_torch_bf16(x) for x in (q32, k32, v32, o32)), torch.from_numpy(lse).cuda(),
+            _torch_bf16(do32), torch.from_numpy(I).cuda(), cu_q, cu_k, 128)
+    got = gpu.sparse_attention_backward(*args, validate=False)
+    for name, x, want, base in zip(("dq", "dk", "dv"), got, oracle, baseline):
+        assert_close_to_oracle(x.cpu().numpy(), want, base, name=name, factor=4.0)
+    again = gpu.sparse_attention_backward(*args, validate=False)
+    for x, y in zip(got, again):
+        assert torch.equal(x, y)
+
+
 # --- the MSA prefill: index + top-k + sparse attention --------------------------------------------
 
 def test_msa_prefill_matches_reference_pipeline():
@@ -828,7 +923,8 @@ def test_big_reruns_bitwise_identical(version):
 @pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
                                     "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
                                     "k1-v3-bf16-partials-groups3",
-                                    "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out"])
+                                    "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out", "bwd-dq-bf16",
+                                    "bwd-dkdv-bf16"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
     literal would drag expressions to f64) and no local memory (register arrays spilled)."""
@@ -861,6 +957,18 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     elif kernel == "k1-v3-fp16-D64-plain":
         fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
         sig = (words, words, words, *index, types.float32[::1], parts[1])
+    elif kernel == "bwd-dq-bf16":
+        fn = gpu._bwd_kernels(128, 128, 16, True, 128)[1]
+        e16 = types.int16[:, :, ::1]
+        sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1],
+               types.int32[:, :, ::1], i32[::1], i32[::1], i32[::1], types.float32,
+               types.float32[:, :, ::1])
+    elif kernel == "bwd-dkdv-bf16":
+        fn = gpu._bwd_kernels(128, 128, 16, True, 128)[2]
+        e16 = types.int16[:, :, ::1]
+        sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1], i32[:, ::1],
+               i32[:, ::1], i32[::1], i32[::1], i32[::1], i32[::1], i32[::1], types.float32,
+               types.float32[:, :, ::1], types.float32[:, :, ::1])
     elif kernel == "k1-v1-bf16":
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
