@@ -104,9 +104,12 @@ def _float_dtype(x):
 
 # -- main branch ---------------------------------------------------------------------------------
 
+BACKWARDS = ("torch", "cuda")  # sparse_attention's ``backward=`` choices
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale):
+    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="torch"):
         if q.is_cuda:
             from ..cuda.attention import sparse_attention as gpu_sparse_attention
 
@@ -123,20 +126,31 @@ class _SparseAttention(torch.autograd.Function):
             o = torch.from_numpy(o_np).to(q.dtype)
             lse = torch.from_numpy(lse_np).to(_float_dtype(q))
         ctx.save_for_backward(q, k, v, block_indices, o, lse)
-        ctx.meta = (cu_q, cu_k, block_size, scale)
+        ctx.meta = (cu_q, cu_k, block_size, scale, backward)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, block_indices, o, lse = ctx.saved_tensors
-        cu_q, cu_k, block_size, scale = ctx.meta
-        dq, dk, dv = sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_q, cu_k,
-                                               block_size, scale)
-        return dq, dk, dv, None, None, None, None, None
+        cu_q, cu_k, block_size, scale, how = ctx.meta
+        if how == "cuda" and q.is_cuda:
+            from ..cuda.attention import sparse_attention_backward as gpu_backward
+
+            with _on_device(q):
+                grads = gpu_backward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                     o.contiguous(), lse.contiguous(),
+                                     do.to(q.dtype).contiguous(), _kernel_indices(block_indices),
+                                     cu_q, cu_k, block_size, scale, validate=False)
+            dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        else:
+            dq, dk, dv = sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_q,
+                                                   cu_k, block_size, scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
+def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
+                     *, backward="torch"):
     """Paper eq 8 with autograd: ``(o [Tq, Hq, D], lse [Tq, Hq])``, differentiable in q, k, v.
 
     Args:
@@ -147,6 +161,10 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
             ascending, -1 at the tail), same device.
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets (any device; read on the host).
         block_size: Bk. scale: softmax scale, default ``1/sqrt(D)``.
+        backward: ``"torch"`` (default): ``sparse_attention_backward`` below, PyTorch on any
+            device; ``"cuda"``: on CUDA tensors ``msa.cuda.attention.sparse_attention_backward``
+            (Numba kernels, no gathered K/V copies; checked against the reference in the
+            simulator, opt-in until its GPU test run), the PyTorch path elsewhere.
 
     Returns:
         ``o`` in q's dtype (float32 for bf16 on the CPU path is cast back to bf16) and ``lse``
@@ -162,7 +180,10 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
                                   cu_to_host(cu_seqlens_k),
                                   int(q.shape[0]), int(k.shape[0]))
     scale = 1.0 / math.sqrt(int(q.shape[2])) if scale is None else float(scale)
-    return _SparseAttention.apply(q, k, v, block_indices, cu_q, cu_k, int(block_size), scale)
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    return _SparseAttention.apply(q, k, v, block_indices, cu_q, cu_k, int(block_size), scale,
+                                  backward)
 
 
 def _support(block_indices, batch, pos, cu_k, lk, block_size, t0, t1):

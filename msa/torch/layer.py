@@ -48,17 +48,21 @@ class MSAAttention(nn.Module):
         scale, index_scale: softmax scales, default ``1/sqrt(D)`` and ``1/sqrt(Didx)``.
         warmup: the indexer warmup (§3.2): dense main branch, KL on the full causal support.
             An attribute: flip ``layer.warmup`` when the warmup ends.
+        main_backward: the main branch's backward, ``"torch"`` or ``"cuda"`` (the
+            ``backward`` argument of ``msa.torch.sparse_attention``); an attribute.
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
             ``msa.reference.init_params``).
 
     On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
     CUDA-core versions). The main branch's backward is PyTorch code
-    (``functional.sparse_attention_backward``); the index branch's is the KL kernel.
+    (``functional.sparse_attention_backward``), or with ``main_backward="cuda"`` the
+    ``msa.cuda.attention.sparse_attention_backward`` kernels; the index branch's is the KL kernel.
     """
 
     def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  index_dim: int, *, block_size: int = 128, topk: int = 16, scale=None,
-                 index_scale=None, warmup: bool = False, device=None, dtype=None):
+                 index_scale=None, warmup: bool = False, main_backward: str = "torch",
+                 device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("head_dim", head_dim),
                             ("index_dim", index_dim)):
@@ -69,6 +73,9 @@ class MSAAttention(nn.Module):
         self.block_size = check_positive_int("block_size", block_size)
         self.topk = check_positive_int("topk", topk)
         self.scale, self.index_scale, self.warmup = scale, index_scale, bool(warmup)
+        if main_backward not in F.BACKWARDS:
+            raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {main_backward!r}")
+        self.main_backward = main_backward
         kw = dict(device=device, dtype=dtype)
 
         def weight(fan_in, fan_out):
@@ -98,7 +105,7 @@ class MSAAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, "
                 f"D={self.head_dim}, Didx={self.index_dim}, block_size={self.block_size}, "
-                f"topk={self.topk}, warmup={self.warmup}")
+                f"topk={self.topk}, warmup={self.warmup}, main_backward={self.main_backward}")
 
     def select(self, q_idx, k_idx, cu_seqlens):
         """Lines 3-4: ``I [T, Hkv, K]`` int32 from the index branch (no gradient)."""
@@ -147,7 +154,8 @@ class MSAAttention(nn.Module):
         if self.warmup:
             o, lse = F.dense_attention(q, k, v, cu, cu, self.scale)
         else:
-            o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, self.scale)
+            o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, self.scale,
+                                        backward=self.main_backward)
         # line 6
         output = o.reshape(t, hq * d) @ self.w_o
         # line 7: the KL on the selected support (the full causal support in the warmup)

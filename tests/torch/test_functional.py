@@ -203,10 +203,11 @@ def test_bad_input_names_the_argument(case):
 # --- the CUDA path (real GPU) -------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["torch", "cuda"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_forward_and_backward_match_the_cpu_path(dtype):
-    """bf16/fp32 CUDA tensors (the msa.cuda kernels forward, the PyTorch backward on the GPU)
-    against the float64 CPU path on the same rounded values."""
+def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
+    """bf16/fp32 CUDA tensors (the msa.cuda kernels forward; the PyTorch backward on the GPU, or
+    msa.cuda's backward kernels) against the float64 CPU path on the same rounded values."""
     p = make_problem((700, 300), num_q_heads=8, num_kv_heads=2, head_dim=64, index_dim=64,
                      block_size=64, topk=4, seed=7)
     I = select(p)
@@ -215,7 +216,8 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype):
     gpu = [x.detach().to(dt).cuda().requires_grad_() for x in cpu]
     do = torch.randn(p.q.shape, dtype=torch.float64)
     o_c, lse_c = sparse_attention(*cpu, T(I), p.cu_seqlens_q, p.cu_seqlens_k, 64)
-    o_g, lse_g = sparse_attention(*gpu, T(I).cuda(), p.cu_seqlens_q, p.cu_seqlens_k, 64)
+    o_g, lse_g = sparse_attention(*gpu, T(I).cuda(), p.cu_seqlens_q, p.cu_seqlens_k, 64,
+                                  backward=backward)
     tol = 2e-2 if dtype == "bfloat16" else 1e-4
     np.testing.assert_allclose(o_g.double().cpu().detach().numpy(), o_c.detach().numpy(),
                                atol=tol, rtol=tol)
@@ -226,6 +228,28 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype):
         scale = float(b.abs().max())
         np.testing.assert_allclose(a.double().cpu().numpy(), b.numpy(), atol=tol * 4 * scale,
                                    rtol=0)
+
+
+def test_sparse_attention_backward_choice():
+    """``backward="cuda"`` needs CUDA tensors: on the CPU it takes the PyTorch path (the same
+    gradient bit for bit); an unknown choice is refused by name, by the layer too."""
+    p = make_problem((30,), num_q_heads=4, num_kv_heads=2, head_dim=8, index_dim=8,
+                     block_size=8, topk=2, seed=2)
+    I = T(select(p))
+    grads = []
+    for how in ("torch", "cuda"):
+        qkv = [T(x).requires_grad_() for x in (p.q, p.k, p.v)]
+        o, _ = sparse_attention(*qkv, I, p.cu_seqlens_q, p.cu_seqlens_k, 8, backward=how)
+        grads.append(torch.autograd.grad(o.sum(), qkv))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="backward"):
+        sparse_attention(T(p.q), T(p.k), T(p.v), I, p.cu_seqlens_q, p.cu_seqlens_k, 8,
+                         backward="triton")
+    from msa.torch import MSAAttention
+
+    with pytest.raises(ValueError, match="main_backward"):
+        MSAAttention(16, 4, 2, 8, 8, main_backward="numpy")
 
 
 def test_kl_loss_without_grad_mode_computes_the_loss_only():
