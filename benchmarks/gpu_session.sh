@@ -40,7 +40,7 @@ if [[ $what == tests || $what == all ]]; then
   grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | grep -v " \[gw" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  for b in select csr attention kl; do
+  for b in select csr attention attention_backward kl; do
     [[ -f benchmarks/bench_$b.py ]] || continue
     echo "=== bench_$b"
     timeout 300 python3 -m benchmarks.bench_$b --out "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1
