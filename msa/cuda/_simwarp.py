@@ -233,12 +233,25 @@ _block_manager_run._msa_simwarp = True
 
 
 def _manager_run_fits(kernel) -> bool:
-    """Whether this simulator's block threads are made as ``_block_manager_run`` makes them
-    (otherwise its own ``BlockManager.run`` is kept: slower, not wrong)."""
+    """Whether this simulator is the one ``_block_manager_run`` copies: block threads made with
+    the same arguments, a manager with the fields it reads, and a ``run`` that is still the
+    poll-syncthreads-and-exceptions loop (otherwise its own ``BlockManager.run`` is kept:
+    slower, not wrong)."""
     import inspect
 
-    params = list(inspect.signature(kernel.BlockThread.__init__).parameters)
-    return params == ["self", "f", "manager", "blockIdx", "threadIdx", "debug"]
+    try:
+        thread_params = list(inspect.signature(kernel.BlockThread.__init__).parameters)
+        manager_params = list(inspect.signature(kernel.BlockManager.__init__).parameters)
+        run_source = inspect.getsource(kernel.BlockManager.run)
+        init_source = inspect.getsource(kernel.BlockManager.__init__)
+    except (TypeError, OSError, ValueError):
+        return False
+    return (thread_params == ["self", "f", "manager", "blockIdx", "threadIdx", "debug"]
+            and manager_params == ["self", "f", "grid_dim", "block_dim", "debug"]
+            and all(f"self.{name} =" in init_source for name in ("_f", "_block_dim", "_debug"))
+            and all(token in run_source for token in (
+                "syncthreads_blocked", "syncthreads_event.set()", "t.exception", "is_alive()",
+                "abort = True")))
 
 
 # -- the rendezvous -----------------------------------------------------------------------------

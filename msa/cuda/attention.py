@@ -1506,8 +1506,10 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
         q_hi = cu_q[b + 1]
         for i in range(tid, 2 * Bk * D, NT):
             smem[i] = float32(0.0)
+        # No barrier is needed at the top of a round: the previous round read s_t before its
+        # third barrier, and its accumulation (the last reader of the row tiles) ends before
+        # every thread passes this round's first barrier, after which the tiles are rewritten.
         for c0 in range(e0, e1, QC):
-            cuda.syncthreads()  # the previous round is done with s_t and the row tiles
             for x in range(tid, QC, NT):
                 t = -1
                 if c0 + x < e1:

@@ -286,7 +286,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
                 s = (q_c[:, r].reshape(c * g, d) @ k_r.T).reshape(c, g, -1)  # [C, G, N]
                 l_r = lse_c[:, r, :, None]  # [C, G, 1]
                 live = visible & np.isfinite(l_r)  # an empty support has lse = -inf
-                p = np.where(live, np.exp(s - np.where(np.isfinite(l_r), l_r, 0)), 0)  # [C, G, N]
+                # masked before the exp: a key outside the support may score far above the LSE
+                p = np.exp(np.where(live, s - l_r, -np.inf))  # [C, G, N], 0 off the support
                 dp = (do_c[:, r].reshape(c * g, d) @ v_r.T).reshape(c, g, -1)  # [C, G, N]
                 ds = p * (dp - delta_c[:, r, :, None])  # [C, G, N]
                 dq[t0:t1, r * g:(r + 1) * g] = scale * (ds @ k_r)  # [C, G, D]

@@ -107,6 +107,15 @@ def _float_dtype(x):
 BACKWARDS = ("torch", "cuda")  # sparse_attention's ``backward=`` choices
 
 
+def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, block_size, scale):
+    """``(dq, dk, dv)`` in q's, k's, v's dtypes from ``msa.cuda``'s backward (``kernel``):
+    contiguous inputs, ``dO`` in q's dtype, float32 gradients cast back."""
+    grads = kernel(q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
+                   lse.contiguous(), do.to(q.dtype).contiguous(), _kernel_indices(block_indices),
+                   cu_q, cu_k, block_size, scale, validate=False)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="torch"):
@@ -138,11 +147,8 @@ class _SparseAttention(torch.autograd.Function):
             from ..cuda.attention import sparse_attention_backward as gpu_backward
 
             with _on_device(q):
-                grads = gpu_backward(q.contiguous(), k.contiguous(), v.contiguous(),
-                                     o.contiguous(), lse.contiguous(),
-                                     do.to(q.dtype).contiguous(), _kernel_indices(block_indices),
-                                     cu_q, cu_k, block_size, scale, validate=False)
-            dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+                dq, dk, dv = _kernel_backward(gpu_backward, q, k, v, o, lse, do, block_indices,
+                                              cu_q, cu_k, block_size, scale)
         else:
             dq, dk, dv = sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_q,
                                                    cu_k, block_size, scale)

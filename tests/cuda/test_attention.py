@@ -471,6 +471,31 @@ def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
     assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all() and (dv[:16, 1] == 0).all()
 
 
+@pytest.mark.parametrize("how", ["past-the-end", "below-minus-one", "duplicates", "holes"])
+def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
+    """With ``validate=False`` a malformed selection gives an unspecified but finite result and
+    no out-of-bounds access (the simulator raises IndexError on one)."""
+    p, I = problem([12, 7], [20, 9], 4, 2, 16, 4, 3, seed=8)
+    I = I.copy()
+    if how == "past-the-end":
+        I[::2, :, -1] = 40
+    elif how == "below-minus-one":
+        I[1::3, 0, 0] = -7
+    elif how == "duplicates":
+        I[:, 1, 1] = I[:, 1, 0]
+    else:
+        I[::2, :, 0] = -1
+    q, k, v = (x.astype(np.float32) for x in (p.q, p.k, p.v))
+    o = np.random.default_rng(0).standard_normal(q.shape).astype(np.float32)
+    lse = np.full(q.shape[:2], 1.0, np.float32)
+    grads = gpu.sparse_attention_backward(q, k, v, o, lse, o.copy(), I, p.cu_seqlens_q,
+                                          p.cu_seqlens_k, 4, validate=False)
+    assert all(np.isfinite(to_numpy(g)).all() for g in grads)
+    with pytest.raises(ValueError, match="block_indices"):
+        gpu.sparse_attention_backward(q, k, v, o, lse, o.copy(), I, p.cu_seqlens_q,
+                                      p.cu_seqlens_k, 4)
+
+
 @pytest.mark.parametrize("bad", ["o_shape", "do_dtype", "lse_dtype", "lse_shape", "I_shape",
                                  "smem"])
 def test_backward_bad_input_names_the_argument(bad):
@@ -924,6 +949,7 @@ def test_big_reruns_bitwise_identical(version):
                                     "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
                                     "k1-v3-bf16-partials-groups3",
                                     "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out", "bwd-dq-bf16",
+                                    "bwd-dq-bf16-uint16-int64", "bwd-delta-bf16",
                                     "bwd-dkdv-bf16"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
@@ -963,6 +989,15 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1],
                types.int32[:, :, ::1], i32[::1], i32[::1], i32[::1], types.float32,
                types.float32[:, :, ::1])
+    elif kernel == "bwd-dq-bf16-uint16-int64":  # the launcher's own views, torch's int64 I
+        fn = gpu._bwd_kernels(128, 128, 16, True, 128)[1]
+        u16 = types.uint16[:, :, ::1]
+        sig = (u16, u16, u16, u16, types.float32[:, ::1], types.float32[:, ::1],
+               types.int64[:, :, ::1], i32[::1], i32[::1], i32[::1], types.float32,
+               types.float32[:, :, ::1])
+    elif kernel == "bwd-delta-bf16":
+        fn = gpu._bwd_kernels(128, 128, 16, True, 128)[0]
+        sig = (types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32[:, ::1])
     elif kernel == "bwd-dkdv-bf16":
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[2]
         e16 = types.int16[:, :, ::1]

@@ -565,29 +565,32 @@ def _sleep(seconds):
     time.sleep(seconds)
 
 
+
 def _late_failure():
-    raise RuntimeError("the second thread's later failure")
+    raise RuntimeError("the later failure")
 
 
 @cuda.jit
-def _two_failures(out):
-    if cuda.threadIdx.x == 0:
+def _two_failures(out, early):
+    if cuda.threadIdx.x == early:
         _sleep(0.05)  # simulator-only kernel: the manager's first poll passes while both sleep
         out[1] = 1  # out of bounds: an IndexError in the simulator
     else:
-        _sleep(0.6)
+        _sleep(3.0)
         _late_failure()
 
 
 @pytest.mark.simulator
-def test_first_failure_is_reported_even_if_its_thread_ends_between_two_polls(monkeypatch):
+@pytest.mark.parametrize("early", [0, 1])
+def test_first_failure_is_reported_at_once_even_if_its_thread_ends_between_two_polls(
+        monkeypatch, early):
     """The simulator polls ``thread.exception`` and then drops the threads no longer alive; a
     thread that failed and ended between the two was only found by the final check, after every
     other thread had ended, and that check reports whichever failed thread comes first in a set
-    (seen in CI: a deadlock error replaced by a late lane's failure on poison). ``is_alive`` is
-    slowed here so that thread 0 fails and ends in that window every time; the block loop that
-    ``install()`` puts in place checks an ended thread for an exception before dropping it, so
-    the launch reports thread 0's error at once."""
+    (seen in CI: a deadlock error replaced by a late lane's failure on poison, 10 s later).
+    ``is_alive`` is slowed here so that the early thread fails and ends in that window every
+    time; the block loop that ``install()`` puts in place checks an ended thread for an exception
+    before dropping it, so the launch reports the early thread's error at once, not 3 s later."""
     import time
 
     from numba.cuda.simulator import kernel
@@ -599,5 +602,7 @@ def test_first_failure_is_reported_even_if_its_thread_ends_between_two_polls(mon
         return real(self)
 
     monkeypatch.setattr(kernel.BlockThread, "is_alive", slow_is_alive)
-    with pytest.raises(IndexError):
-        _two_failures[1, 2](np.zeros(1, np.int32))
+    start = time.monotonic()
+    with pytest.raises(IndexError, match=rf"tid=\[{early}, 0, 0\]"):
+        _two_failures[1, 2](np.zeros(1, np.int32), early)
+    assert time.monotonic() - start < 1.5

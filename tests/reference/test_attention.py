@@ -437,6 +437,22 @@ def test_sparse_backward_of_an_empty_support_is_zero():
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
 
 
+def test_sparse_backward_ignores_huge_scores_off_the_support():
+    """A future key (in the chunk's block union, not in the query's support) that scores far
+    above the LSE must not overflow: the support is masked before the exp (float32)."""
+    p = make_problem((16,), num_q_heads=2, num_kv_heads=1, block_size=4, topk=2, dtype=np.float32)
+    p.k[12:] *= 1e3  # block 3: only queries 12..15 see it
+    p.q[:] = np.abs(p.q)
+    p.k[12:] = np.abs(p.k[12:])
+    I = np.array([[[t // 4, 3 if t // 4 != 3 else 0]] for t in range(16)], dtype=np.int32)
+    I.sort(axis=-1)
+    o, lse, do = backward_problem(p, I)
+    with np.errstate(**NO_FP_WARNINGS):
+        grads = sparse_attention_backward(p.q, p.k, p.v, o, lse, do.astype(np.float32), I,
+                                          p.cu_seqlens_q, p.cu_seqlens_k, 4)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("bad", ["o_shape", "do_shape", "lse_shape", "do_int"])
 def test_bad_inputs_sparse_backward(bad):
     p = make_problem((9,), block_size=4, topk=2)

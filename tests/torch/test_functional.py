@@ -252,6 +252,39 @@ def test_sparse_attention_backward_choice():
         MSAAttention(16, 4, 2, 8, 8, main_backward="numpy")
 
 
+@pytest.mark.simulator
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_backward_wiring_in_the_simulator(dtype):
+    """The ``backward="cuda"`` branch (``_kernel_backward``) drives msa.cuda's backward kernels
+    (here in the simulator, on NumPy copies of the CPU tensors) to the PyTorch backward's
+    gradients, in the inputs' dtypes."""
+    from msa.cuda.attention import sparse_attention_backward as kernel
+    from msa.torch.functional import _kernel_backward
+
+    def on_numpy(*args, **kw):
+        host = [x.numpy() if isinstance(x, torch.Tensor) else x for x in args]
+        return tuple(torch.from_numpy(np.asarray(g)) for g in kernel(*host, **kw))
+
+    p = make_problem((40, 23), num_q_heads=4, num_kv_heads=2, head_dim=16, index_dim=8,
+                     block_size=8, topk=3, seed=4)
+    I = T(select(p))
+    dt = getattr(torch, dtype)
+    q, k, v = (T(x).to(dt) for x in (p.q, p.k, p.v))
+    o, lse = sparse_attention(q.float(), k.float(), v.float(), I, p.cu_seqlens_q,
+                              p.cu_seqlens_k, 8)
+    do = torch.randn(q.shape, dtype=torch.float64).to(dt)
+    got = _kernel_backward(on_numpy, q, k, v, o.to(dt), lse.float(), do, I.long(),
+                           p.cu_seqlens_q, p.cu_seqlens_k, 8, 0.25)
+    want = sparse_attention_backward(q.float(), k.float(), v.float(), o.to(dt).float(), lse,
+                                     do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, 8, 0.25)
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    for name, a, b in zip("qkv", got, want):
+        assert a.dtype == dt, name
+        scale = float(b.abs().max())
+        np.testing.assert_allclose(a.float().numpy(), b.numpy(), rtol=0, atol=tol * scale,
+                                   err_msg=f"d{name}")
+
+
 def test_kl_loss_without_grad_mode_computes_the_loss_only():
     p = make_problem((20,), num_q_heads=2, num_kv_heads=1, head_dim=4, index_dim=4,
                      block_size=8, topk=2, seed=4)
