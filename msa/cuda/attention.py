@@ -1369,9 +1369,11 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
 #   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a thread per (t, h)
 #   dQ: a CTA per (query, KV head), Q-outer       _attention_bwd_kernel_dq
 #       per selected block: dS [G, Bk] in shared memory, then dQ[g, :] += dS[g, :] K_block
-#   dK, dV: a CTA per (KV head, k2q CSR row), KV-outer   _attention_bwd_kernel_dkdv
-#       the row's queries in CSR order (ascending), QC at a time: P, dS [QC*G, Bk], then
-#       dK[c, :] += dS[:, c]ᵀ (sQ), dV[c, :] += P[:, c]ᵀ dO, accumulated in shared memory.
+#   dK, dV: a CTA per part of a k2q CSR row (at most part_size queries), KV-outer
+#       _attention_bwd_kernel_dkdv: the part's queries in CSR order (ascending), QC at a time:
+#       P, dS [QC*G, Bk], then dK[c, :] += dS[:, c]ᵀ (sQ), dV[c, :] += P[:, c]ᵀ dO in shared
+#       memory. A row of one part writes dK/dV; a hot row's parts write scratch slots that
+#       _attention_bwd_kernel_dkdv_sum adds in part order (no atomics, bitwise reruns).
 # Every key belongs to one block, so every dK/dV row is written by one CTA; every dQ row by one.
 
 # threads per CTA (the simulator runs each thread as a Python thread: fewer there, same kernels)
@@ -1486,20 +1488,35 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
 
     @cuda.jit
     def _attention_bwd_kernel_dkdv(q, k, v, do, lse, delta, row_ptr, q_indices, row_batch,
-                                   row_offsets, cu_q, cu_k, q_pos, scale, dk, dv):
+                                   row_offsets, cu_q, cu_k, q_pos, scale, part_ptr, split_ptr,
+                                   part_size, dk, dv, dk_part, dv_part):
         smem = cuda.shared.array(0, float32)
         s_t = cuda.shared.array(QC, int32)
         tid = cuda.threadIdx.x
         rows = row_ptr.shape[1] - 1
-        r = cuda.blockIdx.x // rows
-        row = cuda.blockIdx.x % rows
+        per_head = cuda.gridDim.x // row_ptr.shape[0]
+        r = cuda.blockIdx.x // per_head
+        pid = cuda.blockIdx.x % per_head  # this head's part number
+        if pid >= part_ptr[r, rows]:
+            return  # past the head's parts
+        lo = 0  # the row holding part pid: the last row with part_ptr[r, row] <= pid
+        hi = rows
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if part_ptr[r, mid] <= pid:
+                lo = mid
+            else:
+                hi = mid
+        row = lo
+        part = pid - part_ptr[r, row]
+        nparts = part_ptr[r, row + 1] - part_ptr[r, row]
         b = row_batch[row]
         j = row - row_offsets[b]
         lk = cu_k[b + 1] - cu_k[b]
         key_base = cu_k[b] + j * Bk
         nk = min(Bk, lk - j * Bk)
-        e0 = row_ptr[r, row]
-        e1 = row_ptr[r, row + 1]
+        e0 = row_ptr[r, row] + part * part_size
+        e1 = min(row_ptr[r, row + 1], e0 + part_size)
         if e1 <= e0 or nk <= 0 or e0 < 0 or e1 > q_indices.shape[1]:
             return  # dK, dV of this block stay 0 (no query sees it)
         q_lo = cu_q[b]
@@ -1568,17 +1585,62 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
                     av += smem[OFF_P + w * Bk + c] * smem[OFF_DO + w * D + d]
                 smem[i] = ak
                 smem[OFF_AV + i] = av
-        for i in range(tid, nk * D, NT):  # the owners of these words wrote them last
-            c = i // D
-            d = i % D
-            dk[key_base + c, r, d] = smem[i]
-            dv[key_base + c, r, d] = smem[OFF_AV + i]
+        if nparts == 1:
+            for i in range(tid, nk * D, NT):  # the owners of these words wrote them last
+                c = i // D
+                d = i % D
+                dk[key_base + c, r, d] = smem[i]
+                dv[key_base + c, r, d] = smem[OFF_AV + i]
+        else:  # a hot row: this part's sums go to its scratch slot, summed in part order below
+            slot = split_ptr[0, r * rows + row] + part
+            for i in range(tid, nk * D, NT):
+                dk_part[slot, i] = smem[i]
+                dv_part[slot, i] = smem[OFF_AV + i]
 
-    return _attention_bwd_kernel_delta, _attention_bwd_kernel_dq, _attention_bwd_kernel_dkdv
+    @cuda.jit
+    def _attention_bwd_kernel_dkdv_sum(row_ptr, part_ptr, split_ptr, row_batch, row_offsets, cu_k,
+                                       dk_part, dv_part, dk, dv):
+        """dK, dV of a row cut into several parts: their sums added in part order."""
+        rows = row_ptr.shape[1] - 1
+        r = cuda.blockIdx.x // rows
+        row = cuda.blockIdx.x % rows
+        nparts = part_ptr[r, row + 1] - part_ptr[r, row]
+        if nparts <= 1:
+            return
+        b = row_batch[row]
+        j = row - row_offsets[b]
+        key_base = cu_k[b] + j * Bk
+        nk = min(Bk, cu_k[b + 1] - cu_k[b] - j * Bk)
+        slot0 = split_ptr[0, r * rows + row]
+        for i in range(cuda.threadIdx.x, nk * D, NT):
+            ak = float32(0.0)
+            av = float32(0.0)
+            for part in range(nparts):
+                ak += dk_part[slot0 + part, i]
+                av += dv_part[slot0 + part, i]
+            dk[key_base + i // D, r, i % D] = ak
+            dv[key_base + i // D, r, i % D] = av
+
+    @cuda.jit
+    def _attention_bwd_kernel_parts(row_ptr, part_size, parts, split):
+        """parts[r, row] = ceil(count / part_size); split[0, r*rows + row] = parts if > 1."""
+        i = cuda.grid(1)
+        rows = row_ptr.shape[1] - 1
+        if i >= row_ptr.shape[0] * rows:
+            return
+        r = i // rows
+        row = i % rows
+        count = max(0, row_ptr[r, row + 1] - row_ptr[r, row])
+        n = (count + part_size - 1) // part_size
+        parts[r, row] = n
+        split[0, i] = n if n > 1 else 0
+
+    return (_attention_bwd_kernel_delta, _attention_bwd_kernel_dq, _attention_bwd_kernel_dkdv,
+            _attention_bwd_kernel_dkdv_sum, _attention_bwd_kernel_parts)
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              block_size, scale=None, *, validate=True):
+                              block_size, scale=None, *, part_size=None, validate=True):
     """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
 
     Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
@@ -1586,13 +1648,17 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     selected blocks) and ``dK, dV`` KV-outer (a CTA per KV head and k2q CSR row from
     ``msa.cuda.csr.build_csr``, walking the row's queries in ascending order), with ``P`` rebuilt
     from the forward's LSE. Version 1: CUDA cores, float32 accumulation, no atomics, bitwise
-    identical on reruns. A hot row (a sink block every query picks) is one long CTA.
+    identical on reruns. A hot row (a sink block every query picks) is cut into parts of at most
+    ``part_size`` queries, one CTA each, whose dK/dV sums are added in part order afterwards.
 
     Args:
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
         o: the forward's output [Tq, Hq, D] (q's dtype); lse: its float32 [Tq, Hq];
             do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
         block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
+        part_size: most CSR entries (queries) one dK/dV CTA takes (default ``2*K*Bk``, the
+            forward's hot-row cut); a row with more is split, and its parts' sums are added in
+            a fixed order (so a different ``part_size`` may change the last bits).
         validate: check ``block_indices`` on a host copy first; ``False`` skips it (invalid
             entries are then skipped by the kernels: memory safe, result unspecified).
 
@@ -1606,7 +1672,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         (the paper's Bk = D = 128, G = 16 fit; so does D = 256 with Bk = 64, G <= 8).
     """
     from ..reference.blocks import block_row_offsets, query_positions
-    from .csr import MAX_TOPK, build_csr
+    from .csr import INT32_MAX, MAX_TOPK, build_csr, exclusive_prefix_sum
 
     spec = _Spec(q, k, v)
     tq, hq, d, tk, hkv = spec.tq, spec.hq, spec.d, spec.tk, spec.hkv
@@ -1625,6 +1691,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
                          f"shape {tuple(block_indices.shape)}")
+    part_size = check_positive_int("part_size", 2 * topk * block_size if part_size is None
+                                   else part_size, high=INT32_MAX)
     smem = _bwd_dkdv_smem(block_size, d, spec.g)
     for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
                                 ("dQ", _bwd_dq_smem(block_size, d, spec.g),
@@ -1663,13 +1731,35 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         for x in (q_batch, q_pos, row_offsets, row_batch, cu_q, cu_k))
     delta = ctx.empty((tq, hq), np.float32)
     dq_a, dk_a, dv_a, delta_a = (ctx.arg(x) for x in (dq, dk, dv, delta))
-    k_delta, k_dq, k_dkdv = _bwd_kernels(block_size, d, spec.g, spec.bf16, _BWD_THREADS)
-    k_delta[-(-(tq * hq) // _BWD_THREADS), _BWD_THREADS](oa, doa, delta_a)
-    k_dq[tq * hkv, _BWD_THREADS](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_q_batch,
-                                 d_q_pos, d_cu_k, np.float32(scale), dq_a)
+    k_delta, k_dq, k_dkdv, k_sum, k_parts = _bwd_kernels(block_size, d, spec.g, spec.bf16,
+                                                         _BWD_THREADS)
+    nt = _BWD_THREADS
+    k_delta[-(-(tq * hq) // nt), nt](oa, doa, delta_a)
+    k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_q_batch, d_q_pos,
+                       d_cu_k, np.float32(scale), dq_a)
     rows = int(row_offsets[-1])
-    if rows:
-        _mma.launch(k_dkdv, hkv * rows, _BWD_THREADS, smem, qa, ka, va, doa, lse_a, delta_a,
-                    _kernel_array(row_ptr), _kernel_array(q_indices), d_row_batch,
-                    d_row_offsets, d_cu_q, d_cu_k, d_q_pos, np.float32(scale), dk_a, dv_a)
+    if rows == 0:
+        return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+    # Hot rows are cut into parts of <= part_size entries: parts per row, their offsets per head
+    # (part_ptr) and the scratch slots of the rows with more than one part (split_ptr).
+    d_row_ptr = _kernel_array(row_ptr)
+    parts = ctx.empty((hkv, rows), np.int32)
+    split = ctx.empty((1, hkv * rows), np.int32)
+    k_parts[-(-(hkv * rows) // nt), nt](d_row_ptr, part_size, ctx.arg(parts), ctx.arg(split))
+    part_ptr = exclusive_prefix_sum(parts, validate=False)
+    split_ptr = exclusive_prefix_sum(split, validate=False)
+    per_head = int(np.asarray(cu_to_host(part_ptr))[:, -1].max())  # one device sync
+    num_split = int(np.asarray(cu_to_host(split_ptr))[0, -1])
+    if per_head == 0:
+        return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+    dk_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
+    dv_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
+    d_part_ptr, d_split_ptr = _kernel_array(part_ptr), _kernel_array(split_ptr)
+    _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
+                _kernel_array(q_indices), d_row_batch, d_row_offsets, d_cu_q, d_cu_k, d_q_pos,
+                np.float32(scale), d_part_ptr, d_split_ptr, part_size, dk_a, dv_a,
+                ctx.arg(dk_part), ctx.arg(dv_part))
+    if num_split:
+        k_sum[hkv * rows, nt](d_row_ptr, d_part_ptr, d_split_ptr, d_row_batch, d_row_offsets,
+                              d_cu_k, ctx.arg(dk_part), ctx.arg(dv_part), dk_a, dv_a)
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)

@@ -471,6 +471,19 @@ def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
     assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all() and (dv[:16, 1] == 0).all()
 
 
+@pytest.mark.parametrize("part_size", [1, 3, 7])
+@pytest.mark.parametrize("case", ["skewed-sink", "many-seqs-empty-Lq<Lk", "G=16"])
+def test_backward_hot_rows_cut_into_parts(case, part_size):
+    """Rows longer than ``part_size`` queries are cut into parts (one CTA each) whose dK/dV sums
+    are added in part order: still the reference's gradient, and bitwise the same on a rerun."""
+    lq, lk, hq, hkv, d, bk, topk, sel = next(c[1:] for c in SPARSE_CASES if c[0] == case)
+    p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk) + 2, **sel)
+    a = run_backward(p, I, "float32", part_size=part_size)
+    b = run_backward(p, I, "float32", part_size=part_size)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
 @pytest.mark.parametrize("how", ["past-the-end", "below-minus-one", "duplicates", "holes"])
 def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
     """With ``validate=False`` a malformed selection gives an unspecified but finite result and
@@ -497,12 +510,17 @@ def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
 
 
 @pytest.mark.parametrize("bad", ["o_shape", "do_dtype", "lse_dtype", "lse_shape", "I_shape",
-                                 "smem"])
+                                 "smem", "part_size"])
 def test_backward_bad_input_names_the_argument(bad):
     p, I = problem([9], [9], 2, 1, 16, 8, 2, seed=1)
     q, k, v = (x.astype(np.float32) for x in (p.q, p.k, p.v))
     o, lse = ref.sparse_attention(q, k, v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)
     args = dict(o=o, lse=lse.astype(np.float32), do=o.copy(), I=I, bk=8)
+    if bad == "part_size":
+        with pytest.raises(ValueError, match="part_size"):
+            gpu.sparse_attention_backward(q, k, v, o, lse.astype(np.float32), o.copy(), I,
+                                          p.cu_seqlens_q, p.cu_seqlens_k, 8, part_size=0)
+        return
     name, change = {"o_shape": ("o", o[:, :1]), "do_dtype": ("do", o.astype(np.float64)),
                     "lse_dtype": ("lse", lse.astype(np.float64)), "lse_shape": ("lse", lse[:-1]),
                     "I_shape": ("I", I[:, :, :0]), "smem": ("bk", 4096)}[bad]
@@ -950,7 +968,7 @@ def test_big_reruns_bitwise_identical(version):
                                     "k1-v3-bf16-partials-groups3",
                                     "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out", "bwd-dq-bf16",
                                     "bwd-dq-bf16-uint16-int64", "bwd-delta-bf16",
-                                    "bwd-dkdv-bf16"])
+                                    "bwd-dkdv-bf16", "bwd-dkdv-sum"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     """The production kernels compile for sm_90 with no float64 instruction (a bare float
     literal would drag expressions to f64) and no local memory (register arrays spilled)."""
@@ -1003,7 +1021,13 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         e16 = types.int16[:, :, ::1]
         sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1], i32[:, ::1],
                i32[:, ::1], i32[::1], i32[::1], i32[::1], i32[::1], i32[::1], types.float32,
-               types.float32[:, :, ::1], types.float32[:, :, ::1])
+               i32[:, ::1], i32[:, ::1], types.int64, types.float32[:, :, ::1],
+               types.float32[:, :, ::1], types.float32[:, ::1], types.float32[:, ::1])
+    elif kernel == "bwd-dkdv-sum":
+        fn = gpu._bwd_kernels(128, 128, 16, True, 128)[3]
+        sig = (i32[:, ::1], i32[:, ::1], i32[:, ::1], i32[::1], i32[::1], i32[::1],
+               types.float32[:, ::1], types.float32[:, ::1], types.float32[:, :, ::1],
+               types.float32[:, :, ::1])
     elif kernel == "k1-v1-bf16":
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
