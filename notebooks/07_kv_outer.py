@@ -298,6 +298,35 @@ else:
     kernel_checks.append("msa_prefill")
 
 # %% [markdown]
+# ## The backward: the same reverse index, KV-outer again
+#
+# Training needs eq 8's gradient. Given $dO$ and the forward's LSE, $P$ is rebuilt block by block
+# without a second softmax pass, and with $D_t = \sum_d dO_{t,d} O_{t,d}$:
+# $dS = P \circ (dO\,V^\top - D)$, $dQ = s\,dS\,K$, $dK = s\,dS^\top Q$, $dV = P^\top dO$.
+# $dK$ and $dV$ of a block sum over every query that picked it: exactly a k2q CSR row, so
+# `msa.cuda.attention.sparse_attention_backward` walks each row KV-outer (one CTA per part of a
+# row: a hot row is cut into parts like the scheduler's chunks, whose sums a second kernel adds in
+# a fixed order, so no atomics), while $dQ$ walks each query's own $K$ blocks (Q-outer).
+# Against `msa.reference.attention.sparse_attention_backward`, on the problem above:
+
+# %%
+backward_cuda, why = nbtools.cuda_function("attention", "sparse_attention_backward")
+if backward_cuda is None:
+    print(why)
+else:
+    o32, lse32 = R.sparse_attention(q32, k32, v32, I, *pargs, p.block_size)  # float32 forward
+    dO32 = rng.standard_normal(o32.shape).astype(np.float32)
+    oracle, baseline = oracle_and_baseline(R.sparse_attention_backward, q32, k32, v32, o32, lse32,
+                                           dO32, I, *pargs, p.block_size)
+    for part_size in (None, 2):  # the default cut, and every row of more than 2 queries split
+        got = backward_cuda(q32, k32, v32, o32, lse32, dO32, I, *pargs, p.block_size, part_size=part_size)
+        for name, g, o_, b_ in zip(("dq", "dk", "dv"), got, oracle, baseline):
+            rep = assert_close_to_oracle(g, o_, b_, name=name)
+            print(f"backward (part_size={part_size}) {name}: error {rep.error:.2e}, "
+                  f"float32 reference {rep.baseline_error:.2e}")
+    kernel_checks.append("sparse_attention_backward")
+
+# %% [markdown]
 # ## Agreement check
 
 # %%
@@ -322,7 +351,8 @@ nbtools.check("K1 partials + K2 combine == eq 8 (Q-outer sparse_attention)",
 nbtools.check("the combine does not depend on the slot order",
               np.abs(o_perm - o_2phase).max() <= 64 * eps * scale_o)
 nbtools.check("the combine weights w_s sum to 1", abs(w.sum() - 1) < 1e-12)
-for stage in ("csr", "schedule", "attention_partials", "combine_partials", "sparse_attention", "msa_prefill"):
+for stage in ("csr", "schedule", "attention_partials", "combine_partials", "sparse_attention", "msa_prefill",
+              "sparse_attention_backward"):
     if stage in kernel_checks:
         nbtools.check(f"msa.cuda {stage} == reference", True)
     else:

@@ -450,10 +450,10 @@ def test_backward_half_precision_inputs(kind, bf16_as_uint16):
 
 
 @settings(max_examples=6)
-@given(s=shapes)
-def test_backward_property(s):
+@given(s=shapes, part_size=st.sampled_from([None, 1, 4]))
+def test_backward_property(s, part_size):
     p, I = _draw_problem(s)
-    run_backward(p, I, "float32")
+    run_backward(p, I, "float32", part_size=part_size)
 
 
 def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
