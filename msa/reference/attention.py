@@ -135,6 +135,49 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
     return o, lse
 
 
+
+def _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq, tk, hkv, g, block_size):
+    """Eq 8's supports, a chunk of queries and a KV head at a time (``sparse_attention`` and its
+    backward walk the same ones).
+
+    A chunk of neighbouring queries gathers the union of its selected blocks once; each query
+    masks that union down to its own support (neighbours share their local and sink blocks, so
+    the union is small). The chunk keeps the ``[C, G, union*Bk]`` score tile under
+    ``_TILE_ELEMENTS`` (the union has at most ``min(NB, C*K)`` blocks).
+
+    Yields:
+        ``(t0, t1, r, visible [C, N] bool, keys [N] int)``: queries ``t0 .. t1-1`` (C of them)
+        of one sequence, KV head ``r``, and the union's ``N = U*Bk`` packed key ids (clamped
+        into the sequence; ``visible`` is False on the clamped padding and wherever the key is
+        not in the query's support).
+    """
+    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, tk)
+    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
+    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+    topk = I.shape[2]
+    offsets = np.arange(block_size)  # [Bk]
+    for b in range(lq.size):
+        nb = -(-int(lk[b]) // block_size)  # blocks of this sequence
+        per_block = g * block_size
+        chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
+                    math.isqrt(_TILE_ELEMENTS // (per_block * max(topk, 1))))
+        for i0 in range(0, int(lq[b]), chunk):
+            i1 = min(i0 + chunk, int(lq[b]))
+            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
+            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
+            for r in range(hkv):
+                I_r = I[t0:t1, r]  # [C, K]
+                chosen = np.zeros((c, nb), dtype=bool)  # [C, NB]: block j is in I[t, r, :]
+                rows, cols = np.nonzero(I_r >= 0)
+                chosen[rows, I_r[rows, cols]] = True
+                union = np.flatnonzero(chosen.any(axis=0))  # [U]
+                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
+                # Support = chosen block and causally visible; key_pos <= pos < Lk also drops
+                # the padding past the end of a partial last block.
+                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
+                keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [N], clamped
+                yield t0, t1, r, visible.reshape(c, -1), keys
+
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
     r"""Paper eq 8: softmax attention on the causally visible keys of the selected blocks.
 
@@ -171,46 +214,17 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     """
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
-    hkv = k.shape[1]
     block_size = check_positive_int("block_size", block_size)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
-    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
-    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
-    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
-    topk = I.shape[2]
     o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
     lse = np.full((tq, hq), -np.inf, dtype=q.dtype)  # [Tq, Hq]
-    offsets = np.arange(block_size)  # [Bk]
-    for b in range(lq.size):
-        nb = -(-int(lk[b]) // block_size)  # blocks of this sequence
-        # The union of a chunk's blocks has at most min(NB, C*K) blocks; either bound keeps the
-        # [C, G, union*Bk] tile under _TILE_ELEMENTS.
-        per_block = g * block_size
-        chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
-                    math.isqrt(_TILE_ELEMENTS // (per_block * topk)))
-        for i0 in range(0, int(lq[b]), chunk):
-            i1 = min(i0 + chunk, int(lq[b]))
-            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
-            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
-            q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d)  # [C, Hkv, G, D]
-            for r in range(hkv):
-                I_r = I[t0:t1, r]  # [C, K]
-                chosen = np.zeros((c, nb), dtype=bool)  # [C, NB]: block j is in I[t, r, :]
-                rows, cols = np.nonzero(I_r >= 0)
-                chosen[rows, I_r[rows, cols]] = True
-                union = np.flatnonzero(chosen.any(axis=0))  # [U]
-                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
-                # Support = chosen block and causally visible; key_pos <= pos < Lk also drops
-                # the padding past the end of a partial last block.
-                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
-                keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [U*Bk], clamped
-                s = q_c[:, r].reshape(c * g, d) @ k[keys, r].T  # [C*G, U*Bk]
-                s = s.reshape(c, g, keys.size)  # [C, G, U*Bk]
-                o_c, lse_c = _softmax_attend(s, visible.reshape(c, 1, -1), v[keys, r])
-                o[t0:t1, r * g:(r + 1) * g] = o_c  # [C, G, D]
-                lse[t0:t1, r * g:(r + 1) * g] = lse_c  # [C, G]
+    for t0, t1, r, visible, keys in _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq,
+                                              k.shape[0], k.shape[1], g, block_size):
+        c, heads = t1 - t0, slice(r * g, (r + 1) * g)
+        q_c = (q[t0:t1, heads] * scale).reshape(c * g, d)  # [C*G, D], scaled
+        s = (q_c @ k[keys, r].T).reshape(c, g, keys.size)  # [C, G, N]
+        o[t0:t1, heads], lse[t0:t1, heads] = _softmax_attend(s, visible[:, None, :], v[keys, r])
     return o, lse
-
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -243,57 +257,33 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     """
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
-    hkv = k.shape[1]
     check_array("o", o, ndim=3, dtypes=("float",), shape=(tq, hq, d))
     check_array("do", do, ndim=3, dtypes=("float",), shape=(tq, hq, d))
     check_array("lse", lse, ndim=2, dtypes=("float",), shape=(tq, hq))
     o, do, lse = (np.asarray(x, dtype=q.dtype) for x in (o, do, lse))
     block_size = check_positive_int("block_size", block_size)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
-    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
-    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
-    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
-    topk = I.shape[2]
     dq = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
     dk = np.zeros(k.shape, dtype=q.dtype)  # [Tk, Hkv, D]
     dv = np.zeros(k.shape, dtype=q.dtype)
     delta = np.einsum("thd,thd->th", do, o)  # [Tq, Hq]: D_t of every head
-    offsets = np.arange(block_size)  # [Bk]
-    for b in range(lq.size):
-        nb = -(-int(lk[b]) // block_size)
-        per_block = g * block_size
-        chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
-                    math.isqrt(_TILE_ELEMENTS // (per_block * max(topk, 1))))
-        for i0 in range(0, int(lq[b]), chunk):
-            i1 = min(i0 + chunk, int(lq[b]))
-            t0, t1, c = int(cu_q[b]) + i0, int(cu_q[b]) + i1, i1 - i0
-            pos = int(lk[b] - lq[b]) + np.arange(i0, i1)  # [C]
-            q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d)  # [C, Hkv, G, D]
-            do_c = do[t0:t1].reshape(c, hkv, g, d)
-            lse_c = lse[t0:t1].reshape(c, hkv, g)
-            delta_c = delta[t0:t1].reshape(c, hkv, g)
-            for r in range(hkv):
-                I_r = I[t0:t1, r]  # [C, K]
-                chosen = np.zeros((c, nb), dtype=bool)  # [C, NB]
-                rows, cols = np.nonzero(I_r >= 0)
-                chosen[rows, I_r[rows, cols]] = True
-                union = np.flatnonzero(chosen.any(axis=0))  # [U]
-                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
-                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
-                visible = visible.reshape(c, 1, -1)  # [C, 1, N], N = U*Bk
-                keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [N], clamped
-                k_r, v_r = k[keys, r], v[keys, r]  # [N, D]
-                s = (q_c[:, r].reshape(c * g, d) @ k_r.T).reshape(c, g, -1)  # [C, G, N]
-                l_r = lse_c[:, r, :, None]  # [C, G, 1]
-                live = visible & np.isfinite(l_r)  # an empty support has lse = -inf
-                # masked before the exp: a key outside the support may score far above the LSE
-                p = np.exp(np.where(live, s - l_r, -np.inf))  # [C, G, N], 0 off the support
-                dp = (do_c[:, r].reshape(c * g, d) @ v_r.T).reshape(c, g, -1)  # [C, G, N]
-                ds = p * (dp - delta_c[:, r, :, None])  # [C, G, N]
-                dq[t0:t1, r * g:(r + 1) * g] = scale * (ds @ k_r)  # [C, G, D]
-                # every (C, G) row adds into the keys of the union; clamped duplicates add 0
-                np.add.at(dk[:, r], keys, ds.reshape(c * g, -1).T @ q_c[:, r].reshape(c * g, d))
-                np.add.at(dv[:, r], keys, p.reshape(c * g, -1).T @ do_c[:, r].reshape(c * g, d))
+    for t0, t1, r, visible, keys in _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq,
+                                              k.shape[0], k.shape[1], g, block_size):
+        c, heads = t1 - t0, slice(r * g, (r + 1) * g)
+        q_c = (q[t0:t1, heads] * scale).reshape(c * g, d)  # [C*G, D], scaled
+        do_c = do[t0:t1, heads].reshape(c * g, d)  # [C*G, D]
+        k_r, v_r = k[keys, r], v[keys, r]  # [N, D]
+        s = (q_c @ k_r.T).reshape(c, g, -1)  # [C, G, N]
+        l_c = lse[t0:t1, heads, None]  # [C, G, 1]
+        live = visible[:, None, :] & np.isfinite(l_c)  # an empty support has lse = -inf
+        # masked before the exp: a key outside the support may score far above the LSE
+        p = np.exp(np.where(live, s - l_c, -np.inf))  # [C, G, N], 0 off the support
+        dp = (do_c @ v_r.T).reshape(c, g, -1)  # [C, G, N]
+        ds = p * (dp - delta[t0:t1, heads, None])  # [C, G, N]
+        dq[t0:t1, heads] = scale * (ds @ k_r)  # [C, G, D]
+        # every (C, G) row adds into the keys of the union; clamped duplicates add 0
+        np.add.at(dk[:, r], keys, ds.reshape(c * g, -1).T @ q_c)
+        np.add.at(dv[:, r], keys, p.reshape(c * g, -1).T @ do_c)
     return dq, dk, dv
 
 
