@@ -1645,11 +1645,12 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
 
     Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
     math): ``D = rowsum(dO * O)``, then ``dQ`` Q-outer (a CTA per query and KV head, walking its
-    selected blocks) and ``dK, dV`` KV-outer (a CTA per KV head and k2q CSR row from
-    ``msa.cuda.csr.build_csr``, walking the row's queries in ascending order), with ``P`` rebuilt
-    from the forward's LSE. Version 1: CUDA cores, float32 accumulation, no atomics, bitwise
-    identical on reruns. A hot row (a sink block every query picks) is cut into parts of at most
-    ``part_size`` queries, one CTA each, whose dK/dV sums are added in part order afterwards.
+    selected blocks) and ``dK, dV`` KV-outer (a CTA per part of a k2q CSR row from
+    ``msa.cuda.csr.build_csr``, walking the part's queries in ascending order), with ``P``
+    rebuilt from the forward's LSE. Version 1: CUDA cores, float32 accumulation, no atomics,
+    bitwise identical on reruns. A row has one part unless it holds more than ``part_size``
+    queries (a hot row: a sink block every query picks); a hot row's parts write scratch slots
+    that a second kernel adds in part order. One device sync (the parts' count).
 
     Args:
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
