@@ -112,14 +112,16 @@ def test_bad_construction():
 
 
 @pytest.mark.gpu
-def test_cuda_layer_trains_in_bf16():
-    """The layer on the GPU (fused index + top-k, K1/K2, KL kernels) in bf16: the selection
-    equals the CPU layer's on the same rounded weights up to near ties, the outputs agree to
-    bf16 accuracy, and a few steps lower the KL."""
+@pytest.mark.parametrize("main_backward", ["torch", "cuda"])
+def test_cuda_layer_trains_in_bf16(main_backward):
+    """The layer on the GPU (fused index + top-k, K1/K2, KL kernels; the main branch's backward
+    in PyTorch or msa.cuda) in bf16: the selection equals the CPU layer's on the same rounded
+    weights up to near ties, the outputs agree to bf16 accuracy, and a few steps lower the KL
+    with every weight getting a finite gradient."""
     torch.manual_seed(0)
     cu = torch.tensor([0, 600, 1000], dtype=torch.int32)
     layer = MSAAttention(256, 16, 4, 64, 64, block_size=64, topk=4, device="cuda",
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, main_backward=main_backward)
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x, cu)
     cpu = MSAAttention(256, 16, 4, 64, 64, block_size=64, topk=4, dtype=torch.float64)
@@ -136,3 +138,5 @@ def test_cuda_layer_trains_in_bf16():
         (out.output.float().square().mean() + out.loss_kl).backward()
         opt.step()
     assert float(out.loss_kl) < first
+    for name, w in layer.named_parameters():
+        assert w.grad is not None and bool(torch.isfinite(w.grad).all()), name
