@@ -85,6 +85,7 @@ from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_
 from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
+from .csr import MAX_TOPK, _last_le
 
 VERSIONS = (1, 2, 3)
 MAX_HEAD_DIM = 256
@@ -956,6 +957,14 @@ class _Spec:
         self.bf16 = self.kind == "bfloat16"
 
 
+def _element_view(ctx, name, x, bf16):
+    """A kernel view of ``x`` with one element per value: bf16 as its 16-bit patterns."""
+    arr = ctx.input(name, x)
+    if bf16 and str(arr.dtype) not in ("uint16", "int16"):
+        arr = arr.view(np.uint16)
+    return arr
+
+
 class _K1Plan:
     """Kernel version, tile shape and shared memory of K1 for one problem."""
 
@@ -1030,15 +1039,10 @@ class _K1Plan:
 
     def inputs(self, ctx, q, k, v):
         """Kernel views of q, k, v: uint32 word views for v2/v3, element views for v1."""
-        views = []
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            arr = ctx.input(name, x)
-            if self.version >= 2:
-                arr = arr.view(np.uint32)  # [T, H, D/2]: two 16-bit values per load
-            elif self.spec.bf16 and str(arr.dtype) not in ("uint16", "int16"):
-                arr = arr.view(np.uint16)
-            views.append(arr)
-        return views
+        if self.version >= 2:  # [T, H, D/2]: two 16-bit values per load
+            return [ctx.input(name, x).view(np.uint32) for name, x in (("q", q), ("k", k), ("v", v))]
+        return [_element_view(ctx, name, x, self.spec.bf16)
+                for name, x in (("q", q), ("k", k), ("v", v))]
 
     def launch(self, q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part,
                bf16_partials=False):
@@ -1186,6 +1190,21 @@ def query_chunks(cu_q, cu_k, chunk: int):
         yield t0, t1, k_lo, k_hi, cu_q_c.astype(np.int32), cu_k_c.astype(np.int32)
 
 
+def _selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale):
+    """The checks ``sparse_attention`` and its backward share: ``(block_size, scale, cu_q, cu_k,
+    topk)`` with ``block_indices`` an int ``[Tq, Hkv, K]``, ``1 <= K <= MAX_TOPK``."""
+    block_size = check_positive_int("block_size", block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, spec.tq, spec.tk)
+    check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
+                shape=(spec.tq, spec.hkv, None))
+    topk = int(block_indices.shape[2])
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
+                         f"shape {tuple(block_indices.shape)}")
+    return block_size, scale, cu_q, cu_k, topk
+
+
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
                      *, version=None, tile_rows=None, groups=None, chunk_size=None,
                      max_partial_bytes=None, partial_dtype=None, validate=True):
@@ -1228,19 +1247,12 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         TypeError/ValueError as ``attention_partials``, plus ``block_indices`` with a wrong shape
         or (with ``validate``) a bad entry.
     """
-    from .csr import MAX_TOPK, build_csr
+    from .csr import build_csr
     from .schedule import build_schedule, launch_rows
 
     spec = _Spec(q, k, v)
-    block_size = check_positive_int("block_size", block_size)
-    scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
-    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, spec.tq, spec.tk)
-    check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
-                shape=(spec.tq, spec.hkv, None))
-    topk = int(block_indices.shape[2])
-    if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
-                         f"shape {tuple(block_indices.shape)}")
+    block_size, scale, cu_q, cu_k, topk = _selection_args(spec, block_indices, cu_seqlens_q,
+                                                          cu_seqlens_k, block_size, scale)
     plan = _K1Plan(spec, block_size, version, tile_rows, groups)
     if chunk_size is None:
         chunk_size = 2 * topk * block_size
@@ -1385,10 +1397,20 @@ def _bwd_rows(group: int) -> int:
     return max(1, 16 // group) * group
 
 
-def _bwd_dkdv_smem(block_size: int, head_dim: int, group: int) -> int:
-    """Bytes of the dK/dV kernel's dynamic shared memory (float32 words, see its layout)."""
+def _bwd_dkdv_layout(block_size: int, head_dim: int, group: int):
+    """Float32 word offsets of the dK/dV kernel's dynamic shared memory, and its bytes:
+    acc_k, acc_v [Bk, D], then per round sQ, sdO [RW, D], sP, sdS [RW, Bk], sLSE, sDelta [RW].
+
+    Returns ``(off_av, off_q, off_do, off_p, off_ds, off_l, off_dl, total_bytes)``."""
     rw = _bwd_rows(group)
-    return 4 * (2 * block_size * head_dim + 2 * rw * head_dim + 2 * rw * block_size + 2 * rw)
+    off_av = block_size * head_dim
+    off_q = 2 * block_size * head_dim
+    off_do = off_q + rw * head_dim
+    off_p = off_do + rw * head_dim
+    off_ds = off_p + rw * block_size
+    off_l = off_ds + rw * block_size
+    off_dl = off_l + rw
+    return off_av, off_q, off_do, off_p, off_ds, off_l, off_dl, 4 * (off_dl + rw)
 
 
 def _bwd_dq_smem(block_size: int, head_dim: int, group: int) -> int:
@@ -1396,19 +1418,25 @@ def _bwd_dq_smem(block_size: int, head_dim: int, group: int) -> int:
     return 4 * (3 * group * head_dim + group * block_size + 2 * group)
 
 
+@cuda.jit(device=True)
+def _split_slot(part_ptr, hkv, r, row):
+    """First scratch slot of row ``row`` of head ``r`` (a row of several parts): the scratch
+    slots of the heads before ``r``, then of the rows before ``row`` (``part_ptr``'s rows
+    ``Hkv ..``: per-head offsets of the split rows' parts)."""
+    rows = part_ptr.shape[1] - 1
+    slot = part_ptr[hkv + r, row]
+    for h in range(r):
+        slot += part_ptr[hkv + h, rows]
+    return slot
+
+
 @functools.lru_cache(maxsize=None)
 def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, threads: int):
-    """The three backward kernels specialised for (Bk, D, G, input kind, threads)."""
+    """The backward kernels specialised for (Bk, D, G, input kind, threads)."""
     Bk, D, G, NT = block_size, head_dim, group, threads
-    QC = max(1, 16 // G)  # queries per round of the dK/dV kernel
-    RW = QC * G  # (query, head) rows per round
-    OFF_AV = Bk * D  # dynamic shared memory of dK/dV, float32 words: acc_k, acc_v [Bk, D],
-    OFF_Q = 2 * Bk * D  # sQ, sdO [RW, D], sP, sdS [RW, Bk], sLSE, sDelta [RW]
-    OFF_DO = OFF_Q + RW * D
-    OFF_P = OFF_DO + RW * D
-    OFF_DS = OFF_P + RW * Bk
-    OFF_L = OFF_DS + RW * Bk
-    OFF_DL = OFF_L + RW
+    RW = _bwd_rows(G)  # (query, head) rows per round of the dK/dV kernel ...
+    QC = RW // G  # ... of QC queries
+    OFF_AV, OFF_Q, OFF_DO, OFF_P, OFF_DS, OFF_L, OFF_DL, _ = _bwd_dkdv_layout(Bk, D, G)
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
     neg_inf = float32(-math.inf)
 
@@ -1426,7 +1454,7 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
         delta[t, h] = acc
 
     @cuda.jit
-    def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, q_batch, q_pos, cu_k, scale, dq):
+    def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, cu_q, cu_k, scale, dq):
         sq = cuda.shared.array((G, D), float32)  # s * q of the group's heads
         sdo = cuda.shared.array((G, D), float32)
         sacc = cuda.shared.array((G, D), float32)
@@ -1437,10 +1465,10 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
         hkv = k.shape[1]
         t = cuda.blockIdx.x // hkv
         r = cuda.blockIdx.x % hkv
-        b = q_batch[t]
-        pos = q_pos[t]
+        b = _last_le(cu_q, t)
         key_base = cu_k[b]
         lk = cu_k[b + 1] - key_base
+        pos = lk - (cu_q[b + 1] - cu_q[b]) + (t - cu_q[b])  # bottom-right causal alignment
         nblocks = (lk + Bk - 1) // Bk
         for i in range(tid, G * D, NT):
             g = i // D
@@ -1487,30 +1515,23 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             dq[t, r * G + g, d] = sacc[g, d] * scale
 
     @cuda.jit
-    def _attention_bwd_kernel_dkdv(q, k, v, do, lse, delta, row_ptr, q_indices, row_batch,
-                                   row_offsets, cu_q, cu_k, q_pos, scale, part_ptr, split_ptr,
-                                   part_size, dk, dv, dk_part, dv_part):
+    def _attention_bwd_kernel_dkdv(q, k, v, do, lse, delta, row_ptr, q_indices, row_offsets,
+                                   cu_q, cu_k, scale, part_ptr, part_size, dk, dv, dk_part,
+                                   dv_part):
         smem = cuda.shared.array(0, float32)
         s_t = cuda.shared.array(QC, int32)
         tid = cuda.threadIdx.x
+        hkv = row_ptr.shape[0]
         rows = row_ptr.shape[1] - 1
-        per_head = cuda.gridDim.x // row_ptr.shape[0]
+        per_head = cuda.gridDim.x // hkv
         r = cuda.blockIdx.x // per_head
         pid = cuda.blockIdx.x % per_head  # this head's part number
         if pid >= part_ptr[r, rows]:
             return  # past the head's parts
-        lo = 0  # the row holding part pid: the last row with part_ptr[r, row] <= pid
-        hi = rows
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if part_ptr[r, mid] <= pid:
-                lo = mid
-            else:
-                hi = mid
-        row = lo
+        row = _last_le(part_ptr[r], pid)  # the row holding part pid
         part = pid - part_ptr[r, row]
         nparts = part_ptr[r, row + 1] - part_ptr[r, row]
-        b = row_batch[row]
+        b = _last_le(row_offsets, row)
         j = row - row_offsets[b]
         lk = cu_k[b + 1] - cu_k[b]
         key_base = cu_k[b] + j * Bk
@@ -1521,6 +1542,7 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             return  # dK, dV of this block stay 0 (no query sees it)
         q_lo = cu_q[b]
         q_hi = cu_q[b + 1]
+        pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
         for i in range(tid, 2 * Bk * D, NT):
             smem[i] = float32(0.0)
         # No barrier is needed at the top of a round: the previous round read s_t before its
@@ -1564,7 +1586,7 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
                 p = float32(0.0)
                 ds = float32(0.0)
                 l = smem[OFF_L + w]
-                if t >= 0 and c < nk and j * Bk + c <= q_pos[t] and l > neg_inf:
+                if t >= 0 and c < nk and j * Bk + c <= pos0 + t and l > neg_inf:
                     sc = float32(0.0)
                     dp = float32(0.0)
                     for d in range(D):
@@ -1592,26 +1614,26 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
                 dk[key_base + c, r, d] = smem[i]
                 dv[key_base + c, r, d] = smem[OFF_AV + i]
         else:  # a hot row: this part's sums go to its scratch slot, summed in part order below
-            slot = split_ptr[0, r * rows + row] + part
+            slot = _split_slot(part_ptr, hkv, r, row) + part
             for i in range(tid, nk * D, NT):
                 dk_part[slot, i] = smem[i]
                 dv_part[slot, i] = smem[OFF_AV + i]
 
     @cuda.jit
-    def _attention_bwd_kernel_dkdv_sum(row_ptr, part_ptr, split_ptr, row_batch, row_offsets, cu_k,
-                                       dk_part, dv_part, dk, dv):
+    def _attention_bwd_kernel_dkdv_sum(part_ptr, row_offsets, cu_k, dk_part, dv_part, dk, dv):
         """dK, dV of a row cut into several parts: their sums added in part order."""
-        rows = row_ptr.shape[1] - 1
+        hkv = part_ptr.shape[0] // 2
+        rows = part_ptr.shape[1] - 1
         r = cuda.blockIdx.x // rows
         row = cuda.blockIdx.x % rows
         nparts = part_ptr[r, row + 1] - part_ptr[r, row]
         if nparts <= 1:
             return
-        b = row_batch[row]
+        b = _last_le(row_offsets, row)
         j = row - row_offsets[b]
         key_base = cu_k[b] + j * Bk
         nk = min(Bk, cu_k[b + 1] - cu_k[b] - j * Bk)
-        slot0 = split_ptr[0, r * rows + row]
+        slot0 = _split_slot(part_ptr, hkv, r, row)
         for i in range(cuda.threadIdx.x, nk * D, NT):
             ak = float32(0.0)
             av = float32(0.0)
@@ -1622,18 +1644,20 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             dv[key_base + i // D, r, i % D] = av
 
     @cuda.jit
-    def _attention_bwd_kernel_parts(row_ptr, part_size, parts, split):
-        """parts[r, row] = ceil(count / part_size); split[0, r*rows + row] = parts if > 1."""
+    def _attention_bwd_kernel_parts(row_ptr, part_size, parts):
+        """``parts [2 Hkv, rows]``: ``parts[r, row] = ceil(count / part_size)`` and
+        ``parts[Hkv + r, row]`` the same where it is > 1 (scratch slots), else 0."""
         i = cuda.grid(1)
+        hkv = row_ptr.shape[0]
         rows = row_ptr.shape[1] - 1
-        if i >= row_ptr.shape[0] * rows:
+        if i >= hkv * rows:
             return
         r = i // rows
         row = i % rows
         count = max(0, row_ptr[r, row + 1] - row_ptr[r, row])
         n = (count + part_size - 1) // part_size
         parts[r, row] = n
-        split[0, i] = n if n > 1 else 0
+        parts[hkv + r, row] = n if n > 1 else 0
 
     return (_attention_bwd_kernel_delta, _attention_bwd_kernel_dq, _attention_bwd_kernel_dkdv,
             _attention_bwd_kernel_dkdv_sum, _attention_bwd_kernel_parts)
@@ -1672,8 +1696,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         shape or dtype, and ``Bk``, ``D``, ``G`` too large for the kernels' shared memory
         (the paper's Bk = D = 128, G = 16 fit; so does D = 256 with Bk = 64, G <= 8).
     """
-    from ..reference.blocks import block_row_offsets, query_positions
-    from .csr import INT32_MAX, MAX_TOPK, build_csr, exclusive_prefix_sum
+    from ..reference.blocks import block_row_offsets
+    from .csr import INT32_MAX, build_csr, exclusive_prefix_sum
 
     spec = _Spec(q, k, v)
     tq, hq, d, tk, hkv = spec.tq, spec.hq, spec.d, spec.tk, spec.hkv
@@ -1684,17 +1708,11 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     check_array("lse", lse, ndim=2, shape=(tq, hq))
     if dtype_kind(lse) != "float32":
         raise TypeError(f"lse must be float32 (sparse_attention's), got {dtype_kind(lse)}")
-    block_size = check_positive_int("block_size", block_size)
-    scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
-    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
-    check_array("block_indices", block_indices, ndim=3, dtypes=("int",), shape=(tq, hkv, None))
-    topk = int(block_indices.shape[2])
-    if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
-                         f"shape {tuple(block_indices.shape)}")
+    block_size, scale, cu_q, cu_k, topk = _selection_args(spec, block_indices, cu_seqlens_q,
+                                                          cu_seqlens_k, block_size, scale)
     part_size = check_positive_int("part_size", 2 * topk * block_size if part_size is None
                                    else part_size, high=INT32_MAX)
-    smem = _bwd_dkdv_smem(block_size, d, spec.g)
+    smem = _bwd_dkdv_layout(block_size, d, spec.g)[-1]
     for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
                                 ("dQ", _bwd_dq_smem(block_size, d, spec.g),
                                  _mma.STATIC_SMEM_LIMIT)):
@@ -1713,54 +1731,44 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     dv = ctx.empty((tk, hkv, d), np.float32, fill=0)
     if tq == 0 or tk == 0:
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-    views = []
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
-        arr = ctx.input(name, x)
-        if spec.bf16 and str(arr.dtype) not in ("uint16", "int16"):
-            arr = arr.view(np.uint16)
-        views.append(arr)
-    qa, ka, va, oa, doa = views
+    qa, ka, va, oa, doa = (_element_view(ctx, name, x, spec.bf16)
+                           for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)))
     lse_a = ctx.input("lse", lse)
     I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
                                                                       block_indices)
     row_ptr, q_indices, _ = build_csr(I, cu_q, cu_k, block_size, validate=False)
-    q_batch, q_pos = query_positions(cu_q, cu_k, tq, tk)
     row_offsets = block_row_offsets(cu_k, block_size)
-    row_batch = np.repeat(np.arange(cu_k.size - 1), np.diff(row_offsets))
-    d_q_batch, d_q_pos, d_row_offsets, d_row_batch, d_cu_q, d_cu_k = (
-        _device_copy(np.ascontiguousarray(x, dtype=np.int32))
-        for x in (q_batch, q_pos, row_offsets, row_batch, cu_q, cu_k))
+    d_row_offsets, d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32))
+                                     for x in (row_offsets, cu_q, cu_k))
     delta = ctx.empty((tq, hq), np.float32)
     dq_a, dk_a, dv_a, delta_a = (ctx.arg(x) for x in (dq, dk, dv, delta))
     k_delta, k_dq, k_dkdv, k_sum, k_parts = _bwd_kernels(block_size, d, spec.g, spec.bf16,
                                                          _BWD_THREADS)
     nt = _BWD_THREADS
     k_delta[-(-(tq * hq) // nt), nt](oa, doa, delta_a)
-    k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_q_batch, d_q_pos,
-                       d_cu_k, np.float32(scale), dq_a)
+    k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_cu_q, d_cu_k,
+                       np.float32(scale), dq_a)
     rows = int(row_offsets[-1])
     if rows == 0:
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-    # Hot rows are cut into parts of <= part_size entries: parts per row, their offsets per head
-    # (part_ptr) and the scratch slots of the rows with more than one part (split_ptr).
+    # Hot rows are cut into parts of <= part_size entries. One scan gives both the parts'
+    # offsets per head (rows 0 .. Hkv-1 of part_ptr) and the scratch slots of the rows with
+    # more than one part (rows Hkv ..), one host read their totals.
     d_row_ptr = _kernel_array(row_ptr)
-    parts = ctx.empty((hkv, rows), np.int32)
-    split = ctx.empty((1, hkv * rows), np.int32)
-    k_parts[-(-(hkv * rows) // nt), nt](d_row_ptr, part_size, ctx.arg(parts), ctx.arg(split))
+    parts = ctx.empty((2 * hkv, rows), np.int32)
+    k_parts[-(-(hkv * rows) // nt), nt](d_row_ptr, part_size, ctx.arg(parts))
     part_ptr = exclusive_prefix_sum(parts, validate=False)
-    split_ptr = exclusive_prefix_sum(split, validate=False)
-    per_head = int(np.asarray(cu_to_host(part_ptr))[:, -1].max())  # one device sync
-    num_split = int(np.asarray(cu_to_host(split_ptr))[0, -1])
+    totals = np.asarray(cu_to_host(part_ptr))[:, -1]  # the one device sync
+    per_head, num_split = int(totals[:hkv].max()), int(totals[hkv:].sum())
     if per_head == 0:
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
     dk_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
     dv_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
-    d_part_ptr, d_split_ptr = _kernel_array(part_ptr), _kernel_array(split_ptr)
+    d_part_ptr = _kernel_array(part_ptr)
     _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
-                _kernel_array(q_indices), d_row_batch, d_row_offsets, d_cu_q, d_cu_k, d_q_pos,
-                np.float32(scale), d_part_ptr, d_split_ptr, part_size, dk_a, dv_a,
-                ctx.arg(dk_part), ctx.arg(dv_part))
+                _kernel_array(q_indices), d_row_offsets, d_cu_q, d_cu_k, np.float32(scale),
+                d_part_ptr, part_size, dk_a, dv_a, ctx.arg(dk_part), ctx.arg(dv_part))
     if num_split:
-        k_sum[hkv * rows, nt](d_row_ptr, d_part_ptr, d_split_ptr, d_row_batch, d_row_offsets,
-                              d_cu_k, ctx.arg(dk_part), ctx.arg(dv_part), dk_a, dv_a)
+        k_sum[hkv * rows, nt](d_part_ptr, d_row_offsets, d_cu_k, ctx.arg(dk_part),
+                              ctx.arg(dv_part), dk_a, dv_a)
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)

@@ -1005,14 +1005,12 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[1]
         e16 = types.int16[:, :, ::1]
         sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1],
-               types.int32[:, :, ::1], i32[::1], i32[::1], i32[::1], types.float32,
-               types.float32[:, :, ::1])
+               types.int32[:, :, ::1], i32[::1], i32[::1], types.float32, types.float32[:, :, ::1])
     elif kernel == "bwd-dq-bf16-uint16-int64":  # the launcher's own views, torch's int64 I
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[1]
         u16 = types.uint16[:, :, ::1]
         sig = (u16, u16, u16, u16, types.float32[:, ::1], types.float32[:, ::1],
-               types.int64[:, :, ::1], i32[::1], i32[::1], i32[::1], types.float32,
-               types.float32[:, :, ::1])
+               types.int64[:, :, ::1], i32[::1], i32[::1], types.float32, types.float32[:, :, ::1])
     elif kernel == "bwd-delta-bf16":
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[0]
         sig = (types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32[:, ::1])
@@ -1020,14 +1018,13 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[2]
         e16 = types.int16[:, :, ::1]
         sig = (e16, e16, e16, e16, types.float32[:, ::1], types.float32[:, ::1], i32[:, ::1],
-               i32[:, ::1], i32[::1], i32[::1], i32[::1], i32[::1], i32[::1], types.float32,
-               i32[:, ::1], i32[:, ::1], types.int64, types.float32[:, :, ::1],
-               types.float32[:, :, ::1], types.float32[:, ::1], types.float32[:, ::1])
+               i32[:, ::1], i32[::1], i32[::1], i32[::1], types.float32, i32[:, ::1], types.int64,
+               types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, ::1],
+               types.float32[:, ::1])
     elif kernel == "bwd-dkdv-sum":
         fn = gpu._bwd_kernels(128, 128, 16, True, 128)[3]
-        sig = (i32[:, ::1], i32[:, ::1], i32[:, ::1], i32[::1], i32[::1], i32[::1],
-               types.float32[:, ::1], types.float32[:, ::1], types.float32[:, :, ::1],
-               types.float32[:, :, ::1])
+        sig = (i32[:, ::1], i32[::1], i32[::1], types.float32[:, ::1], types.float32[:, ::1],
+               types.float32[:, :, ::1], types.float32[:, :, ::1])
     elif kernel == "k1-v1-bf16":
         fn = gpu._k1_kernel_simple(128, 128, 16, 4, 128, True)
         elems = types.int16[:, :, ::1]
