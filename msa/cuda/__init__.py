@@ -8,7 +8,8 @@ from . import _simwarp
 
 _simwarp.install()  # warp operations for Numba's simulator; a no-op on a real GPU
 
-from .attention import attention_partials, msa_prefill, sparse_attention
+from .attention import (attention_partials, msa_prefill, sparse_attention,
+                        sparse_attention_backward)
 from .combine import combine_partials
 from .csr import build_csr, csr_histogram, csr_scatter, exclusive_prefix_sum
 from .index import block_scores
@@ -18,5 +19,6 @@ from .select import select_blocks, select_blocks_fused
 
 __all__ = ["block_scores", "select_blocks", "select_blocks_fused",
            "csr_histogram", "exclusive_prefix_sum", "csr_scatter", "build_csr", "build_schedule",
-           "attention_partials", "combine_partials", "sparse_attention", "msa_prefill",
+           "attention_partials", "combine_partials", "sparse_attention",
+           "sparse_attention_backward", "msa_prefill",
            "kl_loss", "kl_backward", "kl_loss_and_backward"]
