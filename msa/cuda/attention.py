@@ -1504,10 +1504,10 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             for i in range(tid, G * D, NT):  # each (g, d) has one owner thread throughout
                 g = i // D
                 d = i % D
-                acc = sacc[g, d]
+                acc = float32(0.0)  # the block's sum, then added to the total: two levels
                 for c in range(nk):
                     acc += sds[g, c] * to_f32(k[key_base + key0 + c, r, d])
-                sacc[g, d] = acc
+                sacc[g, d] += acc
             cuda.syncthreads()  # sdS is rewritten by the next block
         for i in range(tid, G * D, NT):
             g = i // D
@@ -1600,13 +1600,17 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             for i in range(tid, Bk * D, NT):  # each (c, d) has one owner thread throughout
                 c = i // D
                 d = i % D
-                ak = smem[i]
-                av = smem[OFF_AV + i]
+                # The round's RW terms are summed on their own, then added to the part's total:
+                # a hot row's part adds up to part_size * G terms, and one float32 chain that
+                # long loses ~sqrt(RW) times more than these two levels (GPU test at 4K: the
+                # chain's dK error was 10.8x the float32 reference's).
+                ak = float32(0.0)
+                av = float32(0.0)
                 for w in range(RW):
                     ak += smem[OFF_DS + w * Bk + c] * smem[OFF_Q + w * D + d]
                     av += smem[OFF_P + w * Bk + c] * smem[OFF_DO + w * D + d]
-                smem[i] = ak
-                smem[OFF_AV + i] = av
+                smem[i] += ak
+                smem[OFF_AV + i] += av
         if nparts == 1:
             for i in range(tid, nk * D, NT):  # the owners of these words wrote them last
                 c = i // D
