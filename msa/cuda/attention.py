@@ -1615,8 +1615,8 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             for i in range(tid, nk * D, NT):  # the owners of these words wrote them last
                 c = i // D
                 d = i % D
-                dk[key_base + c, r, d] = smem[i]
-                dv[key_base + c, r, d] = smem[OFF_AV + i]
+                dk[key_base + c, r, d] += smem[i]
+                dv[key_base + c, r, d] += smem[OFF_AV + i]
         else:  # a hot row: this part's sums go to its scratch slot, summed in part order below
             slot = _split_slot(part_ptr, hkv, r, row) + part
             for i in range(tid, nk * D, NT):
@@ -1644,8 +1644,8 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             for part in range(nparts):
                 ak += dk_part[slot0 + part, i]
                 av += dv_part[slot0 + part, i]
-            dk[key_base + i // D, r, i % D] = ak
-            dv[key_base + i // D, r, i % D] = av
+            dk[key_base + i // D, r, i % D] += ak  # dk, dv start at 0; query chunks add up
+            dv[key_base + i // D, r, i % D] += av
 
     @cuda.jit
     def _attention_bwd_kernel_parts(row_ptr, part_size, parts):
@@ -1667,27 +1667,456 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
             _attention_bwd_kernel_dkdv_sum, _attention_bwd_kernel_parts)
 
 
+# --- the backward on tensor cores (version 2) ------------------------------------------------
+
+# Tile rows of the tensor-core backward (query positions x G heads): 64 on a GPU (S^T and dP^T
+# of a warp's 16 keys x 64 rows are 32 fp32 registers each, beside 128 of dK and dV); the
+# simulator runs every thread in Python, so its tiles are as small as the mma allows.
+_BWD_TC_ROWS = 16 if SIMULATOR else 64
+BWD_VERSIONS = (1, 2)
+
+
+def _bwd_tc_layout(block_size: int, head_dim: int, rows: int):
+    """Row strides (32-bit words) and word offsets of the tensor-core backward's dynamic shared
+    memory: sK, sV [Bk rows], sQ, sdO [R rows] of ``D/2 + 4`` words (as K1 v3: 16-byte aligned
+    rows, conflict-free ``ldmatrix``), then dSᵀ [Bk rows] of ``R/2 + 4`` words (16-bit pairs).
+
+    Returns ``(ld, ld_ds, off_v, off_q, off_do, off_ds, total_bytes)``."""
+    ld = head_dim // 2 + 4
+    ld_ds = rows // 2 + 4
+    off_v = block_size * ld
+    off_q = 2 * block_size * ld
+    off_do = off_q + rows * ld
+    off_ds = off_do + rows * ld
+    return ld, ld_ds, off_v, off_q, off_do, off_ds, 4 * (off_ds + block_size * ld_ds)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool,
+                   use_async: bool):
+    """The tensor-core dK/dV/dQ kernel (backward version 2) for (Bk, D, G, R, input kind,
+    ``cp.async`` or plain loads).
+
+    One CTA of ``Bk/16`` warps per part of a k2q CSR row (as version 1's dK/dV kernel); warp
+    ``w`` owns keys ``16w .. 16w+15`` of the block and keeps their dK and dV (16 x D fp32) in
+    registers across the part's query tiles. A tile is ``R = P*G`` rows (``P`` CSR entries x
+    the G heads of the KV head); per tile, all with ``mma.sync.m16n8k16`` (fp32 accumulate):
+
+    * ``Sᵀ = K_w Qᵀ`` and ``dPᵀ = V_w dOᵀ`` (16 keys x R rows in registers),
+    * ``Pᵀ = 2**(Sᵀ s log2 e - LSE log2 e)`` under the causal mask, ``dSᵀ = Pᵀ (dPᵀ - D)``;
+      both packed to 16-bit pairs are the A fragments of the next two products (the C layout
+      of two n-tiles is the A layout of one k-step, as in K1 v3),
+    * ``dV_w += Pᵀ dO`` and ``dK_w += dSᵀ Q`` (B fragments by ``ldmatrix.trans``),
+    * dSᵀ goes to shared memory, and ``dQ_tile = dS K`` (A by ``ldmatrix.trans`` of dSᵀ, B by
+      ``ldmatrix.trans`` of K) is written, unscaled, to the rows' partial slots
+      ``dq_part[slot, t, h, :]`` (each (query, head, slot) has one writer: no atomics).
+
+    The part's dK, dV (times ``scale``) are added to ``dk``, ``dv`` (a row of one part: several
+    query chunks add in turn) or, for a hot row cut into parts, written to the part's scratch
+    slot, which ``_attention_bwd_kernel_dkdv_sum`` adds in part order. P and dS are rounded to
+    the inputs' 16-bit type before their products, as in FlashAttention's backward."""
+    Bk, D, G, R = block_size, head_dim, group, rows
+    NW = Bk // 16  # warps: 16 keys each
+    NT = 32 * NW
+    assert Bk % 16 == 0 and D % 16 == 0 and R % 16 == 0 and R % G == 0
+    assert NW <= _mma.MAX_WARPS
+    P = R // G  # CSR entries (query positions) per tile
+    LD, LDS, OFF_V, OFF_Q, OFF_DO, OFF_DS, _ = _bwd_tc_layout(Bk, D, R)
+    DW = D // 2  # words per row of Q/K/V/dO
+    PIECES = D // 8  # 16-byte pieces per row
+    NS = R // 8  # n-tiles of Sᵀ, dPᵀ (8 rows each)
+    KS = D // 16  # k-steps of Sᵀ, dPᵀ
+    KR = R // 16  # k-steps of dV, dK (16 rows each); also the m-tiles of dQ
+    NO = D // 8  # n-tiles of dK, dV, dQ (8 dims each)
+    KB = Bk // 16  # k-steps of dQ (16 keys each)
+    PAIRS = KR * (NO // 2)  # (m-tile, n-tile pair) units of dQ, spread over the warps
+    ROUNDS = -(-PAIRS // NW)
+    S_REGS, F_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    copy16 = cp_async16 if use_async else copy16_plain3
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+    log2e = float32(_LOG2E)
+    jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+
+    @cuda.jit(**jit)
+    def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
+                                 row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
+                                 part_size, dk, dv, dk_part, dv_part, dq_part):
+        """q, k, v, do: uint32 views [T, H, D/2]; dq_part float32 [K, Tq, Hq, D];
+        ``scale_log2 = scale log2 e``."""
+        smem = _v3_smem()
+        s_t = cuda.shared.array(R, int32)  # the tile's rows: query (or -1), slot, mask limit
+        s_slot = cuda.shared.array(R, int32)
+        s_lim = cuda.shared.array(R, int32)
+        s_l2 = cuda.shared.array(R, float32)  # LSE log2 e
+        s_dl = cuda.shared.array(R, float32)  # D = rowsum(dO O)
+        s_acc = cuda.local.array(S_REGS, float32)  # Sᵀ, then Pᵀ
+        dp_acc = cuda.local.array(S_REGS, float32)  # dPᵀ, then dSᵀ
+        p_frag = cuda.local.array(F_REGS, uint32)
+        ds_frag = cuda.local.array(F_REGS, uint32)
+        dk_acc = cuda.local.array(O_REGS, float32)
+        dv_acc = cuda.local.array(O_REGS, float32)
+        q_acc = cuda.local.array(8, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        hkv = row_ptr.shape[0]
+        nrows = row_ptr.shape[1] - 1
+        per_head = cuda.gridDim.x // hkv
+        r = cuda.blockIdx.x // per_head
+        pid = cuda.blockIdx.x % per_head  # this head's part number
+        if pid >= part_ptr[r, nrows]:
+            return  # past the head's parts
+        row = _last_le(part_ptr[r], pid)  # the row holding part pid
+        part = pid - part_ptr[r, row]
+        nparts = part_ptr[r, row + 1] - part_ptr[r, row]
+        b = _last_le(row_offsets, row)
+        j = row - row_offsets[b]
+        lk = cu_k[b + 1] - cu_k[b]
+        key_base = cu_k[b] + j * Bk
+        nk = min(Bk, lk - j * Bk)
+        e0 = row_ptr[r, row] + part * part_size
+        e1 = min(row_ptr[r, row + 1], e0 + part_size)
+        if e1 <= e0 or nk <= 0 or e0 < 0 or e1 > q_indices.shape[1]:
+            return  # this part adds nothing
+        topk = dq_part.shape[0]
+        hq = q.shape[1]
+        q_lo = cu_q[b]
+        q_hi = cu_q[b + 1]
+        pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
+        key_pos0 = j * Bk
+
+        # The K/V block (keys past the sequence: zeros).
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            src = ((key_base + (c if ok else 0)) * hkv + r) * DW + w
+            copy16(smem, c * LD + w, k, src, 16 if ok else 0)
+            copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
+        for i in range(O_REGS):
+            dk_acc[i] = float32(0.0)
+            dv_acc[i] = float32(0.0)
+        # ldmatrix row addresses of this lane (matrix lane // 8, row lane % 8 of it):
+        # A of K_w / V_w: (rows 0-7, 8-15) x (words 0-3, 4-7); B of Qᵀ / dOᵀ: (words 0-3, 4-7) x
+        # (rows 0-7, 8-15), two n-tiles a load; B of dO, Q, K by .trans: (rows 0-7, 8-15) x
+        # (words 0-3, 4-7); A of dS from dSᵀ by .trans: (keys 0-7, 8-15) x (words 0-3, 4-7).
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
+        b_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+        t_lane = l_rows * LD + (lane >> 4) * 4
+        ds_lane = OFF_DS + ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 4
+        key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
+        key_bot = key_top + 8
+
+        for c0 in range(e0, e1, P):
+            cuda.syncthreads()  # (A) the previous tile is done with sQ, sdO, sdSᵀ and the table
+            for w in range(tid, R, NT):
+                t = -1
+                s = 0
+                if c0 + w // G < e1:
+                    t = q_indices[r, c0 + w // G]
+                    s = slots[r, c0 + w // G]
+                    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+                        t = -1  # not a query of this sequence (unvalidated input): skipped
+                lim = -1
+                l2 = float32(0.0)
+                dl = float32(0.0)
+                if t >= 0:
+                    h = r * G + w % G
+                    lv = lse[t, h]
+                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
+                        lim = min(pos0 + t - key_pos0, nk - 1)
+                        l2 = lv * log2e
+                        dl = delta[t, h]
+                s_t[w] = t
+                s_slot[w] = s
+                s_lim[w] = lim
+                s_l2[w] = l2
+                s_dl[w] = dl
+            # the tile's Q and dO rows (zeros for rows without a query)
+            for e in range(tid, R * PIECES, NT):
+                w = e // PIECES
+                piece = (e % PIECES) * 4
+                t = -1
+                if c0 + w // G < e1:
+                    t = q_indices[r, c0 + w // G]
+                    if t < q_lo or t >= q_hi:
+                        t = -1
+                src = (((t if t >= 0 else 0) * hq + r * G + w % G) * DW) + piece
+                copy16(smem, OFF_Q + w * LD + piece, q, src, 16 if t >= 0 else 0)
+                copy16(smem, OFF_DO + w * LD + piece, do, src, 16 if t >= 0 else 0)
+            commit()
+            wait_all()
+            cuda.syncthreads()  # (B) K/V (first tile), Q, dO and the table landed
+
+            # Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ (16 keys x R rows, fp32 registers).
+            for i in range(S_REGS):
+                s_acc[i] = float32(0.0)
+                dp_acc[i] = float32(0.0)
+            for ks in range(KS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, a_lane + 8 * ks)
+                c0_, c1_, c2_, c3_ = ldmatrix_x4(smem, OFF_V + a_lane + 8 * ks)
+                for n2 in range(NS // 2):
+                    n = 8 * n2
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, OFF_Q + b_lane + 16 * n2 * LD + 8 * ks)
+                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
+                                         s_acc[n + 2], s_acc[n + 3])
+                    s_acc[n] = x0
+                    s_acc[n + 1] = x1
+                    s_acc[n + 2] = x2
+                    s_acc[n + 3] = x3
+                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
+                                         s_acc[n + 6], s_acc[n + 7])
+                    s_acc[n + 4] = x0
+                    s_acc[n + 5] = x1
+                    s_acc[n + 6] = x2
+                    s_acc[n + 7] = x3
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, OFF_DO + b_lane + 16 * n2 * LD + 8 * ks)
+                    x0, x1, x2, x3 = mma(c0_, c1_, c2_, c3_, b0, b1, dp_acc[n], dp_acc[n + 1],
+                                         dp_acc[n + 2], dp_acc[n + 3])
+                    dp_acc[n] = x0
+                    dp_acc[n + 1] = x1
+                    dp_acc[n + 2] = x2
+                    dp_acc[n + 3] = x3
+                    x0, x1, x2, x3 = mma(c0_, c1_, c2_, c3_, b2, b3, dp_acc[n + 4],
+                                         dp_acc[n + 5], dp_acc[n + 6], dp_acc[n + 7])
+                    dp_acc[n + 4] = x0
+                    dp_acc[n + 5] = x1
+                    dp_acc[n + 6] = x2
+                    dp_acc[n + 7] = x3
+
+            # Pᵀ and dSᵀ: lane element (key_top or key_bot, row 8 i + 2 t4 + e); a key past a
+            # row's limit (its position, the block's end, no query) gives P = 0.
+            for i in range(NS):
+                for e in range(2):
+                    w = 8 * i + 2 * t4 + e
+                    lim = s_lim[w]
+                    l2 = s_l2[w]
+                    dl = s_dl[w]
+                    p0 = float32(0.0)
+                    p1 = float32(0.0)
+                    if key_top <= lim:
+                        p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
+                    if key_bot <= lim:
+                        p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
+                    s_acc[4 * i + e] = p0
+                    s_acc[4 * i + 2 + e] = p1
+                    dp_acc[4 * i + e] = p0 * (dp_acc[4 * i + e] - dl)
+                    dp_acc[4 * i + 2 + e] = p1 * (dp_acc[4 * i + 2 + e] - dl)
+                p_frag[2 * i] = pack(s_acc[4 * i], s_acc[4 * i + 1])
+                p_frag[2 * i + 1] = pack(s_acc[4 * i + 2], s_acc[4 * i + 3])
+                ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
+                ds_frag[2 * i + 1] = pack(dp_acc[4 * i + 2], dp_acc[4 * i + 3])
+                # dSᵀ rows key_top / key_bot, the word of rows 8 i + 2 t4 and the next
+                smem[OFF_DS + key_top * LDS + 4 * i + t4] = ds_frag[2 * i]
+                smem[OFF_DS + key_bot * LDS + 4 * i + t4] = ds_frag[2 * i + 1]
+
+            # dV_w += Pᵀ dO, dK_w += dSᵀ Q (B fragments of dO and Q by ldmatrix.trans).
+            for kr in range(KR):
+                for n2 in range(NO // 2):
+                    n = 8 * n2
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, OFF_DO + t_lane + 16 * kr * LD
+                                                       + 8 * n2)
+                    x0, x1, x2, x3 = mma(p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
+                                         p_frag[4 * kr + 3], b0, b1, dv_acc[n], dv_acc[n + 1],
+                                         dv_acc[n + 2], dv_acc[n + 3])
+                    dv_acc[n] = x0
+                    dv_acc[n + 1] = x1
+                    dv_acc[n + 2] = x2
+                    dv_acc[n + 3] = x3
+                    x0, x1, x2, x3 = mma(p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
+                                         p_frag[4 * kr + 3], b2, b3, dv_acc[n + 4],
+                                         dv_acc[n + 5], dv_acc[n + 6], dv_acc[n + 7])
+                    dv_acc[n + 4] = x0
+                    dv_acc[n + 5] = x1
+                    dv_acc[n + 6] = x2
+                    dv_acc[n + 7] = x3
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, OFF_Q + t_lane + 16 * kr * LD
+                                                       + 8 * n2)
+                    x0, x1, x2, x3 = mma(ds_frag[4 * kr], ds_frag[4 * kr + 1],
+                                         ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1,
+                                         dk_acc[n], dk_acc[n + 1], dk_acc[n + 2], dk_acc[n + 3])
+                    dk_acc[n] = x0
+                    dk_acc[n + 1] = x1
+                    dk_acc[n + 2] = x2
+                    dk_acc[n + 3] = x3
+                    x0, x1, x2, x3 = mma(ds_frag[4 * kr], ds_frag[4 * kr + 1],
+                                         ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b2, b3,
+                                         dk_acc[n + 4], dk_acc[n + 5], dk_acc[n + 6],
+                                         dk_acc[n + 7])
+                    dk_acc[n + 4] = x0
+                    dk_acc[n + 5] = x1
+                    dk_acc[n + 6] = x2
+                    dk_acc[n + 7] = x3
+            cuda.syncthreads()  # (C) dSᵀ complete
+
+            # dQ_tile = dS K: unit u = (m-tile u // (NO/2), n-tiles 2 (u % (NO/2)) and the next);
+            # every warp runs ROUNDS units (the simulator's mma is a CTA-wide step), a unit past
+            # the last stores nothing.
+            for rnd in range(ROUNDS):
+                u = rnd * NW + warp
+                uu = u if u < PAIRS else 0
+                m = uu // (NO // 2)
+                n2 = uu % (NO // 2)
+                for i in range(8):
+                    q_acc[i] = float32(0.0)
+                for kb in range(KB):
+                    a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, t_lane + 16 * kb * LD + 8 * n2)
+                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, q_acc[0], q_acc[1], q_acc[2],
+                                         q_acc[3])
+                    q_acc[0] = x0
+                    q_acc[1] = x1
+                    q_acc[2] = x2
+                    q_acc[3] = x3
+                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b2, b3, q_acc[4], q_acc[5], q_acc[6],
+                                         q_acc[7])
+                    q_acc[4] = x0
+                    q_acc[5] = x1
+                    q_acc[6] = x2
+                    q_acc[7] = x3
+                if u < PAIRS:
+                    dcol = 16 * n2 + 2 * t4
+                    for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
+                        w = 16 * m + g4 + 8 * half
+                        t = s_t[w]
+                        if t >= 0:
+                            s = s_slot[w]
+                            h = r * G + w % G
+                            dq_part[s, t, h, dcol] = q_acc[2 * half]
+                            dq_part[s, t, h, dcol + 1] = q_acc[2 * half + 1]
+                            dq_part[s, t, h, dcol + 8] = q_acc[4 + 2 * half]
+                            dq_part[s, t, h, dcol + 9] = q_acc[5 + 2 * half]
+
+        # dK = s dSᵀ Q, dV = Pᵀ dO of this part: lane element (key_top / key_bot, dim 8 i + 2 t4 + e)
+        sc = scale
+        if nparts == 1:
+            for i in range(NO):
+                for e in range(2):
+                    d = 8 * i + 2 * t4 + e
+                    if key_top < nk:
+                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * sc
+                        dv[key_base + key_top, r, d] += dv_acc[4 * i + e]
+                    if key_bot < nk:
+                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * sc
+                        dv[key_base + key_bot, r, d] += dv_acc[4 * i + 2 + e]
+        else:  # a hot row: this part's sums go to its scratch slot, added in part order
+            slot = _split_slot(part_ptr, hkv, r, row) + part
+            for i in range(NO):
+                for e in range(2):
+                    d = 8 * i + 2 * t4 + e
+                    if key_top < nk:
+                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * sc
+                        dv_part[slot, key_top * D + d] = dv_acc[4 * i + e]
+                    if key_bot < nk:
+                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * sc
+                        dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
+
+    return _attention_bwd_kernel_tc
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_dq_sum_kernel(head_dim: int, group: int):
+    """``dq[t, h, :] = scale * sum_s dq_part[s, t, h, :]`` over the slots ``s`` that are CSR
+    entries (``csr._edge_row``: the slots the tensor-core kernel wrote), in slot order."""
+    from .csr import _edge_row
+
+    D, G = head_dim, group
+
+    @cuda.jit
+    def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
+        i = cuda.grid(1)
+        hq = dq.shape[1]
+        if i >= dq.shape[0] * hq * D:
+            return
+        d = i % D
+        t = i // (hq * D)
+        h = (i // D) % hq
+        acc = float32(0.0)
+        for s in range(dq_part.shape[0]):
+            if _edge_row(I, cu_q, row_offsets, t, h // G, s) >= 0:
+                acc += dq_part[s, t, h, d]
+        dq[t, h, d] = acc * scale
+
+    return _attention_bwd_kernel_dq_sum
+
+
+
+def _bwd_tc_support(spec, block_size):
+    """Why the tensor-core backward cannot run this problem (``None`` if it can), its tile
+    rows and its shared memory bytes."""
+    d, g, bk = spec.d, spec.g, block_size
+    rows = max(1, _BWD_TC_ROWS // g) * g
+    smem = _bwd_tc_layout(bk, d, rows)[-1]
+    if spec.kind == "float32":
+        return "float32 inputs (tensor cores take float16/bfloat16)", rows, smem
+    if d % 16 or d > 128:
+        return f"head dim D={d} (a multiple of 16, at most 128: dK, dV live in registers)", rows, smem
+    if bk % 16 or bk > 128:
+        return (f"block_size={bk} (a multiple of 16, at most 128: a warp per 16 keys, 8 warps of "
+                f"~220 registers)"), rows, smem
+    if rows % 16:
+        return f"G={g} (tiles of whole 16-row mma fragments)", rows, smem
+    if smem > _mma.DYNAMIC_SMEM_LIMIT:
+        return f"{smem} bytes of shared memory", rows, smem
+    return None, rows, smem
+
+
+def _bwd_parts(ctx, k_parts, row_ptr, hkv, rows, part_size):
+    """Cut the CSR rows into parts of at most ``part_size`` entries: ``(part_ptr, per_head,
+    num_split)``. One scan gives both the parts' offsets per head (rows 0 .. Hkv-1 of
+    ``part_ptr``) and the scratch slots of the rows with more than one part (rows Hkv ..), one
+    host read (a device sync) their totals: the most parts of a head and the scratch slots."""
+    from .csr import exclusive_prefix_sum
+
+    nt = _BWD_THREADS
+    parts = ctx.empty((2 * hkv, rows), np.int32)
+    k_parts[-(-(hkv * rows) // nt), nt](row_ptr, part_size, ctx.arg(parts))
+    part_ptr = exclusive_prefix_sum(parts, validate=False)
+    totals = np.asarray(cu_to_host(part_ptr))[:, -1]
+    return _kernel_array(part_ptr), int(totals[:hkv].max()), int(totals[hkv:].sum())
+
+
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              block_size, scale=None, *, part_size=None, validate=True):
+                              block_size, scale=None, *, version=None, part_size=None,
+                              max_partial_bytes=None, validate=True):
     """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
 
     Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
-    math): ``D = rowsum(dO * O)``, then ``dQ`` Q-outer (a CTA per query and KV head, walking its
-    selected blocks) and ``dK, dV`` KV-outer (a CTA per part of a k2q CSR row from
-    ``msa.cuda.csr.build_csr``, walking the part's queries in ascending order), with ``P``
-    rebuilt from the forward's LSE. Version 1: CUDA cores, float32 accumulation, no atomics,
-    bitwise identical on reruns. A row has one part unless it holds more than ``part_size``
+    math), with ``P`` rebuilt from the forward's LSE and ``D = rowsum(dO * O)``. ``dK, dV`` are
+    KV-outer: a CTA per part of a k2q CSR row (``msa.cuda.csr.build_csr``), walking the part's
+    queries in ascending order. A row has one part unless it holds more than ``part_size``
     queries (a hot row: a sink block every query picks); a hot row's parts write scratch slots
-    that a second kernel adds in part order. One device sync (the parts' count).
+    that a second kernel adds in part order. No atomics: bitwise identical on reruns.
+
+    Versions:
+
+    1. CUDA cores, float32 throughout (any dtype): ``dQ`` Q-outer (a CTA per query and KV
+       head), ``dK, dV`` accumulated in shared memory. The tested fallback; slow.
+    2. tensor cores (float16/bfloat16, ``D`` and ``Bk`` multiples of 16 up to 128; the
+       default where it applies): one kernel does all five products per tile of
+       ``64/G`` queries x G heads with ``mma.sync`` (``_bwd_tc_kernel``), dK and dV in
+       registers, and writes each (query, head, slot)'s ``dQ`` share to a float32 partial
+       that a second kernel sums in slot order (as K2 sums the forward's). The partials take
+       ``K*Tq*Hq*D*4`` bytes, so the queries go in chunks of at most ``max_partial_bytes``
+       (default 4 GiB), each with its own CSR, adding to ``dk, dv`` in turn. P and dS are
+       rounded to the inputs' 16-bit type before their products (FlashAttention's backward).
 
     Args:
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
         o: the forward's output [Tq, Hq, D] (q's dtype); lse: its float32 [Tq, Hq];
             do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
         block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
+        version: 1, 2 or ``None`` (2 where it applies, else 1).
         part_size: most CSR entries (queries) one dK/dV CTA takes (default ``2*K*Bk``, the
             forward's hot-row cut); a row with more is split, and its parts' sums are added in
             a fixed order (so a different ``part_size`` may change the last bits).
+        max_partial_bytes: version 2's memory for one query chunk's dQ partials.
         validate: check ``block_indices`` on a host copy first; ``False`` skips it (invalid
             entries are then skipped by the kernels: memory safe, result unspecified).
 
@@ -1697,11 +2126,12 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
 
     Raises:
         TypeError/ValueError as ``sparse_attention``, plus ``o``, ``do`` or ``lse`` of the wrong
-        shape or dtype, and ``Bk``, ``D``, ``G`` too large for the kernels' shared memory
-        (the paper's Bk = D = 128, G = 16 fit; so does D = 256 with Bk = 64, G <= 8).
+        shape or dtype, ``version=2`` where it does not apply, and ``Bk``, ``D``, ``G`` too
+        large for version 1's shared memory (the paper's Bk = D = 128, G = 16 fit; so does
+        D = 256 with Bk = 64, G <= 8).
     """
     from ..reference.blocks import block_row_offsets
-    from .csr import INT32_MAX, build_csr, exclusive_prefix_sum
+    from .csr import INT32_MAX, build_csr
 
     spec = _Spec(q, k, v)
     tq, hq, d, tk, hkv = spec.tq, spec.hq, spec.d, spec.tk, spec.hkv
@@ -1716,14 +2146,25 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
                                                           cu_seqlens_k, block_size, scale)
     part_size = check_positive_int("part_size", 2 * topk * block_size if part_size is None
                                    else part_size, high=INT32_MAX)
+    max_partial_bytes = check_positive_int(
+        "max_partial_bytes", MAX_PARTIAL_BYTES if max_partial_bytes is None
+        else max_partial_bytes)
+    why_not, tc_rows, tc_smem = _bwd_tc_support(spec, block_size)
+    if version is None:
+        version = 1 if why_not else 2
+    if version not in BWD_VERSIONS:
+        raise ValueError(f"version must be one of {BWD_VERSIONS} or None, got {version!r}")
+    if version == 2 and why_not:
+        raise ValueError(f"version=2 (tensor cores) does not support {why_not}; use version=1")
     smem = _bwd_dkdv_layout(block_size, d, spec.g)[-1]
-    for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
-                                ("dQ", _bwd_dq_smem(block_size, d, spec.g),
-                                 _mma.STATIC_SMEM_LIMIT)):
-        if need > limit:
-            raise ValueError(f"block_size={block_size} with head dim D={d} and G={spec.g}: the "
-                             f"{kernel} kernel needs {need} bytes of shared memory, more than "
-                             f"{limit}")
+    if version == 1:
+        for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
+                                    ("dQ", _bwd_dq_smem(block_size, d, spec.g),
+                                     _mma.STATIC_SMEM_LIMIT)):
+            if need > limit:
+                raise ValueError(f"block_size={block_size} with head dim D={d} and G={spec.g}: "
+                                 f"the {kernel} kernel needs {need} bytes of shared memory, "
+                                 f"more than {limit}")
     if validate:
         from ..reference.select import check_block_indices
 
@@ -1735,44 +2176,75 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     dv = ctx.empty((tk, hkv, d), np.float32, fill=0)
     if tq == 0 or tk == 0:
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-    qa, ka, va, oa, doa = (_element_view(ctx, name, x, spec.bf16)
-                           for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)))
+    oa, doa = (_element_view(ctx, name, x, spec.bf16) for name, x in (("o", o), ("do", do)))
     lse_a = ctx.input("lse", lse)
     I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
                                                                       block_indices)
-    row_ptr, q_indices, _ = build_csr(I, cu_q, cu_k, block_size, validate=False)
-    row_offsets = block_row_offsets(cu_k, block_size)
-    d_row_offsets, d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32))
-                                     for x in (row_offsets, cu_q, cu_k))
     delta = ctx.empty((tq, hq), np.float32)
     dq_a, dk_a, dv_a, delta_a = (ctx.arg(x) for x in (dq, dk, dv, delta))
     k_delta, k_dq, k_dkdv, k_sum, k_parts = _bwd_kernels(block_size, d, spec.g, spec.bf16,
                                                          _BWD_THREADS)
     nt = _BWD_THREADS
     k_delta[-(-(tq * hq) // nt), nt](oa, doa, delta_a)
-    k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_cu_q, d_cu_k,
-                       np.float32(scale), dq_a)
-    rows = int(row_offsets[-1])
-    if rows == 0:
+    if version == 1:
+        qa, ka, va = (_element_view(ctx, name, x, spec.bf16)
+                      for name, x in (("q", q), ("k", k), ("v", v)))
+        d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32)) for x in (cu_q, cu_k))
+        k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_cu_q, d_cu_k,
+                           np.float32(scale), dq_a)
+        row_ptr, q_indices, _ = build_csr(I, cu_q, cu_k, block_size, validate=False)
+        row_offsets = block_row_offsets(cu_k, block_size)
+        rows = int(row_offsets[-1])
+        if rows == 0:
+            return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+        d_row_ptr, d_row_offsets = _kernel_array(row_ptr), _device_copy(row_offsets.astype(np.int32))
+        part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows, part_size)
+        if per_head == 0:
+            return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+        dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+        dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+        _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
+                    _kernel_array(q_indices), d_row_offsets, d_cu_q, d_cu_k, np.float32(scale),
+                    part_ptr, part_size, dk_a, dv_a, dk_part, dv_part)
+        if num_split:
+            k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-    # Hot rows are cut into parts of <= part_size entries. One scan gives both the parts'
-    # offsets per head (rows 0 .. Hkv-1 of part_ptr) and the scratch slots of the rows with
-    # more than one part (rows Hkv ..), one host read their totals.
-    d_row_ptr = _kernel_array(row_ptr)
-    parts = ctx.empty((2 * hkv, rows), np.int32)
-    k_parts[-(-(hkv * rows) // nt), nt](d_row_ptr, part_size, ctx.arg(parts))
-    part_ptr = exclusive_prefix_sum(parts, validate=False)
-    totals = np.asarray(cu_to_host(part_ptr))[:, -1]  # the one device sync
-    per_head, num_split = int(totals[:hkv].max()), int(totals[hkv:].sum())
-    if per_head == 0:
-        return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-    dk_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
-    dv_part = ctx.empty((max(num_split, 1), block_size * d), np.float32)
-    d_part_ptr = _kernel_array(part_ptr)
-    _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
-                _kernel_array(q_indices), d_row_offsets, d_cu_q, d_cu_k, np.float32(scale),
-                d_part_ptr, part_size, dk_a, dv_a, ctx.arg(dk_part), ctx.arg(dv_part))
-    if num_split:
-        k_sum[hkv * rows, nt](d_part_ptr, d_row_offsets, d_cu_k, ctx.arg(dk_part),
-                              ctx.arg(dv_part), dk_a, dv_a)
+
+    # Version 2: query chunks whose dQ partials fit max_partial_bytes (as sparse_attention).
+    qw, kw, vw, dow = (ctx.input(name, x).view(np.uint32)
+                       for name, x in (("q", q), ("k", k), ("v", v), ("do", do)))
+    aligned = all(is_aligned16(x) for x in (qw, kw, vw, dow))
+    k_tc = _bwd_tc_kernel(block_size, d, spec.g, tc_rows, spec.bf16, aligned)
+    k_dq_sum = _bwd_dq_sum_kernel(d, spec.g)
+    q_chunk = max(1, min(tq, max_partial_bytes // (topk * hq * d * 4)))
+    dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * d,), np.float32))
+    for t0, t1, k_lo, k_hi, cq, ck in query_chunks(cu_q, cu_k, q_chunk):
+        tc = t1 - t0
+        I_c = I[t0:t1]
+        row_ptr, q_indices, slots = build_csr(I_c, cq, ck, block_size, validate=False)
+        row_offsets = block_row_offsets(ck, block_size)
+        rows = int(row_offsets[-1])
+        d_row_offsets, d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32))
+                                         for x in (row_offsets, cq, ck))
+        dq_part = dq_buf[:topk * tc * hq * d].reshape(topk, tc, hq, d)
+        if rows:
+            d_row_ptr = _kernel_array(row_ptr)
+            part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows,
+                                                       part_size)
+            if per_head:
+                dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+                dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+                dk_c, dv_c = dk_a[k_lo:k_hi], dv_a[k_lo:k_hi]
+                _mma.launch(k_tc, hkv * per_head, 2 * block_size, tc_smem, qw[t0:t1],
+                            kw[k_lo:k_hi], vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1],
+                            delta_a[t0:t1], d_row_ptr, _kernel_array(q_indices),
+                            _kernel_array(slots), d_row_offsets, d_cu_q, d_cu_k,
+                            np.float32(scale), np.float32(scale * _LOG2E), part_ptr, part_size,
+                            dk_c, dv_c, dk_part, dv_part, dq_part)
+                if num_split:
+                    k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
+                                          dk_c, dv_c)
+        # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
+        k_dq_sum[-(-(tc * hq * d) // nt), nt](_kernel_array(I_c), d_cu_q, d_row_offsets,
+                                               dq_part, np.float32(scale), dq_a[t0:t1])
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)
