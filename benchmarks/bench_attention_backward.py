@@ -5,8 +5,9 @@
 Paper configuration (Hq = 64, Hkv = 4, D = 128, Bk = 128, K = 16, bf16, one causal sequence of N
 tokens, the ``uniform`` selection of ``bench_attention``). For each N, side by side in one run:
 
-* ``msa.cuda.attention.sparse_attention_backward`` (version 1: CUDA cores, dQ Q-outer, dK/dV
-  KV-outer over the k2q CSR), timed alone on the forward's ``o, lse``;
+* ``msa.cuda.attention.sparse_attention_backward`` version 2 (tensor cores, one KV-outer
+  kernel for dK, dV and the dQ partials, then their sum) and version 1 (CUDA cores, dQ
+  Q-outer, dK/dV KV-outer; up to ``--v1-max-n``), timed alone on the forward's ``o, lse``;
 * ``msa.torch.sparse_attention_backward``, the PyTorch backward ``msa.torch`` uses by default
   (gathered K/V per chunk of queries, batched matmuls, ``index_add_``);
 * dense causal ``scaled_dot_product_attention``'s backward (autograd), what a user runs without
@@ -61,23 +62,27 @@ def bench_backward(n, args):
     except Exception as exc:
         rows.append(_error_row(case, "PyTorch backward (msa.torch)", exc))
     torch.cuda.empty_cache()
-    if n <= args.v1_max_n:
+    torch_ms = next((r["ms"] for r in rows if r.get("impl", "").startswith("PyTorch")
+                     and r.get("ms")), None)
+    for version in (2, 1):
+        if version == 1 and n > args.v1_max_n:
+            continue
+        impl = f"msa.cuda backward v{version}"
         try:
             def run_msa():
-                return msa_backward(q, k, v, o, lse, do, I, cu, cu, BK, validate=False)
+                return msa_backward(q, k, v, o, lse, do, I, cu, cu, BK, version=version,
+                                    validate=False)
             got, peak = _peak_and_first(run_msa)
             errs = [_rel_err(a, b) for a, b in zip(got, want)] if want is not None else []
             if errs and max(errs) > GATE_REL:
                 raise AssertionError(f"gate: rel errors (dq, dk, dv) {errs} > {GATE_REL}")
-            ms = cuda_time_ms(run_msa, warmup=0, reps=max(1, args.reps // 2))
-            torch_ms = next((r["ms"] for r in rows if r.get("impl", "").startswith("PyTorch")
-                             and r.get("ms")), None)
-            rows.append(_row(case, "msa.cuda backward v1", ms, flops, peak,
+            ms = cuda_time_ms(run_msa, warmup=0, reps=args.reps if version == 2 else 1)
+            rows.append(_row(case, impl, ms, flops, peak,
                              gate_rel_err=max(errs) if errs else None,
                              vs_torch=(torch_ms / ms) if torch_ms else None))
         except Exception as exc:
-            rows.append(_error_row(case, "msa.cuda backward v1", exc))
-    torch.cuda.empty_cache()
+            rows.append(_error_row(case, impl, exc))
+        torch.cuda.empty_cache()
     try:
         qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
         od = dense_sdpa(qd, kd, vd)
@@ -91,14 +96,18 @@ def bench_backward(n, args):
     except Exception as exc:
         rows.append(_error_row(case, "dense SDPA backward (causal)", exc))
     torch.cuda.empty_cache()
+    dense_ms = rows[-1].get("ms")
+    for r in rows:
+        if r["impl"].startswith("msa") and r.get("ms") and dense_ms:
+            r["vs_dense"] = dense_ms / r["ms"]
     return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/attention_backward.json")
-    p.add_argument("--sizes", default="8192,32768")
-    p.add_argument("--v1-max-n", type=int, default=32768, help="time msa's v1 up to this N")
+    p.add_argument("--sizes", default="8192,32768,131072")
+    p.add_argument("--v1-max-n", type=int, default=8192, help="time msa's v1 up to this N")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=240.0)
     args = p.parse_args(argv)
@@ -116,7 +125,8 @@ def main(argv=None):
             rows.append(_error_row(f"backward N={n // 1024}K", "setup", exc))
         print(f"   [{time.time() - t_start:.0f} s] N={n}", flush=True)
         write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
-    print_table(rows, ["case", "impl", "ms", "TFLOPs", "peak_GiB", "vs_torch", "gate_rel_err",
+    print_table(rows, ["case", "impl", "ms", "TFLOPs", "peak_GiB", "vs_torch", "vs_dense",
+                       "gate_rel_err",
                        "error"])
     write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
     return rows
