@@ -2067,6 +2067,13 @@ def _bwd_tc_support(spec, block_size):
     return None, rows, smem
 
 
+def default_backward_version(q, k, v, block_size) -> int:
+    """The version ``sparse_attention_backward(version=None)`` runs for these inputs: 2 (tensor
+    cores) where it applies (float16/bfloat16, D and Bk multiples of 16 up to 128), else 1."""
+    why_not, _, _ = _bwd_tc_support(_Spec(q, k, v), check_positive_int("block_size", block_size))
+    return 1 if why_not else 2
+
+
 def _bwd_parts(ctx, k_parts, row_ptr, hkv, rows, part_size):
     """Cut the CSR rows into parts of at most ``part_size`` entries: ``(part_ptr, per_head,
     num_split)``. One scan gives both the parts' offsets per head (rows 0 .. Hkv-1 of

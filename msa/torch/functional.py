@@ -9,11 +9,13 @@ are small).
 ============================  ================================================================
 function                      gradients
 ============================  ================================================================
-``sparse_attention``          ``dq, dk, dv`` of eq 8 on the selected support, computed in
-                              PyTorch (no main-branch backward kernel yet): per chunk of
-                              queries the selected keys are gathered, ``P`` is rebuilt from the
-                              forward's LSE, and ``dk, dv`` are scattered with ``index_add_``
-                              (float atomics on a GPU: not bitwise reproducible)
+``sparse_attention``          ``dq, dk, dv`` of eq 8 on the selected support: on CUDA
+                              fp16/bf16 tensors ``msa.cuda``'s tensor-core backward (version 2,
+                              bitwise reproducible); elsewhere in PyTorch
+                              (``sparse_attention_backward``: per chunk of queries the selected
+                              keys are gathered, ``P`` is rebuilt from the forward's LSE, and
+                              ``dk, dv`` are scattered with ``index_add_``, float atomics on a
+                              GPU); ``backward=`` picks one explicitly
 ``dense_attention``           plain PyTorch causal GQA attention with its LSE (the indexer
                               warmup's main branch, Algorithm 1 line 5 with no selection);
                               ``O(Lq Lk)`` memory per sequence
@@ -104,7 +106,7 @@ def _float_dtype(x):
 
 # -- main branch ---------------------------------------------------------------------------------
 
-BACKWARDS = ("torch", "cuda")  # sparse_attention's ``backward=`` choices
+BACKWARDS = ("auto", "torch", "cuda")  # sparse_attention's ``backward=`` choices
 
 
 def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, block_size, scale):
@@ -118,7 +120,7 @@ def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, blo
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="torch"):
+    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="auto"):
         if q.is_cuda:
             from ..cuda.attention import sparse_attention as gpu_sparse_attention
 
@@ -143,6 +145,10 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, block_indices, o, lse = ctx.saved_tensors
         cu_q, cu_k, block_size, scale, how = ctx.meta
+        if how == "auto" and q.is_cuda:
+            from ..cuda.attention import default_backward_version
+
+            how = "cuda" if default_backward_version(q, k, v, block_size) == 2 else "torch"
         if how == "cuda" and q.is_cuda:
             from ..cuda.attention import sparse_attention_backward as gpu_backward
 
@@ -156,7 +162,7 @@ class _SparseAttention(torch.autograd.Function):
 
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
-                     *, backward="torch"):
+                     *, backward="auto"):
     """Paper eq 8 with autograd: ``(o [Tq, Hq, D], lse [Tq, Hq])``, differentiable in q, k, v.
 
     Args:
@@ -167,10 +173,13 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
             ascending, -1 at the tail), same device.
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets (any device; read on the host).
         block_size: Bk. scale: softmax scale, default ``1/sqrt(D)``.
-        backward: ``"torch"`` (default): ``sparse_attention_backward`` below, PyTorch on any
-            device; ``"cuda"``: on CUDA tensors ``msa.cuda.attention.sparse_attention_backward``
-            (Numba kernels, no gathered K/V copies; checked against the reference in the
-            simulator, opt-in until its GPU test run), the PyTorch path elsewhere.
+        backward: ``"auto"`` (default): ``msa.cuda.sparse_attention_backward`` on CUDA
+            tensors where its tensor-core version applies (fp16/bf16, D and Bk multiples of
+            16 up to 128; 27x the PyTorch backward and 4.2x dense SDPA's at 128K on an
+            H200, ``docs/performance.md``), else the PyTorch backward;
+            ``"torch"``: ``sparse_attention_backward`` below, PyTorch on any device;
+            ``"cuda"``: ``msa.cuda``'s backward on CUDA tensors whatever its version (the
+            CUDA-core version 1 is slower than PyTorch), the PyTorch path elsewhere.
 
     Returns:
         ``o`` in q's dtype (float32 for bf16 on the CPU path is cast back to bf16) and ``lse``

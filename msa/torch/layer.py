@@ -48,20 +48,21 @@ class MSAAttention(nn.Module):
         scale, index_scale: softmax scales, default ``1/sqrt(D)`` and ``1/sqrt(Didx)``.
         warmup: the indexer warmup (§3.2): dense main branch, KL on the full causal support.
             An attribute: flip ``layer.warmup`` when the warmup ends.
-        main_backward: the main branch's backward, ``"torch"`` or ``"cuda"`` (the
-            ``backward`` argument of ``msa.torch.sparse_attention``); an attribute.
+        main_backward: the main branch's backward, ``"auto"`` (default), ``"torch"`` or
+            ``"cuda"`` (the ``backward`` argument of ``msa.torch.sparse_attention``); an
+            attribute.
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
             ``msa.reference.init_params``).
 
     On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
-    CUDA-core versions). The main branch's backward is PyTorch code
-    (``functional.sparse_attention_backward``), or with ``main_backward="cuda"`` the
-    ``msa.cuda.attention.sparse_attention_backward`` kernels; the index branch's is the KL kernel.
+    CUDA-core versions). The main branch's backward is ``msa.cuda``'s tensor-core kernel on
+    such activations, PyTorch code (``functional.sparse_attention_backward``) otherwise
+    (``main_backward``); the index branch's is the KL kernel.
     """
 
     def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  index_dim: int, *, block_size: int = 128, topk: int = 16, scale=None,
-                 index_scale=None, warmup: bool = False, main_backward: str = "torch",
+                 index_scale=None, warmup: bool = False, main_backward: str = "auto",
                  device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("head_dim", head_dim),

@@ -421,7 +421,10 @@ def test_sparse_v3_property(s):
 def rounding_bounds(q, k, v, o, lse, do, I, cu_q, cu_k, bk):
     """What backward version 2's 16-bit roundings of P and dS may change, elementwise and to
     first order in the unit roundoff: ``(s |dS| |K|, s |dS|ᵀ |Q|, Pᵀ |dO|)`` (float64, from P
-    and dS on eq 8's supports, summed as the reference's backward sums dq, dk, dv)."""
+    on eq 8's supports, summed as the reference's backward sums dq, dk, dv), with ``|dS|``
+    taken as the size of its terms, ``P (|dO| |V|ᵀ + |D|)``: dS = P (dO Vᵀ - D) may cancel
+    (to 0 where a query sees one key), and the kernel's fp32 dP and D, summed in different
+    orders, then differ by ~D eps32 times that size, far below the 16-bit rounding."""
     q, k, v, o, do = (np.asarray(x, np.float64) for x in (q, k, v, o, do))
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -437,7 +440,8 @@ def rounding_bounds(q, k, v, o, lse, do, I, cu_q, cu_k, bk):
         live = visible[:, None, :] & np.isfinite(l_c)
         sc = (q[t0:t1, heads].reshape(c * g, d) * s @ k_r.T).reshape(c, g, -1)
         p = np.exp(np.where(live, sc - l_c, -np.inf))
-        ds = np.abs(p * ((do_c @ v_r.T).reshape(c, g, -1) - delta[t0:t1, heads, None]))
+        ds = p * ((np.abs(do_c) @ np.abs(v_r).T).reshape(c, g, -1)
+                  + np.abs(delta[t0:t1, heads, None]))
         bq[t0:t1, heads] = s * (ds @ np.abs(k_r))
         np.add.at(bk_[:, r], keys, ds.reshape(c * g, -1).T @ q_c)
         np.add.at(bv[:, r], keys, p.reshape(c * g, -1).T @ np.abs(do_c))

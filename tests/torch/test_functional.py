@@ -203,7 +203,7 @@ def test_bad_input_names_the_argument(case):
 # --- the CUDA path (real GPU) -------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", ["torch", "cuda"])
+@pytest.mark.parametrize("backward", ["auto", "torch", "cuda"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
     """bf16/fp32 CUDA tensors (the msa.cuda kernels forward; the PyTorch backward on the GPU, or
@@ -231,18 +231,20 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
 
 
 def test_sparse_attention_backward_choice():
-    """``backward="cuda"`` needs CUDA tensors: on the CPU it takes the PyTorch path (the same
-    gradient bit for bit); an unknown choice is refused by name, by the layer too."""
+    """``backward="cuda"`` and the default ``"auto"`` need CUDA tensors: on the CPU they take
+    the PyTorch path (the same gradient bit for bit); an unknown choice is refused by name, by
+    the layer too."""
     p = make_problem((30,), num_q_heads=4, num_kv_heads=2, head_dim=8, index_dim=8,
                      block_size=8, topk=2, seed=2)
     I = T(select(p))
     grads = []
-    for how in ("torch", "cuda"):
+    for how in ("torch", "cuda", "auto"):
         qkv = [T(x).requires_grad_() for x in (p.q, p.k, p.v)]
         o, _ = sparse_attention(*qkv, I, p.cu_seqlens_q, p.cu_seqlens_k, 8, backward=how)
         grads.append(torch.autograd.grad(o.sum(), qkv))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
     with pytest.raises(ValueError, match="backward"):
         sparse_attention(T(p.q), T(p.k), T(p.v), I, p.cu_seqlens_q, p.cu_seqlens_k, 8,
                          backward="triton")
@@ -253,11 +255,11 @@ def test_sparse_attention_backward_choice():
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_cuda_backward_wiring_in_the_simulator(dtype):
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("float16", 8), ("float16", 16)])
+def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
     """The ``backward="cuda"`` branch (``_kernel_backward``) drives msa.cuda's backward kernels
-    (here in the simulator, on NumPy copies of the CPU tensors) to the PyTorch backward's
-    gradients, in the inputs' dtypes."""
+    (here in the simulator, on NumPy copies of the CPU tensors; version 1, and version 2 for
+    float16 with Bk = 16) to the PyTorch backward's gradients, in the inputs' dtypes."""
     from msa.cuda.attention import sparse_attention_backward as kernel
     from msa.torch.functional import _kernel_backward
 
@@ -265,18 +267,19 @@ def test_cuda_backward_wiring_in_the_simulator(dtype):
         host = [x.numpy() if isinstance(x, torch.Tensor) else x for x in args]
         return tuple(torch.from_numpy(np.asarray(g)) for g in kernel(*host, **kw))
 
+    bk = block_size
     p = make_problem((40, 23), num_q_heads=4, num_kv_heads=2, head_dim=16, index_dim=8,
-                     block_size=8, topk=3, seed=4)
+                     block_size=bk, topk=3, seed=4)
     I = T(select(p))
     dt = getattr(torch, dtype)
     q, k, v = (T(x).to(dt) for x in (p.q, p.k, p.v))
     o, lse = sparse_attention(q.float(), k.float(), v.float(), I, p.cu_seqlens_q,
-                              p.cu_seqlens_k, 8)
+                              p.cu_seqlens_k, bk)
     do = torch.randn(q.shape, dtype=torch.float64).to(dt)
     got = _kernel_backward(on_numpy, q, k, v, o.to(dt), lse.float(), do, I.long(),
-                           p.cu_seqlens_q, p.cu_seqlens_k, 8, 0.25)
+                           p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25)
     want = sparse_attention_backward(q.float(), k.float(), v.float(), o.to(dt).float(), lse,
-                                     do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, 8, 0.25)
+                                     do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25)
     tol = 1e-5 if dtype == "float32" else 2e-3
     for name, a, b in zip("qkv", got, want):
         assert a.dtype == dt, name
