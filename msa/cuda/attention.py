@@ -74,7 +74,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
@@ -1430,6 +1430,32 @@ def _split_slot(part_ptr, hkv, r, row):
     return slot
 
 
+@cuda.jit(device=True)
+def _bwd_part(row_ptr, part_ptr, row_offsets, cu_k, part_size, num_entries, block_size):
+    """The part of a k2q CSR row that this CTA of a backward dK/dV kernel takes (CTA
+    ``r * per_head + pid``: part ``pid`` of KV head ``r``). Returns ``(r, row, part, nparts, b,
+    j, lk, nk, e0, e1)``: sequence ``b`` (``lk`` keys), its block ``j`` (``nk`` keys), and the
+    CSR entries ``e0 .. e1-1``; ``e1 <= e0`` when the CTA adds nothing (past the head's parts,
+    or an empty or malformed range). Every read stays in bounds for any ``part_ptr`` row."""
+    hkv = row_ptr.shape[0]
+    nrows = row_ptr.shape[1] - 1
+    per_head = cuda.gridDim.x // hkv
+    r = int64(cuda.blockIdx.x // per_head)
+    pid = int64(cuda.blockIdx.x % per_head)  # this head's part number
+    row = int64(_last_le(part_ptr[r], pid))  # the row holding part pid
+    part = pid - part_ptr[r, row]
+    nparts = int64(part_ptr[r, row + 1] - part_ptr[r, row])
+    b = int64(_last_le(row_offsets, row))
+    j = row - row_offsets[b]
+    lk = int64(cu_k[b + 1] - cu_k[b])
+    nk = min(int64(block_size), lk - j * block_size)
+    e0 = int64(row_ptr[r, row]) + part * part_size
+    e1 = min(int64(row_ptr[r, row + 1]), e0 + part_size)
+    if pid >= part_ptr[r, nrows] or nk <= 0 or e0 < 0 or e1 > num_entries:
+        e1 = e0
+    return r, row, part, nparts, b, j, lk, nk, e0, e1
+
+
 @functools.lru_cache(maxsize=None)
 def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, threads: int):
     """The backward kernels specialised for (Bk, D, G, input kind, threads)."""
@@ -1522,24 +1548,11 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
         s_t = cuda.shared.array(QC, int32)
         tid = cuda.threadIdx.x
         hkv = row_ptr.shape[0]
-        rows = row_ptr.shape[1] - 1
-        per_head = cuda.gridDim.x // hkv
-        r = cuda.blockIdx.x // per_head
-        pid = cuda.blockIdx.x % per_head  # this head's part number
-        if pid >= part_ptr[r, rows]:
-            return  # past the head's parts
-        row = _last_le(part_ptr[r], pid)  # the row holding part pid
-        part = pid - part_ptr[r, row]
-        nparts = part_ptr[r, row + 1] - part_ptr[r, row]
-        b = _last_le(row_offsets, row)
-        j = row - row_offsets[b]
-        lk = cu_k[b + 1] - cu_k[b]
+        r, row, part, nparts, b, j, lk, nk, e0, e1 = _bwd_part(
+            row_ptr, part_ptr, row_offsets, cu_k, part_size, q_indices.shape[1], Bk)
+        if e1 <= e0:
+            return  # this CTA adds nothing (dK, dV of a block no query sees stay 0)
         key_base = cu_k[b] + j * Bk
-        nk = min(Bk, lk - j * Bk)
-        e0 = row_ptr[r, row] + part * part_size
-        e1 = min(row_ptr[r, row + 1], e0 + part_size)
-        if e1 <= e0 or nk <= 0 or e0 < 0 or e1 > q_indices.shape[1]:
-            return  # dK, dV of this block stay 0 (no query sees it)
         q_lo = cu_q[b]
         q_hi = cu_q[b + 1]
         pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
@@ -1765,24 +1778,11 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
         g4 = lane // 4
         t4 = lane % 4
         hkv = row_ptr.shape[0]
-        nrows = row_ptr.shape[1] - 1
-        per_head = cuda.gridDim.x // hkv
-        r = cuda.blockIdx.x // per_head
-        pid = cuda.blockIdx.x % per_head  # this head's part number
-        if pid >= part_ptr[r, nrows]:
-            return  # past the head's parts
-        row = _last_le(part_ptr[r], pid)  # the row holding part pid
-        part = pid - part_ptr[r, row]
-        nparts = part_ptr[r, row + 1] - part_ptr[r, row]
-        b = _last_le(row_offsets, row)
-        j = row - row_offsets[b]
-        lk = cu_k[b + 1] - cu_k[b]
+        r, row, part, nparts, b, j, lk, nk, e0, e1 = _bwd_part(
+            row_ptr, part_ptr, row_offsets, cu_k, part_size, q_indices.shape[1], Bk)
+        if e1 <= e0:
+            return  # this CTA adds nothing
         key_base = cu_k[b] + j * Bk
-        nk = min(Bk, lk - j * Bk)
-        e0 = row_ptr[r, row] + part * part_size
-        e1 = min(row_ptr[r, row + 1], e0 + part_size)
-        if e1 <= e0 or nk <= 0 or e0 < 0 or e1 > q_indices.shape[1]:
-            return  # this part adds nothing
         topk = dq_part.shape[0]
         hq = q.shape[1]
         q_lo = cu_q[b]
@@ -1994,16 +1994,15 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                             dq_part[s, t, h, dcol + 9] = q_acc[5 + 2 * half]
 
         # dK = s dSᵀ Q, dV = Pᵀ dO of this part: lane element (key_top / key_bot, dim 8 i + 2 t4 + e)
-        sc = scale
         if nparts == 1:
             for i in range(NO):
                 for e in range(2):
                     d = 8 * i + 2 * t4 + e
                     if key_top < nk:
-                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * sc
+                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * scale
                         dv[key_base + key_top, r, d] += dv_acc[4 * i + e]
                     if key_bot < nk:
-                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * sc
+                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * scale
                         dv[key_base + key_bot, r, d] += dv_acc[4 * i + 2 + e]
         else:  # a hot row: this part's sums go to its scratch slot, added in part order
             slot = _split_slot(part_ptr, hkv, r, row) + part
@@ -2011,10 +2010,10 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                 for e in range(2):
                     d = 8 * i + 2 * t4 + e
                     if key_top < nk:
-                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * sc
+                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * scale
                         dv_part[slot, key_top * D + d] = dv_acc[4 * i + e]
                     if key_bot < nk:
-                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * sc
+                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * scale
                         dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
 
     return _attention_bwd_kernel_tc
