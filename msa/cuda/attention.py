@@ -1691,16 +1691,18 @@ BWD_VERSIONS = (1, 2)
 
 def _bwd_tc_layout(block_size: int, head_dim: int, rows: int):
     """Row strides (32-bit words) and word offsets of the tensor-core backward's dynamic shared
-    memory: sK, sV [Bk rows], sQ, sdO [R rows] of ``D/2 + 4`` words (as K1 v3: 16-byte aligned
-    rows, conflict-free ``ldmatrix``), then dSᵀ [Bk rows] of ``R/2 + 4`` words (16-bit pairs).
+    memory: sK, sV [Bk rows], two sQ and two sdO buffers [R rows] of ``D/2 + 4`` words (as K1
+    v3: 16-byte aligned rows, conflict-free ``ldmatrix``; tile i+1 lands while tile i computes),
+    then dSᵀ [Bk rows] of ``R/2 + 4`` words (16-bit pairs).
 
-    Returns ``(ld, ld_ds, off_v, off_q, off_do, off_ds, total_bytes)``."""
+    Returns ``(ld, ld_ds, off_v, off_q, off_do, off_ds, total_bytes)``; buffer ``b`` of sQ
+    starts at ``off_q + b R ld``, of sdO at ``off_do + b R ld``."""
     ld = head_dim // 2 + 4
     ld_ds = rows // 2 + 4
     off_v = block_size * ld
     off_q = 2 * block_size * ld
-    off_do = off_q + rows * ld
-    off_ds = off_do + rows * ld
+    off_do = off_q + 2 * rows * ld
+    off_ds = off_do + 2 * rows * ld
     return ld, ld_ds, off_v, off_q, off_do, off_ds, 4 * (off_ds + block_size * ld_ds)
 
 
@@ -1751,7 +1753,52 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
     log2e = float32(_LOG2E)
+    QB = R * LD  # words per sQ / sdO buffer
+    R2 = 2 * R  # rows of the two tiles' tables
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+
+    @cuda.jit(device=True, inline=True)
+    def stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, r, c0,
+              e1, buf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """Start loading the tile of CSR entries ``c0 ..`` into buffer ``buf``: its row table
+        (query or -1, slot, mask limit, LSE log2 e, D) by plain stores, its Q and dO rows
+        (zeros for rows without a query) by ``cp.async`` (the caller commits)."""
+        hq = q.shape[1]
+        for w in range(tid, R, NT):
+            t = -1
+            s = 0
+            if c0 + w // G < e1:
+                t = q_indices[r, c0 + w // G]
+                s = slots[r, c0 + w // G]
+                if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+                    t = -1  # not a query of this sequence (unvalidated input): skipped
+            lim = -1
+            l2 = float32(0.0)
+            dl = float32(0.0)
+            if t >= 0:
+                h = r * G + w % G
+                lv = lse[t, h]
+                if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
+                    lim = min(pos0 + t - key_pos0, nk - 1)
+                    l2 = lv * log2e
+                    dl = delta[t, h]
+            s_t[buf * R + w] = t
+            s_slot[buf * R + w] = s
+            s_lim[buf * R + w] = lim
+            s_l2[buf * R + w] = l2
+            s_dl[buf * R + w] = dl
+        for e in range(tid, R * PIECES, NT):
+            w = e // PIECES
+            piece = (e % PIECES) * 4
+            t = -1
+            if c0 + w // G < e1:
+                t = q_indices[r, c0 + w // G]
+                if t < q_lo or t >= q_hi:
+                    t = -1
+            src = (((t if t >= 0 else 0) * hq + r * G + w % G) * DW) + piece
+            dst = buf * QB + w * LD + piece
+            copy16(smem, OFF_Q + dst, q, src, 16 if t >= 0 else 0)
+            copy16(smem, OFF_DO + dst, do, src, 16 if t >= 0 else 0)
 
     @cuda.jit(**jit)
     def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
@@ -1760,11 +1807,12 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
         """q, k, v, do: uint32 views [T, H, D/2]; dq_part float32 [K, Tq, Hq, D];
         ``scale_log2 = scale log2 e``."""
         smem = _v3_smem()
-        s_t = cuda.shared.array(R, int32)  # the tile's rows: query (or -1), slot, mask limit
-        s_slot = cuda.shared.array(R, int32)
-        s_lim = cuda.shared.array(R, int32)
-        s_l2 = cuda.shared.array(R, float32)  # LSE log2 e
-        s_dl = cuda.shared.array(R, float32)  # D = rowsum(dO O)
+        # the two tiles' rows: query (or -1), slot, mask limit, LSE log2 e, D = rowsum(dO O)
+        s_t = cuda.shared.array(R2, int32)
+        s_slot = cuda.shared.array(R2, int32)
+        s_lim = cuda.shared.array(R2, int32)
+        s_l2 = cuda.shared.array(R2, float32)
+        s_dl = cuda.shared.array(R2, float32)
         s_acc = cuda.local.array(S_REGS, float32)  # Sᵀ, then Pᵀ
         dp_acc = cuda.local.array(S_REGS, float32)  # dPᵀ, then dSᵀ
         p_frag = cuda.local.array(F_REGS, uint32)
@@ -1784,7 +1832,6 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
             return  # this CTA adds nothing
         key_base = cu_k[b] + j * Bk
         topk = dq_part.shape[0]
-        hq = q.shape[1]
         q_lo = cu_q[b]
         q_hi = cu_q[b + 1]
         pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
@@ -1813,46 +1860,22 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
         key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
         key_bot = key_top + 8
 
+        stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, r, e0,
+              e1, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+        commit()
         for c0 in range(e0, e1, P):
-            cuda.syncthreads()  # (A) the previous tile is done with sQ, sdO, sdSᵀ and the table
-            for w in range(tid, R, NT):
-                t = -1
-                s = 0
-                if c0 + w // G < e1:
-                    t = q_indices[r, c0 + w // G]
-                    s = slots[r, c0 + w // G]
-                    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-                        t = -1  # not a query of this sequence (unvalidated input): skipped
-                lim = -1
-                l2 = float32(0.0)
-                dl = float32(0.0)
-                if t >= 0:
-                    h = r * G + w % G
-                    lv = lse[t, h]
-                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
-                        lim = min(pos0 + t - key_pos0, nk - 1)
-                        l2 = lv * log2e
-                        dl = delta[t, h]
-                s_t[w] = t
-                s_slot[w] = s
-                s_lim[w] = lim
-                s_l2[w] = l2
-                s_dl[w] = dl
-            # the tile's Q and dO rows (zeros for rows without a query)
-            for e in range(tid, R * PIECES, NT):
-                w = e // PIECES
-                piece = (e % PIECES) * 4
-                t = -1
-                if c0 + w // G < e1:
-                    t = q_indices[r, c0 + w // G]
-                    if t < q_lo or t >= q_hi:
-                        t = -1
-                src = (((t if t >= 0 else 0) * hq + r * G + w % G) * DW) + piece
-                copy16(smem, OFF_Q + w * LD + piece, q, src, 16 if t >= 0 else 0)
-                copy16(smem, OFF_DO + w * LD + piece, do, src, 16 if t >= 0 else 0)
-            commit()
+            cur = ((c0 - e0) // P) % 2
             wait_all()
-            cuda.syncthreads()  # (B) K/V (first tile), Q, dO and the table landed
+            # (A) this tile's rows (and K/V) landed; the previous tile is done with the other
+            # buffer, its table and sdSᵀ
+            cuda.syncthreads()
+            if c0 + P < e1:
+                stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots,
+                      r, c0 + P, e1, 1 - cur, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+            commit()
+            qo = OFF_Q + cur * QB
+            doo = OFF_DO + cur * QB
+            row0 = cur * R  # this tile's rows in the tables
 
             # Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ (16 keys x R rows, fp32 registers).
             for i in range(S_REGS):
@@ -1863,7 +1886,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                 c0_, c1_, c2_, c3_ = ldmatrix_x4(smem, OFF_V + a_lane + 8 * ks)
                 for n2 in range(NS // 2):
                     n = 8 * n2
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, OFF_Q + b_lane + 16 * n2 * LD + 8 * ks)
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, qo + b_lane + 16 * n2 * LD + 8 * ks)
                     x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
                                          s_acc[n + 2], s_acc[n + 3])
                     s_acc[n] = x0
@@ -1876,7 +1899,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     s_acc[n + 5] = x1
                     s_acc[n + 6] = x2
                     s_acc[n + 7] = x3
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, OFF_DO + b_lane + 16 * n2 * LD + 8 * ks)
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, doo + b_lane + 16 * n2 * LD + 8 * ks)
                     x0, x1, x2, x3 = mma(c0_, c1_, c2_, c3_, b0, b1, dp_acc[n], dp_acc[n + 1],
                                          dp_acc[n + 2], dp_acc[n + 3])
                     dp_acc[n] = x0
@@ -1895,9 +1918,9 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
             for i in range(NS):
                 for e in range(2):
                     w = 8 * i + 2 * t4 + e
-                    lim = s_lim[w]
-                    l2 = s_l2[w]
-                    dl = s_dl[w]
+                    lim = s_lim[row0 + w]
+                    l2 = s_l2[row0 + w]
+                    dl = s_dl[row0 + w]
                     p0 = float32(0.0)
                     p1 = float32(0.0)
                     if key_top <= lim:
@@ -1920,7 +1943,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
             for kr in range(KR):
                 for n2 in range(NO // 2):
                     n = 8 * n2
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, OFF_DO + t_lane + 16 * kr * LD
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, doo + t_lane + 16 * kr * LD
                                                        + 8 * n2)
                     x0, x1, x2, x3 = mma(p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
                                          p_frag[4 * kr + 3], b0, b1, dv_acc[n], dv_acc[n + 1],
@@ -1936,7 +1959,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     dv_acc[n + 5] = x1
                     dv_acc[n + 6] = x2
                     dv_acc[n + 7] = x3
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, OFF_Q + t_lane + 16 * kr * LD
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, qo + t_lane + 16 * kr * LD
                                                        + 8 * n2)
                     x0, x1, x2, x3 = mma(ds_frag[4 * kr], ds_frag[4 * kr + 1],
                                          ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1,
@@ -1984,9 +2007,9 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     dcol = 16 * n2 + 2 * t4
                     for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
                         w = 16 * m + g4 + 8 * half
-                        t = s_t[w]
+                        t = s_t[row0 + w]
                         if t >= 0:
-                            s = s_slot[w]
+                            s = s_slot[row0 + w]
                             h = r * G + w % G
                             dq_part[s, t, h, dcol] = q_acc[2 * half]
                             dq_part[s, t, h, dcol + 1] = q_acc[2 * half + 1]
