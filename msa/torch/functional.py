@@ -175,7 +175,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         block_size: Bk. scale: softmax scale, default ``1/sqrt(D)``.
         backward: ``"auto"`` (default): ``msa.cuda.sparse_attention_backward`` on CUDA
             tensors where its tensor-core version applies (fp16/bf16, D and Bk multiples of
-            16 up to 128; 27x the PyTorch backward and 4.2x dense SDPA's at 128K on an
+            16 up to 128; 27x the PyTorch backward and 4.4x dense SDPA's at 128K on an
             H200, ``docs/performance.md``), else the PyTorch backward;
             ``"torch"``: ``sparse_attention_backward`` below, PyTorch on any device;
             ``"cuda"``: ``msa.cuda``'s backward on CUDA tensors whatever its version (the
