@@ -80,7 +80,7 @@ for order in ("q_outer", "kv_outer"):
             label=order.replace("_", "-"))
 ax.plot(bks, [2 * b / 3 for b in bks], ":", color="0.5", label="$\\frac{2}{3} B_k$")
 ax.set(xscale="log", xticks=bks, xticklabels=bks, xlabel="block size $B_k$", ylabel="FLOPs per byte",
-       title=f"arithmetic intensity, $G$ = 16, $k$ = 16")
+       title="arithmetic intensity, $G$ = 16, $k$ = 16")
 ax.legend()
 plt.show()
 print("query concatenation: ceil(128 / G) =", math.ceil(128 / 16), "positions x 16 heads =",
@@ -327,6 +327,37 @@ else:
     kernel_checks.append("sparse_attention_backward")
 
 # %% [markdown]
+# On fp16/bf16 inputs (D and $B_k$ multiples of 16 up to 128) the default is version 2 on tensor
+# cores: one kernel per part of a row does all five products with `mma.sync`, keeps the block's
+# $dK$ and $dV$ in registers, and writes each (query, head, slot)'s share of $dQ$ to a partial that
+# a second kernel sums in slot order (the forward's K1/K2 split again, no atomics). $P$ and $dS$
+# are rounded to 16 bits before their products, as in FlashAttention's backward, so it is compared
+# with the reference on the same fp16 inputs, relative to the largest gradient (the simulator's
+# problem above has $B_k = 8$, so it gets one with $B_k = 16$):
+
+# %%
+rel_v2 = None
+if backward_cuda is not None:
+    from msa.cuda.attention import default_backward_version
+
+    p16 = p if p.block_size % 16 == 0 else make_problem(
+        seq_lens_k=(40, 25), num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, topk=2, seed=9)
+    a16 = (p16.cu_seqlens_q, p16.cu_seqlens_k)
+    I16 = R.select_blocks(R.block_scores(p16.q_idx, p16.k_idx, *a16, p16.block_size), *a16, p16.topk,
+                          p16.block_size)
+    q16, k16, v16 = (x.astype(np.float16) for x in (p16.q, p16.k, p16.v))
+    o_f, lse16 = R.sparse_attention(*(x.astype(np.float32) for x in (q16, k16, v16)), I16, *a16,
+                                    p16.block_size)
+    o16, dO16 = o_f.astype(np.float16), rng.standard_normal(o_f.shape).astype(np.float16)
+    want = R.sparse_attention_backward(*(x.astype(np.float64) for x in (q16, k16, v16, o16)), lse16,
+                                       dO16.astype(np.float64), I16, *a16, p16.block_size)
+    print("version for these inputs:", default_backward_version(q16, k16, v16, p16.block_size))
+    got = backward_cuda(q16, k16, v16, o16, lse16, dO16, I16, *a16, p16.block_size)
+    rel_v2 = max(float(np.abs(np.asarray(g) - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+    print(f"version 2 (fp16): max |error| / max |gradient| = {rel_v2:.1e} "
+          f"(fp16 unit roundoff {2.0 ** -11:.1e})")
+
+# %% [markdown]
 # ## Agreement check
 
 # %%
@@ -351,6 +382,9 @@ nbtools.check("K1 partials + K2 combine == eq 8 (Q-outer sparse_attention)",
 nbtools.check("the combine does not depend on the slot order",
               np.abs(o_perm - o_2phase).max() <= 64 * eps * scale_o)
 nbtools.check("the combine weights w_s sum to 1", abs(w.sum() - 1) < 1e-12)
+if rel_v2 is not None:
+    nbtools.check("backward version 2 (tensor cores) == reference within fp16 rounding",
+                  rel_v2 < 8 * 2.0 ** -11, f"{rel_v2:.1e}")
 for stage in ("csr", "schedule", "attention_partials", "combine_partials", "sparse_attention", "msa_prefill",
               "sparse_attention_backward"):
     if stage in kernel_checks:

@@ -554,6 +554,16 @@ def test_backward_property(s, part_size):
     run_backward(p, I, "float32", part_size=part_size)
 
 
+@settings(max_examples=4)  # the twin mma and ldmatrix cost simulator barriers per call
+@given(s=small_shapes, part_size=st.sampled_from([None, 1, 3]), chunk=st.sampled_from([None, 5]))
+def test_backward_v2_property(s, part_size, chunk):
+    """Version 2 on drawn problems (G, varlen, empty and future selections), hot rows in parts
+    and query chunks of 5 (``max_partial_bytes``)."""
+    p, I = _draw_problem(s)
+    budget = None if chunk is None else chunk * I.shape[2] * p.q.shape[1] * p.q.shape[2] * 4
+    run_backward(p, I, "float16", version=2, part_size=part_size, max_partial_bytes=budget)
+
+
 def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
     """Deterministic (no atomics); a query group that sees nothing (lse = -inf) gets dq = 0 and
     gives its keys nothing."""
