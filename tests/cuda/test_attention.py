@@ -533,6 +533,22 @@ def test_backward_v2_empty_supports_give_zero(bf16_as_uint16):
     assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all() and (dv[:16, 1] == 0).all()
 
 
+def test_default_backward_version(bf16_as_uint16):
+    """Version 2 for 16-bit inputs with D and Bk multiples of 16 up to 128, else version 1."""
+    def inputs(kind, d, g=2):
+        q = np.zeros((3, 2 * g, d), np.float32)
+        k = np.zeros((5, 2, d), np.float32)
+        return (cast(x, kind)[0] for x in (q, k, k))
+
+    assert gpu.default_backward_version(*inputs("float32", 16), 16) == 1
+    assert gpu.default_backward_version(*inputs("float16", 16), 16) == 2
+    assert gpu.default_backward_version(*inputs("bfloat16", 128), 128) == 2
+    assert gpu.default_backward_version(*inputs("float16", 16), 8) == 1  # Bk not a multiple of 16
+    assert gpu.default_backward_version(*inputs("float16", 16), 256) == 1  # Bk > 128
+    assert gpu.default_backward_version(*inputs("float16", 24), 16) == 1  # D not a multiple of 16
+    assert gpu.default_backward_version(*inputs("float16", 256), 16) == 1  # D > 128
+
+
 @pytest.mark.parametrize("why", ["float32", "block_size", "version"])
 def test_backward_version_errors_name_the_reason(why):
     p, I = problem([9], [9], 2, 1, 16, 8, 2, seed=1)
