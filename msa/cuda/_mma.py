@@ -353,6 +353,18 @@ def load_b_frag(smem, base, ld):
     return smem[at], smem[at + 4]
 
 
+@cuda.jit(device=True, inline=True)
+def _deal(warp, it, nw, total, per_row):
+    """Work item ``warp + it * nw`` of ``total`` dealt round-robin to the warps, as ``(real,
+    row, col)`` with ``per_row`` items a row; past the end item 0 again with ``real`` False, so
+    that every warp runs the same mma count (the twin mma is a CTA-wide step)."""
+    item = warp + it * nw
+    real = item < total
+    if not real:
+        item = 0
+    return real, item // per_row, item % per_row
+
+
 # Launch with more than 48 KB of dynamic shared memory.
 _raised: dict = {}
 

@@ -82,7 +82,7 @@ from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                       group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
-from ._mma import (bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
+from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
 from .csr import MAX_TOPK, _last_le
@@ -1978,14 +1978,10 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     dk_acc[n + 7] = x3
             cuda.syncthreads()  # (C) dSᵀ complete
 
-            # dQ_tile = dS K: unit u = (m-tile u // (NO/2), n-tiles 2 (u % (NO/2)) and the next);
-            # every warp runs ROUNDS units (the simulator's mma is a CTA-wide step), a unit past
-            # the last stores nothing.
+            # dQ_tile = dS K: units (m-tile, n-tile pair) dealt to the warps, ROUNDS each; a unit
+            # past the last computes unit 0 again and stores nothing.
             for rnd in range(ROUNDS):
-                u = rnd * NW + warp
-                uu = u if u < PAIRS else 0
-                m = uu // (NO // 2)
-                n2 = uu % (NO // 2)
+                real, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
                 for i in range(8):
                     q_acc[i] = float32(0.0)
                 for kb in range(KB):
@@ -2003,7 +1999,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     q_acc[5] = x1
                     q_acc[6] = x2
                     q_acc[7] = x3
-                if u < PAIRS:
+                if real:
                     dcol = 16 * n2 + 2 * t4
                     for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
                         w = 16 * m + g4 + 8 * half
@@ -2185,8 +2181,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         raise ValueError(f"version must be one of {BWD_VERSIONS} or None, got {version!r}")
     if version == 2 and why_not:
         raise ValueError(f"version=2 (tensor cores) does not support {why_not}; use version=1")
-    smem = _bwd_dkdv_layout(block_size, d, spec.g)[-1]
     if version == 1:
+        smem = _bwd_dkdv_layout(block_size, d, spec.g)[-1]
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
                                     ("dQ", _bwd_dq_smem(block_size, d, spec.g),
                                      _mma.STATIC_SMEM_LIMIT)):

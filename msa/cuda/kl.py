@@ -134,7 +134,7 @@ from .attention import (_LN2, _LOG2E, _check_entry, _device_copy, _item_fields, 
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
                       load_f32x4, no_op)
-from ._mma import (bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
+from ._mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 
 VERSIONS = (1, 2, 3, 4)
@@ -175,18 +175,6 @@ _to_f32_plain = cuda.jit(device=True)(_identity_f32)
 def _loader(kind: str):
     """Device function turning one input element into float32 (bf16 arrives as uint16 bits)."""
     return bf16_to_f32 if kind == "bfloat16" else _to_f32_plain
-
-
-@cuda.jit(device=True, inline=True)
-def _deal(warp, it, nw, total, per_row):
-    """Work item ``warp + it * nw`` of ``total`` dealt round-robin to the warps, as ``(real,
-    row, col)`` with ``per_row`` items a row; past the end item 0 again with ``real`` False, so
-    that every warp runs the same mma count."""
-    item = warp + it * nw
-    real = item < total
-    if not real:
-        item = 0
-    return real, item // per_row, item % per_row
 
 
 @cuda.jit(device=True)
