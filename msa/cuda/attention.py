@@ -1378,7 +1378,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
 # --- the backward of eq 8 (training the main branch) ----------------------------------------------
 #
 # Version 1, CUDA cores, deterministic (no atomics), FlashAttention's rule with the forward's LSE:
-#   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a thread per (t, h)
+#   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a warp per (t, h)
 #   dQ: a CTA per (query, KV head), Q-outer       _attention_bwd_kernel_dq
 #       per selected block: dS [G, Bk] in shared memory, then dQ[g, :] += dS[g, :] K_block
 #   dK, dV: a CTA per part of a k2q CSR row (at most part_size queries), KV-outer
@@ -1468,16 +1468,24 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
 
     @cuda.jit
     def _attention_bwd_kernel_delta(o, do, delta):
+        """A warp per (t, h) row: lane l sums dims l, l + 32, ... (coalesced reads), then the
+        warp's partial sums meet by shuffles. (A thread per row, its reads strided by a row,
+        took 43 ms at 128K in the paper configuration.)"""
         i = cuda.grid(1)
+        row = i // 32
+        lane = i % 32
         hq = o.shape[1]
-        if i >= o.shape[0] * hq:
-            return
-        t = i // hq
-        h = i % hq
+        if row >= o.shape[0] * hq:
+            return  # the whole warp: rows are warp-uniform
+        t = row // hq
+        h = row % hq
         acc = float32(0.0)
-        for d in range(D):
+        for d in range(lane, D, 32):
             acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
-        delta[t, h] = acc
+        for width in (16, 8, 4, 2, 1):
+            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
+        if lane == 0:
+            delta[t, h] = acc
 
     @cuda.jit
     def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, cu_q, cu_k, scale, dq):
@@ -2045,21 +2053,31 @@ def _bwd_dq_sum_kernel(head_dim: int, group: int):
     from .csr import _edge_row
 
     D, G = head_dim, group
+    NL = (D + 31) // 32  # dims a lane sums: l, l + 32, ...
 
     @cuda.jit
     def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
+        """A warp per (t, h) row: each slot's validity once per lane (not per element), its
+        D values read as whole 128-byte lines."""
+        acc = cuda.local.array(NL, float32)
         i = cuda.grid(1)
+        row = i // 32
+        lane = i % 32
         hq = dq.shape[1]
-        if i >= dq.shape[0] * hq * D:
+        if row >= dq.shape[0] * hq:
             return
-        d = i % D
-        t = i // (hq * D)
-        h = (i // D) % hq
-        acc = float32(0.0)
+        t = row // hq
+        h = row % hq
+        for u in range(NL):
+            acc[u] = float32(0.0)
         for s in range(dq_part.shape[0]):
             if _edge_row(I, cu_q, row_offsets, t, h // G, s) >= 0:
-                acc += dq_part[s, t, h, d]
-        dq[t, h, d] = acc * scale
+                for u in range(NL):
+                    if lane + 32 * u < D:
+                        acc[u] += dq_part[s, t, h, lane + 32 * u]
+        for u in range(NL):
+            if lane + 32 * u < D:
+                dq[t, h, lane + 32 * u] = acc[u] * scale
 
     return _attention_bwd_kernel_dq_sum
 
@@ -2210,7 +2228,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     k_delta, k_dq, k_dkdv, k_sum, k_parts = _bwd_kernels(block_size, d, spec.g, spec.bf16,
                                                          _BWD_THREADS)
     nt = _BWD_THREADS
-    k_delta[-(-(tq * hq) // nt), nt](oa, doa, delta_a)
+    k_delta[-(-(tq * hq * 32) // nt), nt](oa, doa, delta_a)  # a warp per row
     if version == 1:
         qa, ka, va = (_element_view(ctx, name, x, spec.bf16)
                       for name, x in (("q", q), ("k", k), ("v", v)))
@@ -2270,6 +2288,6 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
                     k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
                                           dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
-        k_dq_sum[-(-(tc * hq * d) // nt), nt](_kernel_array(I_c), d_cu_q, d_row_offsets,
-                                               dq_part, np.float32(scale), dq_a[t0:t1])
+        k_dq_sum[-(-(tc * hq * 32) // nt), nt](_kernel_array(I_c), d_cu_q, d_row_offsets,
+                                                dq_part, np.float32(scale), dq_a[t0:t1])
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)
