@@ -1378,7 +1378,7 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
 # --- the backward of eq 8 (training the main branch) ----------------------------------------------
 #
 # Version 1, CUDA cores, deterministic (no atomics), FlashAttention's rule with the forward's LSE:
-#   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a thread per (t, h)
+#   D_t = rowsum(dO_t * O_t)                      _attention_bwd_kernel_delta, a warp per (t, h)
 #   dQ: a CTA per (query, KV head), Q-outer       _attention_bwd_kernel_dq
 #       per selected block: dS [G, Bk] in shared memory, then dQ[g, :] += dS[g, :] K_block
 #   dK, dV: a CTA per part of a k2q CSR row (at most part_size queries), KV-outer
@@ -1468,16 +1468,24 @@ def _bwd_kernels(block_size: int, head_dim: int, group: int, bf16_in: bool, thre
 
     @cuda.jit
     def _attention_bwd_kernel_delta(o, do, delta):
+        """A warp per (t, h) row: lane l sums dims l, l + 32, ... (coalesced reads), then the
+        warp's partial sums meet by shuffles. (A thread per row, its reads strided by a row,
+        took 43 ms at 128K in the paper configuration.)"""
         i = cuda.grid(1)
+        row = i // 32
+        lane = i % 32
         hq = o.shape[1]
-        if i >= o.shape[0] * hq:
-            return
-        t = i // hq
-        h = i % hq
+        if row >= o.shape[0] * hq:
+            return  # the whole warp: rows are warp-uniform
+        t = row // hq
+        h = row % hq
         acc = float32(0.0)
-        for d in range(D):
+        for d in range(lane, D, 32):
             acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
-        delta[t, h] = acc
+        for width in (16, 8, 4, 2, 1):
+            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
+        if lane == 0:
+            delta[t, h] = acc
 
     @cuda.jit
     def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, cu_q, cu_k, scale, dq):
@@ -2045,21 +2053,31 @@ def _bwd_dq_sum_kernel(head_dim: int, group: int):
     from .csr import _edge_row
 
     D, G = head_dim, group
+    NL = (D + 31) // 32  # dims a lane sums: l, l + 32, ...
 
     @cuda.jit
     def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
+        """A warp per (t, h) row: each slot's validity once per lane (not per element), its
+        D values read as whole 128-byte lines."""
+        acc = cuda.local.array(NL, float32)
         i = cuda.grid(1)
+        row = i // 32
+        lane = i % 32
         hq = dq.shape[1]
-        if i >= dq.shape[0] * hq * D:
+        if row >= dq.shape[0] * hq:
             return
-        d = i % D
-        t = i // (hq * D)
-        h = (i // D) % hq
-        acc = float32(0.0)
+        t = row // hq
+        h = row % hq
+        for u in range(NL):
+            acc[u] = float32(0.0)
         for s in range(dq_part.shape[0]):
             if _edge_row(I, cu_q, row_offsets, t, h // G, s) >= 0:
-                acc += dq_part[s, t, h, d]
-        dq[t, h, d] = acc * scale
+                for u in range(NL):
+                    if lane + 32 * u < D:
+                        acc[u] += dq_part[s, t, h, lane + 32 * u]
+        for u in range(NL):
+            if lane + 32 * u < D:
+                dq[t, h, lane + 32 * u] = acc[u] * scale
 
     return _attention_bwd_kernel_dq_sum
 
@@ -2092,19 +2110,23 @@ def default_backward_version(q, k, v, block_size) -> int:
     return 1 if why_not else 2
 
 
-def _bwd_parts(ctx, k_parts, row_ptr, hkv, rows, part_size):
-    """Cut the CSR rows into parts of at most ``part_size`` entries: ``(part_ptr, per_head,
-    num_split)``. One scan gives both the parts' offsets per head (rows 0 .. Hkv-1 of
-    ``part_ptr``) and the scratch slots of the rows with more than one part (rows Hkv ..), one
-    host read (a device sync) their totals: the most parts of a head and the scratch slots."""
+def _bwd_parts(ctx, k_parts, row_ptr, hkv, rows, part_size, entries):
+    """Cut the CSR rows into parts of at most ``part_size`` entries, without a host read:
+    ``(part_ptr, per_head, num_split)``. One scan gives both the parts' offsets per head (rows
+    0 .. Hkv-1 of ``part_ptr``) and the scratch slots of the rows with more than one part (rows
+    Hkv ..). The grid and the scratch are sized by bounds, for heads of at most ``entries``
+    entries: a head has ``sum ceil(c / part_size) <= rows + entries // part_size`` parts (CTAs
+    past its last part exit at once), and its split rows (``c > part_size`` each) fewer than
+    ``2 * entries / part_size`` parts, and at most ``entries``."""
     from .csr import exclusive_prefix_sum
 
     nt = _BWD_THREADS
     parts = ctx.empty((2 * hkv, rows), np.int32)
     k_parts[-(-(hkv * rows) // nt), nt](row_ptr, part_size, ctx.arg(parts))
     part_ptr = exclusive_prefix_sum(parts, validate=False)
-    totals = np.asarray(cu_to_host(part_ptr))[:, -1]
-    return _kernel_array(part_ptr), int(totals[:hkv].max()), int(totals[hkv:].sum())
+    per_head = rows + entries // part_size
+    num_split = hkv * min(entries, 2 * (entries // part_size))
+    return _kernel_array(part_ptr), per_head, num_split
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -2210,7 +2232,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     k_delta, k_dq, k_dkdv, k_sum, k_parts = _bwd_kernels(block_size, d, spec.g, spec.bf16,
                                                          _BWD_THREADS)
     nt = _BWD_THREADS
-    k_delta[-(-(tq * hq) // nt), nt](oa, doa, delta_a)
+    k_delta[-(-(tq * hq * 32) // nt), nt](oa, doa, delta_a)  # a warp per row
     if version == 1:
         qa, ka, va = (_element_view(ctx, name, x, spec.bf16)
                       for name, x in (("q", q), ("k", k), ("v", v)))
@@ -2223,16 +2245,14 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         if rows == 0:
             return ctx.output(dq), ctx.output(dk), ctx.output(dv)
         d_row_ptr, d_row_offsets = _kernel_array(row_ptr), _device_copy(row_offsets.astype(np.int32))
-        part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows, part_size)
-        if per_head == 0:
-            return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+        part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows, part_size,
+                                                   tq * topk)
         dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
         dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
         _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
                     _kernel_array(q_indices), d_row_offsets, d_cu_q, d_cu_k, np.float32(scale),
                     part_ptr, part_size, dk_a, dv_a, dk_part, dv_part)
-        if num_split:
-            k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
+        k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
         return ctx.output(dq), ctx.output(dk), ctx.output(dv)
 
     # Version 2: query chunks whose dQ partials fit max_partial_bytes (as sparse_attention).
@@ -2243,33 +2263,34 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     k_dq_sum = _bwd_dq_sum_kernel(d, spec.g)
     q_chunk = max(1, min(tq, max_partial_bytes // (topk * hq * d * 4)))
     dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * d,), np.float32))
+    # Every chunk's offsets go to the device before the first launch (a host-to-device copy
+    # inside the loop would wait for the previous chunk's kernels); no host read after that.
+    chunks = []
     for t0, t1, k_lo, k_hi, cq, ck in query_chunks(cu_q, cu_k, q_chunk):
+        row_offsets = block_row_offsets(ck, block_size)
+        chunks.append((t0, t1, k_lo, k_hi, cq, ck, int(row_offsets[-1]),
+                       *(_device_copy(x.astype(np.int32)) for x in (row_offsets, cq, ck))))
+    for t0, t1, k_lo, k_hi, cq, ck, rows, d_row_offsets, d_cu_q, d_cu_k in chunks:
         tc = t1 - t0
         I_c = I[t0:t1]
-        row_ptr, q_indices, slots = build_csr(I_c, cq, ck, block_size, validate=False)
-        row_offsets = block_row_offsets(ck, block_size)
-        rows = int(row_offsets[-1])
-        d_row_offsets, d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32))
-                                         for x in (row_offsets, cq, ck))
         dq_part = dq_buf[:topk * tc * hq * d].reshape(topk, tc, hq, d)
         if rows:
+            row_ptr, q_indices, slots = build_csr(I_c, cq, ck, block_size, validate=False)
             d_row_ptr = _kernel_array(row_ptr)
             part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows,
-                                                       part_size)
-            if per_head:
-                dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
-                dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
-                dk_c, dv_c = dk_a[k_lo:k_hi], dv_a[k_lo:k_hi]
-                _mma.launch(k_tc, hkv * per_head, 2 * block_size, tc_smem, qw[t0:t1],
-                            kw[k_lo:k_hi], vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1],
-                            delta_a[t0:t1], d_row_ptr, _kernel_array(q_indices),
-                            _kernel_array(slots), d_row_offsets, d_cu_q, d_cu_k,
-                            np.float32(scale), np.float32(scale * _LOG2E), part_ptr, part_size,
-                            dk_c, dv_c, dk_part, dv_part, dq_part)
-                if num_split:
-                    k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
-                                          dk_c, dv_c)
+                                                       part_size, tc * topk)
+            dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+            dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
+            dk_c, dv_c = dk_a[k_lo:k_hi], dv_a[k_lo:k_hi]
+            _mma.launch(k_tc, hkv * per_head, 2 * block_size, tc_smem, qw[t0:t1],
+                        kw[k_lo:k_hi], vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1],
+                        delta_a[t0:t1], d_row_ptr, _kernel_array(q_indices),
+                        _kernel_array(slots), d_row_offsets, d_cu_q, d_cu_k,
+                        np.float32(scale), np.float32(scale * _LOG2E), part_ptr, part_size,
+                        dk_c, dv_c, dk_part, dv_part, dq_part)
+            # rows of one part return at once
+            k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
-        k_dq_sum[-(-(tc * hq * d) // nt), nt](_kernel_array(I_c), d_cu_q, d_row_offsets,
-                                               dq_part, np.float32(scale), dq_a[t0:t1])
+        k_dq_sum[-(-(tc * hq * 32) // nt), nt](_kernel_array(I_c), d_cu_q, d_row_offsets,
+                                                dq_part, np.float32(scale), dq_a[t0:t1])
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)
