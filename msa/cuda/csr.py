@@ -1134,39 +1134,73 @@ def _warp_place(key, wcur, w):
 
 
 @cuda.jit(device=True)
-def _split_groups_walk(block_indices, cu_q, row_offsets, t_begin, q_lo, q_hi, h, rows, place,
-                       wcur, w, rec_q, rec_sr):
-    """Warp w walks the edges of queries ``[t_begin + q_lo, t_begin + q_hi)`` of head h in
-    (query, slot) order, 32 a step: counts them per row group (``place`` False) or writes each
-    to its place in the split arrays (True)."""
-    lane = cuda.laneid
-    topk = block_indices.shape[2]
-    width = rec_q.shape[1]
-    n = (q_hi - q_lo) * topk
-    q = q_lo + lane // topk  # the lane's edge (q, s), advanced by 32 edges a step
-    s = lane % topk
-    step_q = 32 // topk
-    step_s = 32 % topk
-    for base in range(0, n, 32):
-        key = int32(-1)
-        t = t_begin + q
+def _tile_edge(block_indices, t0, e, n, h):
+    """Block id of edge e (< n) of the queries from t0 of head h, in (query, slot) order; -1
+    past n."""
+    topk = int32(block_indices.shape[2])
+    x = int32(-1)
+    if e < n:
+        q = e // topk
+        x = block_indices[t0 + q, h, e - q * topk]
+    return x
+
+
+@cuda.jit(device=True)
+def _group_edge(x, cu_q, row_offsets, first, nblocks, t0, e, topk, h, rows, place, wcur, w,
+                rec_q, rec_sr):
+    """Counts (``place`` False) or places (True) edge e of block id x (see ``_tile_edge``).
+    ``nblocks >= 0``: every query of the walk is in one sequence, whose rows start at
+    ``first``; -1: look the sequence up (``_block_row``)."""
+    q = e // topk
+    t = t0 + q
+    if nblocks >= 0:
         r = int64(-1)
-        if base + lane < n:
-            r = _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
-            if r >= 0 and r < rows:
-                key = int32(r // _GROUP_ROWS)
-        if place:
-            pos = _warp_place(key, wcur, w)
-            if pos >= 0 and pos < width:
-                rec_q[h, pos] = t
-                rec_sr[h, pos] = (s << 7) | (r % _GROUP_ROWS)
-        else:
-            _warp_count(key, wcur, w)
-        q += step_q
-        s += step_s
-        if s >= topk:
-            s -= topk
-            q += 1
+        if x >= 0 and x < nblocks:
+            r = first + x
+    else:
+        r = _block_row(x, cu_q, row_offsets, t)  # (-1 for x = -1)
+    key = int32(-1)
+    if r >= 0 and r < rows:
+        key = int32(r // _GROUP_ROWS)
+    if place:
+        pos = _warp_place(key, wcur, w)
+        if pos >= 0 and pos < rec_q.shape[1]:
+            rec_q[h, pos] = t
+            rec_sr[h, pos] = ((e - q * topk) << 7) | (r % _GROUP_ROWS)
+    else:
+        _warp_count(key, wcur, w)
+
+
+@cuda.jit(device=True)
+def _split_groups_walk(block_indices, cu_q, row_offsets, t0, nq, h, rows, place, wcur, w,
+                       rec_q, rec_sr):
+    """Warp w walks the edges of queries ``[t0, t0 + nq)`` of head h in (query, slot) order,
+    128 a step (four loads in flight per lane before the first is ranked): counts them per row
+    group (``place`` False) or writes each to its place in the split arrays (True)."""
+    lane = int32(cuda.laneid)
+    topk = int32(block_indices.shape[2])
+    n = int32(nq) * topk  # (< 2**31: a tile has at most 8192 queries of at most 1024 slots)
+    first = int64(0)
+    nblocks = int64(-1)  # one sequence: its rows, looked up once (a prefill: every walk)
+    if nq > 0:
+        b = _last_le(cu_q, t0)
+        if _last_le(cu_q, t0 + nq - 1) == b:
+            first = int64(row_offsets[b])
+            nblocks = int64(row_offsets[b + 1]) - first
+    for base in range(int32(0), n, int32(128)):
+        e0 = base + lane
+        x0 = _tile_edge(block_indices, t0, e0, n, h)
+        x1 = _tile_edge(block_indices, t0, e0 + 32, n, h)
+        x2 = _tile_edge(block_indices, t0, e0 + 64, n, h)
+        x3 = _tile_edge(block_indices, t0, e0 + 96, n, h)
+        _group_edge(x0, cu_q, row_offsets, first, nblocks, t0, e0, topk, h, rows, place, wcur,
+                    w, rec_q, rec_sr)
+        _group_edge(x1, cu_q, row_offsets, first, nblocks, t0, e0 + 32, topk, h, rows, place,
+                    wcur, w, rec_q, rec_sr)
+        _group_edge(x2, cu_q, row_offsets, first, nblocks, t0, e0 + 64, topk, h, rows, place,
+                    wcur, w, rec_q, rec_sr)
+        _group_edge(x3, cu_q, row_offsets, first, nblocks, t0, e0 + 96, topk, h, rows, place,
+                    wcur, w, rec_q, rec_sr)
 
 
 @cuda.jit(**_SPLIT_JIT)
@@ -1196,8 +1230,8 @@ def _csr_kernel_split_groups_warps(block_indices, cu_q, row_offsets, row_ptr, cu
     per = (nq + nw - 1) // nw
     q_lo = min(nq, w * per)
     q_hi = min(nq, q_lo + per)
-    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin, q_lo, q_hi, h, rows, False,
-                       wcur, w, rec_q, rec_sr)
+    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin + q_lo, q_hi - q_lo, h, rows,
+                       False, wcur, w, rec_q, rec_sr)
     cuda.syncthreads()
     for g in range(tid, ngroups, nt):
         run = int32(min(gstart[g], int64(INT32_MAX)))
@@ -1206,42 +1240,62 @@ def _csr_kernel_split_groups_warps(block_indices, cu_q, row_offsets, row_ptr, cu
             wcur[v, g] = run
             run += c
     cuda.syncthreads()
-    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin, q_lo, q_hi, h, rows, True,
-                       wcur, w, rec_q, rec_sr)
+    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin + q_lo, q_hi - q_lo, h, rows,
+                       True, wcur, w, rec_q, rec_sr)
+
+
+@cuda.jit(device=True)
+def _row_edge(v, qv, valid, nr, h, place, wcur, w, q_indices, slots):
+    """Counts (``place`` False) or places (True) one record ``(qv, v = slot << 7 | row % 128)``
+    of a row group of ``nr`` rows."""
+    key = int32(-1)
+    if valid and (v & (_GROUP_ROWS - 1)) < nr:
+        key = v & (_GROUP_ROWS - 1)
+    if place:
+        pos = _warp_place(key, wcur, w)
+        if pos >= 0 and pos < q_indices.shape[1]:
+            q_indices[h, pos] = qv
+            slots[h, pos] = v >> 7
+    else:
+        _warp_count(key, wcur, w)
 
 
 @cuda.jit(device=True)
 def _split_rows_walk(lo, hi, nr, h, place, wcur, w, rec_q, rec_sr, q_indices, slots):
-    """Warp w walks records ``[lo, hi)`` of one row group of head h, 32 a step (the next step's
-    records are loaded before this one's are ranked): counts them per row (``place`` False) or
-    writes each to its row (True)."""
+    """Warp w walks records ``[lo, hi)`` of one row group of head h, 128 a step (all loads of a
+    step in flight before the first record is ranked): counts them per row (``place`` False)
+    or writes each to its row (True)."""
     lane = cuda.laneid
-    width = q_indices.shape[1]
-    e = lo + lane
-    v_next = int32(0)
-    q_next = int32(0)
-    if e < hi:
-        v_next = rec_sr[h, e]
-        if place:
-            q_next = rec_q[h, e]
-    for base in range(lo, hi, 32):
-        e = base + lane
-        v = v_next
-        qv = q_next
-        if e + 32 < hi:
-            v_next = rec_sr[h, e + 32]
+    for base in range(lo, hi, 128):
+        e0 = base + lane
+        v0 = int32(0)
+        v1 = int32(0)
+        v2 = int32(0)
+        v3 = int32(0)
+        q0 = int32(0)
+        q1 = int32(0)
+        q2 = int32(0)
+        q3 = int32(0)
+        if e0 < hi:
+            v0 = rec_sr[h, e0]
             if place:
-                q_next = rec_q[h, e + 32]
-        key = int32(-1)
-        if e < hi and (v & (_GROUP_ROWS - 1)) < nr:
-            key = v & (_GROUP_ROWS - 1)
-        if place:
-            pos = _warp_place(key, wcur, w)
-            if pos >= 0 and pos < width:
-                q_indices[h, pos] = qv
-                slots[h, pos] = v >> 7
-        else:
-            _warp_count(key, wcur, w)
+                q0 = rec_q[h, e0]
+        if e0 + 32 < hi:
+            v1 = rec_sr[h, e0 + 32]
+            if place:
+                q1 = rec_q[h, e0 + 32]
+        if e0 + 64 < hi:
+            v2 = rec_sr[h, e0 + 64]
+            if place:
+                q2 = rec_q[h, e0 + 64]
+        if e0 + 96 < hi:
+            v3 = rec_sr[h, e0 + 96]
+            if place:
+                q3 = rec_q[h, e0 + 96]
+        _row_edge(v0, q0, e0 < hi, nr, h, place, wcur, w, q_indices, slots)
+        _row_edge(v1, q1, e0 + 32 < hi, nr, h, place, wcur, w, q_indices, slots)
+        _row_edge(v2, q2, e0 + 64 < hi, nr, h, place, wcur, w, q_indices, slots)
+        _row_edge(v3, q3, e0 + 96 < hi, nr, h, place, wcur, w, q_indices, slots)
 
 
 @cuda.jit(**_SPLIT_JIT)
