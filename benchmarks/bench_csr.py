@@ -180,7 +180,7 @@ def run_case(n, pattern, reps):
     def msa_csr_scatter(version):
         return gpu_csr._build_csr(I, cu, cu, BK, validate=False, scatter_version=version)
 
-    for version in (2, 3, 4):
+    for version in (2, 3):
         case[f"csr_scatter_v{version}_equal"] = all(
             torch.equal(g, w) for g, w in zip(msa_csr_scatter(version), want))
     case["work_items"], case["work_capacity"] = w, int(work.shape[0])
@@ -194,7 +194,7 @@ def run_case(n, pattern, reps):
     t["msa_csr_ms"] = time_ms(msa_csr, reps)
     t["msa_schedule_ms"] = time_ms(lambda: msa_schedule(row_ptr), reps)
     t["msa_csr_schedule_ms"] = time_ms(msa_all, reps)
-    for version in (2, 3, 4):
+    for version in (2, 3):
         t[f"msa_csr_scatter_v{version}_ms"] = time_ms(lambda: msa_csr_scatter(version), reps)
     t["torch_csr_ms"] = time_ms(lambda: torch_csr(I, rows), reps)
     t["torch_csr_schedule_ms"] = time_ms(torch_all, reps)
@@ -236,9 +236,9 @@ def run_case(n, pattern, reps):
             plan._scatter_tiled(gpu_csr._karg(ctx, rp), cursors, tile, gpu_csr._karg(ctx, q),
                                 gpu_csr._karg(ctx, s))
 
-        def scatter_split(version):  # reads the scanned cursors, never changes them
+        def scatter_v3():  # reads the scanned cursors, never changes them
             plan._scatter_split(gpu_csr._karg(ctx, rp), scanned, tile, gpu_csr._karg(ctx, q),
-                                gpu_csr._karg(ctx, s), version)
+                                gpu_csr._karg(ctx, s))
 
         phases = {
             "plan_ms (host checks + metadata)": time_ms(
@@ -250,10 +250,8 @@ def run_case(n, pattern, reps):
             "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan_v3, reps),
             "scan_v2_ms (tile scan + 3-launch prefix sum)": time_ms(scan_v2, reps),
             "scatter_v2_ms (+ copy)": time_ms(scatter, reps),
-            "scatter_v3_ms (two multi-splits)": time_ms(lambda: scatter_split(3), reps)
-            if plan.split_fits() else None,
-            "scatter_v4_ms (two multi-splits, ranked per warp)": time_ms(
-                lambda: scatter_split(4), reps) if plan.split_fits() else None,
+            "scatter_v3_ms (two multi-splits)": time_ms(scatter_v3, reps) if plan.split_fits()
+            else None,
             "schedule_ms": t["msa_schedule_ms"],
             "host_csr_ms (Python per build_csr)": host_ms(msa_csr, reps),
             "host_schedule_ms (Python per build_schedule)": host_ms(
@@ -286,7 +284,6 @@ def print_table(cases):
             ("x csr", "ratio_csr", "{:>6.1f}"),
             ("scatter v2 ms", "msa_csr_scatter_v2_ms", "{:>13.3f}"),
             ("scatter v3 ms", "msa_csr_scatter_v3_ms", "{:>13.3f}"),
-            ("scatter v4 ms", "msa_csr_scatter_v4_ms", "{:>13.3f}"),
             ("msa sched ms", "msa_schedule_ms", "{:>12.3f}"),
             ("msa all ms", "msa_csr_schedule_ms", "{:>10.3f}"),
             ("torch all ms", "torch_csr_schedule_ms", "{:>12.3f}"),
@@ -303,8 +300,7 @@ def print_table(cases):
         for name, key, fmt in cols:
             if key is None:
                 ok = all(case.get(k) for k in ("csr_equal", "schedule_equal", "reproducible",
-                                               "csr_scatter_v2_equal", "csr_scatter_v3_equal",
-                                               "csr_scatter_v4_equal"))
+                                               "csr_scatter_v2_equal", "csr_scatter_v3_equal"))
                 cells.append("yes" if ok else " NO")
             else:
                 cells.append(fmt.format(case.get(key, float("nan"))))

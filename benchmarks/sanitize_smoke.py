@@ -50,25 +50,19 @@ def main() -> int:
     report("build_csr", np.array_equal(row_ptr.cpu().numpy(), row_ptr_ref)
            and np.array_equal(q_ind.cpu().numpy(), q_ind_ref)
            and np.array_equal(slots.cpu().numpy(), slots_ref))
-    # The large-output scatters (v3 and v4, two multi-splits), which build_csr picks only past
-    # 192 MiB, here also over two row groups (150 rows of Bk = 4), where their second pass
-    # loops over groups; v4 once more with every group placed by the whole CTA.
+    # The large-output scatter (v3, two multi-splits), which build_csr picks only past 192 MiB.
+    got_v3 = C.csr._build_csr(dev(idx_ref), dev(cq), dev(ck), bk, scatter_version=3)
+    report("build_csr (scatter v3)", all(
+        np.array_equal(g.cpu().numpy(), w) for g, w in zip(got_v3, (row_ptr_ref, q_ind_ref,
+                                                                   slots_ref))))
+    # ... and over two row groups (150 rows of Bk = 4), where its second pass loops over groups.
     cu600 = np.array([0, 600], np.int32)
     i_fix = R.fixed_blocks(cu600, cu600, 2, 4, 4)
-    want_fix = R.build_csr(i_fix, cu600, cu600, 4)
-    warp_max = C.csr._WARP_GROUP_MAX
-    for version, cta_groups in ((3, False), (4, False), (4, True)):
-        C.csr._WARP_GROUP_MAX = 0 if cta_groups else warp_max
-        name = f"v{version}" + (", CTA groups" if cta_groups else "")
-        got = C.csr._build_csr(dev(idx_ref), dev(cq), dev(ck), bk, scatter_version=version)
-        report(f"build_csr (scatter {name})", all(
-            np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, (row_ptr_ref, q_ind_ref,
-                                                                   slots_ref))))
-        got = C.csr._build_csr(dev(i_fix), dev(cu600), dev(cu600), 4, scatter_version=version,
-                               tile_queries=128)
-        report(f"build_csr ({name}, 2 row groups)", all(
-            np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, want_fix)))
-    C.csr._WARP_GROUP_MAX = warp_max
+    got_v3 = C.csr._build_csr(dev(i_fix), dev(cu600), dev(cu600), 4, scatter_version=3,
+                              tile_queries=128)
+    report("build_csr (v3, 2 row groups)", all(
+        np.array_equal(g.cpu().numpy(), w) for g, w in zip(got_v3, R.build_csr(i_fix, cu600,
+                                                                              cu600, 4))))
     chunk = 64
     work_ref = R.build_schedule(row_ptr_ref, ck, bk, chunk)
     work, n = C.build_schedule(row_ptr, dev(ck), bk, chunk, max_edges=idx_ref.size)

@@ -23,13 +23,11 @@ prefix sum     v1   one thread per head walks its rows (simple, serial)
 scatter        v1   one thread per ``(h, row)`` walks its sequence's queries in order
                v2   tiled stable counting sort (below), one CTA per (query tile, head)
                v3   two stable multi-splits per (query tile, head): by row group, then by row
-                    (below)
-               v4   v3's two splits with the ranks taken per warp instead of per CTA chunk
                     (below); ``build_csr`` runs it for outputs of 192 MiB and more
 =============  ===  ==========================================================================
 
-``build_csr`` is three launches (count v2, scan v3, scatter v2), four with scatter v3 or v4
-(seven before scan v3 and count v2).
+``build_csr`` is three launches (count v2, scan v3, scatter v2), four with scatter v3 (seven
+before scan v3 and count v2).
 At 128K tokens the GPU work of each is tens of microseconds, so each launch's Python cost
 counts too: launchers describe every array once (``_Dev``) and call the compiled kernel of the
 signature directly (``_launch``, next to ``_Dev``).
@@ -86,20 +84,6 @@ benchmarks/bench_csr.py). The scratch arrays double the memory of the build. A s
 over (row group x 16 tiles) instead of per tile, which writes 16 tiles' runs of a row side by
 side, measured slower (5.1 ms for that pass alone at 1M).
 
-Scatter v4: the same two passes and the same output, without v3's per-chunk cost. v3 ranks 512
-records at a time across the whole CTA: two barriers and a serial walk over the 16 warps per
-key for every 512 edges (Nsight Compute at 1M: about 370 instructions an edge, a third of the
-stalls at barriers). In v4 every warp ranks its own records (``match_any`` within the warp,
-cursors of its own in shared memory, no barrier):
-
-1. pass 1: warp w owns a contiguous 1/16 of the tile's queries. It counts its edges per row
-   group, one scan over the warps per group gives each warp its start inside the group, and it
-   places its edges with its own cursors: two barriers per tile instead of two per 512 edges;
-2. pass 2: a group of at most ``_WARP_GROUP_MAX`` (4096) records is placed by one warp alone,
-   the groups dealt to the warps in turn, so a CTA works on 16 groups at once; a larger group
-   (a tile that sees few groups, early in a long sequence) is cut into 16 parts, counted,
-   scanned over the warps and placed like pass 1's tile.
-
 Memory: ``tile_counts`` is int32 ``[ceil(Tq/TQ), Hkv, rows]``. ``TQ`` is the smallest ``C * 2**k``
 (at most 8192) with ``TQ >= 8 * rows / K``, i.e. at least 8 edges per (tile, row) on average, so
 the tile counts take about 1/16 of the bytes of ``q_indices`` + ``slots``. At N = 1M keys, Bk=128
@@ -150,10 +134,7 @@ _SPLIT_MIN_BYTES = 192 << 20
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
-_MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3/v4: at most 128 groups per head
-_WARP_GROUP_MAX = 4096  # scatter v4, pass 2: a group of at most this many edges takes one warp
-# scatter v4: two CTAs of _SPLIT_THREADS per SM (at most 64 registers a thread)
-_SPLIT_JIT = {} if SIMULATOR else {"launch_bounds": (_SPLIT_THREADS, 2)}
+_MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
 _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
 
@@ -1039,23 +1020,6 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
             rec_sr[h, pos] = (s << 7) | (r % _GROUP_ROWS)
 
 
-@cuda.jit(device=True)
-def _split_tail(row_ptr, q_indices, slots, tile, ntiles, h):
-    """The -1 tail ``[nnz_h, Tq*K)`` of head h: CTA ``tile`` of ``ntiles`` fills its share."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    rows = row_ptr.shape[1] - 1
-    width = q_indices.shape[1]
-    nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
-    share = (width - nnz + ntiles - 1) // ntiles
-    tail_end = min(int64(width), nnz + (tile + 1) * share)
-    e = nnz + tile * share + tid
-    while e < tail_end:
-        q_indices[h, e] = -1
-        slots[h, e] = -1
-        e += nt
-
-
 @cuda.jit
 def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
     """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
@@ -1075,7 +1039,16 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
     ntiles = cuda.gridDim.x
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
 
-    _split_tail(row_ptr, q_indices, slots, tile, ntiles, h)
+    # The -1 tail: tile k fills its share of [nnz, width).
+    nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
+    share = (width - nnz + ntiles - 1) // ntiles
+    tail_end = min(int64(width), nnz + (tile + 1) * share)
+    e = nnz + tile * share + tid
+    while e < tail_end:
+        q_indices[h, e] = -1
+        slots[h, e] = -1
+        e += nt
+
     _clear_stamps(wcnt)
     _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
     stamp = 0
@@ -1103,257 +1076,6 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
             if pos >= 0 and pos < width:
                 q_indices[h, pos] = rec_q[h, e]
                 slots[h, pos] = v >> 7
-
-
-# --- scatter v4: the same two multi-splits, ranked per warp ------------------------------------
-
-@cuda.jit(device=True)
-def _warp_count(key, wcur, w):
-    """Adds the warp's records of each key to ``wcur[w, key]`` (key < 0: none); one lane per
-    key writes, so there are no atomics."""
-    peers = cuda.match_any_sync(FULL_MASK, key)
-    if key >= 0 and cuda.popc(peers & cuda.lanemask_lt()) == 0:
-        wcur[w, key] += cuda.popc(peers)
-    cuda.syncwarp()
-
-
-@cuda.jit(device=True)
-def _warp_place(key, wcur, w):
-    """Stable position of the lane's record: ``wcur[w, key]`` plus the number of lower lanes
-    with the same key (-1 for key < 0); advances ``wcur[w, key]`` past the warp's records."""
-    peers = cuda.match_any_sync(FULL_MASK, key)
-    rank = cuda.popc(peers & cuda.lanemask_lt())
-    pos = int32(-1)
-    if key >= 0:
-        pos = wcur[w, key] + int32(rank)
-    cuda.syncwarp()
-    if key >= 0 and rank == 0:
-        wcur[w, key] = pos + int32(cuda.popc(peers))
-    cuda.syncwarp()
-    return pos
-
-
-@cuda.jit(device=True)
-def _tile_edge(block_indices, t0, e, n, h):
-    """Block id of edge e (< n) of the queries from t0 of head h, in (query, slot) order; -1
-    past n."""
-    topk = int32(block_indices.shape[2])
-    x = int32(-1)
-    if e < n:
-        q = e // topk
-        x = block_indices[t0 + q, h, e - q * topk]
-    return x
-
-
-@cuda.jit(device=True)
-def _group_edge(x, cu_q, row_offsets, first, nblocks, t0, e, topk, h, rows, place, wcur, w,
-                rec_q, rec_sr):
-    """Counts (``place`` False) or places (True) edge e of block id x (see ``_tile_edge``).
-    ``nblocks >= 0``: every query of the walk is in one sequence, whose rows start at
-    ``first``; -1: look the sequence up (``_block_row``)."""
-    q = e // topk
-    t = t0 + q
-    if nblocks >= 0:
-        r = int64(-1)
-        if x >= 0 and x < nblocks:
-            r = first + x
-    else:
-        r = _block_row(x, cu_q, row_offsets, t)  # (-1 for x = -1)
-    key = int32(-1)
-    if r >= 0 and r < rows:
-        key = int32(r // _GROUP_ROWS)
-    if place:
-        pos = _warp_place(key, wcur, w)
-        if pos >= 0 and pos < rec_q.shape[1]:
-            rec_q[h, pos] = t
-            rec_sr[h, pos] = ((e - q * topk) << 7) | (r % _GROUP_ROWS)
-    else:
-        _warp_count(key, wcur, w)
-
-
-@cuda.jit(device=True)
-def _split_groups_walk(block_indices, cu_q, row_offsets, t0, nq, h, rows, place, wcur, w,
-                       rec_q, rec_sr):
-    """Warp w walks the edges of queries ``[t0, t0 + nq)`` of head h in (query, slot) order,
-    128 a step (four loads in flight per lane before the first is ranked): counts them per row
-    group (``place`` False) or writes each to its place in the split arrays (True)."""
-    lane = int32(cuda.laneid)
-    topk = int32(block_indices.shape[2])
-    n = int32(nq) * topk  # (< 2**31: a tile has at most 8192 queries of at most 1024 slots)
-    first = int64(0)
-    nblocks = int64(-1)  # one sequence: its rows, looked up once (a prefill: every walk)
-    if nq > 0:
-        b = _last_le(cu_q, t0)
-        if _last_le(cu_q, t0 + nq - 1) == b:
-            first = int64(row_offsets[b])
-            nblocks = int64(row_offsets[b + 1]) - first
-    for base in range(int32(0), n, int32(128)):
-        e0 = base + lane
-        x0 = _tile_edge(block_indices, t0, e0, n, h)
-        x1 = _tile_edge(block_indices, t0, e0 + 32, n, h)
-        x2 = _tile_edge(block_indices, t0, e0 + 64, n, h)
-        x3 = _tile_edge(block_indices, t0, e0 + 96, n, h)
-        _group_edge(x0, cu_q, row_offsets, first, nblocks, t0, e0, topk, h, rows, place, wcur,
-                    w, rec_q, rec_sr)
-        _group_edge(x1, cu_q, row_offsets, first, nblocks, t0, e0 + 32, topk, h, rows, place,
-                    wcur, w, rec_q, rec_sr)
-        _group_edge(x2, cu_q, row_offsets, first, nblocks, t0, e0 + 64, topk, h, rows, place,
-                    wcur, w, rec_q, rec_sr)
-        _group_edge(x3, cu_q, row_offsets, first, nblocks, t0, e0 + 96, topk, h, rows, place,
-                    wcur, w, rec_q, rec_sr)
-
-
-@cuda.jit(**_SPLIT_JIT)
-def _csr_kernel_split_groups_warps(block_indices, cu_q, row_offsets, row_ptr, cursors,
-                                   tile_queries, rec_q, rec_sr):
-    """Scatter v4, pass 1: v3's pass 1 (same output), with warp w of CTA (tile, h) owning a
-    contiguous 1/nw of the tile's queries: it counts its edges per row group, a scan over the
-    warps gives each warp its start in every group, and it then places its edges with its own
-    cursors. Two barriers in all, none per edge."""
-    wcur = cuda.shared.array((32, _GROUP_ROWS), int32)
-    gstart = cuda.shared.array(_GROUP_STARTS, int64)
-    scratch = cuda.shared.array(_GROUP_ROWS, int64)
-    tile = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    w = tid // 32
-    nw = nt // 32
-    tq = block_indices.shape[0]
-    rows = row_ptr.shape[1] - 1
-    ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
-    for i in range(tid, nw * _GROUP_ROWS, nt):
-        wcur[i // _GROUP_ROWS, i % _GROUP_ROWS] = 0
-    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)  # (ends with a barrier)
-    t_begin = int64(tile) * tile_queries
-    nq = max(int64(0), min(int64(tq), t_begin + tile_queries) - t_begin)
-    per = (nq + nw - 1) // nw
-    q_lo = min(nq, w * per)
-    q_hi = min(nq, q_lo + per)
-    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin + q_lo, q_hi - q_lo, h, rows,
-                       False, wcur, w, rec_q, rec_sr)
-    cuda.syncthreads()
-    for g in range(tid, ngroups, nt):
-        run = int32(min(gstart[g], int64(INT32_MAX)))
-        for v in range(nw):
-            c = wcur[v, g]
-            wcur[v, g] = run
-            run += c
-    cuda.syncthreads()
-    _split_groups_walk(block_indices, cu_q, row_offsets, t_begin + q_lo, q_hi - q_lo, h, rows,
-                       True, wcur, w, rec_q, rec_sr)
-
-
-@cuda.jit(device=True)
-def _row_edge(v, qv, valid, nr, h, place, wcur, w, q_indices, slots):
-    """Counts (``place`` False) or places (True) one record ``(qv, v = slot << 7 | row % 128)``
-    of a row group of ``nr`` rows."""
-    key = int32(-1)
-    if valid and (v & (_GROUP_ROWS - 1)) < nr:
-        key = v & (_GROUP_ROWS - 1)
-    if place:
-        pos = _warp_place(key, wcur, w)
-        if pos >= 0 and pos < q_indices.shape[1]:
-            q_indices[h, pos] = qv
-            slots[h, pos] = v >> 7
-    else:
-        _warp_count(key, wcur, w)
-
-
-@cuda.jit(device=True)
-def _split_rows_walk(lo, hi, nr, h, place, wcur, w, rec_q, rec_sr, q_indices, slots):
-    """Warp w walks records ``[lo, hi)`` of one row group of head h, 128 a step (all loads of a
-    step in flight before the first record is ranked): counts them per row (``place`` False)
-    or writes each to its row (True)."""
-    lane = cuda.laneid
-    for base in range(lo, hi, 128):
-        e0 = base + lane
-        v0 = int32(0)
-        v1 = int32(0)
-        v2 = int32(0)
-        v3 = int32(0)
-        q0 = int32(0)
-        q1 = int32(0)
-        q2 = int32(0)
-        q3 = int32(0)
-        if e0 < hi:
-            v0 = rec_sr[h, e0]
-            if place:
-                q0 = rec_q[h, e0]
-        if e0 + 32 < hi:
-            v1 = rec_sr[h, e0 + 32]
-            if place:
-                q1 = rec_q[h, e0 + 32]
-        if e0 + 64 < hi:
-            v2 = rec_sr[h, e0 + 64]
-            if place:
-                q2 = rec_q[h, e0 + 64]
-        if e0 + 96 < hi:
-            v3 = rec_sr[h, e0 + 96]
-            if place:
-                q3 = rec_q[h, e0 + 96]
-        _row_edge(v0, q0, e0 < hi, nr, h, place, wcur, w, q_indices, slots)
-        _row_edge(v1, q1, e0 + 32 < hi, nr, h, place, wcur, w, q_indices, slots)
-        _row_edge(v2, q2, e0 + 64 < hi, nr, h, place, wcur, w, q_indices, slots)
-        _row_edge(v3, q3, e0 + 96 < hi, nr, h, place, wcur, w, q_indices, slots)
-
-
-@cuda.jit(**_SPLIT_JIT)
-def _csr_kernel_split_rows_warps(row_ptr, cursors, rec_q, rec_sr, warp_max, q_indices, slots):
-    """Scatter v4, pass 2: v3's pass 2 (same output) with the ranks taken per warp. A group of
-    at most ``warp_max`` records is placed by one warp alone with its own row cursors (the
-    groups are dealt to the warps in turn, so the CTA works on nw groups at once and never
-    waits at a barrier for them); a larger group is cut into nw contiguous parts, one per warp,
-    which count their records per row, take their starts from a scan over the warps, and
-    place them (two barriers a group). Also writes the -1 tail."""
-    wcur = cuda.shared.array((32, _GROUP_ROWS), int32)
-    gstart = cuda.shared.array(_GROUP_STARTS, int64)
-    scratch = cuda.shared.array(_GROUP_ROWS, int64)
-    tile = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    lane = cuda.laneid
-    w = tid // 32
-    nw = nt // 32
-    rows = row_ptr.shape[1] - 1
-    width = q_indices.shape[1]
-    ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
-    _split_tail(row_ptr, q_indices, slots, tile, cuda.gridDim.x, h)
-    _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
-    dealt = 0
-    for g in range(ngroups):
-        # (gstart is the same for every thread: the branches below are uniform across the CTA)
-        lo = max(int64(0), min(gstart[g], int64(width)))
-        hi = max(lo, min(gstart[g + 1], int64(width)))
-        r0 = g * _GROUP_ROWS
-        nr = min(_GROUP_ROWS, rows - r0)
-        if hi - lo > warp_max:
-            per = (hi - lo + nw - 1) // nw
-            a = min(hi, lo + w * per)
-            b = min(hi, a + per)
-            for i in range(lane, _GROUP_ROWS, 32):
-                wcur[w, i] = 0
-            cuda.syncwarp()
-            _split_rows_walk(a, b, nr, h, False, wcur, w, rec_q, rec_sr, q_indices, slots)
-            cuda.syncthreads()
-            for i in range(tid, nr, nt):
-                run = row_ptr[h, r0 + i] + cursors[tile, h, r0 + i]
-                for v in range(nw):
-                    c = wcur[v, i]
-                    wcur[v, i] = run
-                    run += c
-            cuda.syncthreads()
-            _split_rows_walk(a, b, nr, h, True, wcur, w, rec_q, rec_sr, q_indices, slots)
-        elif hi > lo:
-            if dealt % nw == w:
-                cuda.syncwarp()
-                for i in range(lane, nr, 32):
-                    wcur[w, i] = row_ptr[h, r0 + i] + cursors[tile, h, r0 + i]
-                cuda.syncwarp()
-                _split_rows_walk(lo, hi, nr, h, True, wcur, w, rec_q, rec_sr, q_indices,
-                                 slots)
-            dealt += 1
 
 
 @cuda.jit
@@ -1545,26 +1267,25 @@ class _Plan:
             tq_tile = tile_queries or self.tile_queries()
             cursors = self.count(tq_tile)
             self.tile_scan(cursors)
-            if version in (3, 4) and self.split_fits():
-                self._scatter_split(row_ptr_arg, cursors, tq_tile, dq, ds, version)
+            if version == 3 and self.split_fits():
+                self._scatter_split(row_ptr_arg, cursors, tq_tile, dq, ds)
             else:
                 self._scatter_tiled(row_ptr_arg, cursors, tq_tile, dq, ds)
         return q_indices, slots
 
     def auto_scatter(self) -> int:
-        """The scatter ``build_csr`` runs: 4 for large outputs where it fits, else 2."""
+        """The scatter ``build_csr`` runs: 3 for large outputs where it fits, else 2."""
         big = 8 * self.hkv * self.width >= _SPLIT_MIN_BYTES
-        return 4 if big and self.split_fits() else 2
+        return 3 if big and self.split_fits() else 2
 
     def split_fits(self) -> bool:
-        """Whether scatter v3/v4 take this selection (at most 128 row groups of 128 rows)."""
+        """Whether scatter v3 takes this selection (at most 128 row groups of 128 rows)."""
         return self.rows <= _MAX_SPLIT_ROWS
 
-    def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds, version=3):
-        """Scatter v3 or v4: two launches over (tile, head) and two scratch arrays like the
-        output."""
+    def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
+        """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
         if not self.split_fits():  # the kernels' shared arrays hold 128 groups
-            raise ValueError(f"scatter v3 and v4 take at most {_MAX_SPLIT_ROWS} CSR rows, got "
+            raise ValueError(f"scatter v3 takes at most {_MAX_SPLIT_ROWS} CSR rows, got "
                              f"{self.rows}")
         if not self.hkv * self.width:
             return
@@ -1573,12 +1294,6 @@ class _Plan:
         rec_sr = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
         d_cursors = _karg(ctx, cursors)
         grid = (cursors.shape[0], self.hkv)
-        if version == 4:
-            _launch(_csr_kernel_split_groups_warps, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
-                    self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
-            _launch(_csr_kernel_split_rows_warps, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors,
-                    rec_q, rec_sr, _WARP_GROUP_MAX, dq, ds)
-            return
         _launch(_csr_kernel_split_groups, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
                 self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
         _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, rec_q,
@@ -1682,16 +1397,15 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
             entries but every write stays inside ``[0, Tq*K)``; scatter v3 may then also take
             far longer (its loops follow ``row_ptr``'s differences, clamped to ``Tq*K``).
         version: 1 (one thread per row, slow), 2 (tiled, a hash table of rows per chunk), 3
-            (two stable multi-splits, by row group then by row; module docstring), 4 (v3's
-            splits ranked per warp) or None (default: what ``build_csr`` picks, 3 for outputs
-            of 192 MiB and more, else 2).
+            (two stable multi-splits, by row group then by row; module docstring) or None
+            (default: what ``build_csr`` picks, 3 for outputs of 192 MiB and more, else 2).
 
     Returns:
         ``(q_indices, slots)``, int32 [Hkv, Tq*K] each, in the caller's array library. Queries
         ascend inside a row; entries past ``row_ptr[h, -1]`` are -1.
     """
-    if version not in (None, 1, 2, 3, 4):
-        raise ValueError(f"version must be None, 1, 2, 3 or 4, got {version!r}")
+    if version not in (None, 1, 2, 3):
+        raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
     plan = _Plan(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     version = version or plan.auto_scatter()
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(plan.hkv, plan.rows + 1))
@@ -1752,9 +1466,8 @@ def _build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *, validat
         row_ptr = plan.scan(cursors, scan_version, scan_threads)
         q_indices = ctx.empty((plan.hkv, plan.width), np.int32)
         slots = ctx.empty((plan.hkv, plan.width), np.int32)
-        args = (_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices), _karg(ctx, slots))
-        if scatter_version in (3, 4) and plan.split_fits():
-            plan._scatter_split(*args, scatter_version)
-        else:
-            plan._scatter_tiled(*args)
+        scatter = plan._scatter_tiled
+        if scatter_version == 3 and plan.split_fits():
+            scatter = plan._scatter_split
+        scatter(_karg(ctx, row_ptr), cursors, tq_tile, _karg(ctx, q_indices), _karg(ctx, slots))
     return ctx.output(row_ptr), ctx.output(q_indices), ctx.output(slots)

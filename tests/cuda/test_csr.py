@@ -111,10 +111,10 @@ def run_path(path, I, cu_q, cu_k, bk, scatter):
     return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=1, scan_version=1)
 
 
-# Every path but v1 with the tiled scatters: v2 (hash table of rows per chunk), v3 (two
-# stable multi-splits, by row group then by row) and v4 (v3's splits ranked per warp).
+# Every path but v1 with both tiled scatters: v2 (hash table of rows per chunk) and v3 (two
+# stable multi-splits, by row group then by row).
 SHAPE_RUNS = [pytest.param(*sh[1:], scatter, id=f"{sh[0]}-scatter{scatter}")
-              for sh in SHAPES for scatter in ((1,) if sh[-1] == "v1" else (2, 3, 4))]
+              for sh in SHAPES for scatter in ((1,) if sh[-1] == "v1" else (2, 3))]
 
 
 @pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs, path, scatter", SHAPE_RUNS)
@@ -124,32 +124,17 @@ def test_build_csr_equals_reference(lq, lk, hkv, topk, bk, kwargs, path, scatter
     assert_same_csr(run_path(path, I, cu_q, cu_k, bk, scatter), ref.build_csr(I, cu_q, cu_k, bk))
 
 
-@pytest.mark.parametrize("scatter", [3, 4])
-def test_scatter_v3_groups_many_rows(scatter):
+def test_scatter_v3_groups_many_rows():
     # 300 rows of one block each (Bk = 1): three row groups, the last one partial, and a few
     # hot rows; with small tiles each tile holds a handful of every group's edges.
     I = selection([300], [300], 2, 5, 1, seed=11, hot=(0, 129), shuffle=True)
     want = ref.build_csr(I, cu([300]), cu([300]), 1)
     for tile in (None, 50):  # (small tiles mean hundreds of CTAs: minutes in the simulator)
-        got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=scatter,
-                             tile_queries=tile)
+        got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=tile)
         assert_same_csr(got, want)
 
 
-@pytest.mark.parametrize("warp_max", [0, 40, 1 << 30], ids=["cta", "mixed", "warp"])
-def test_scatter_v4_cta_and_warp_groups(monkeypatch, warp_max):
-    # Pass 2 of v4 places a group by one warp alone when it has at most _WARP_GROUP_MAX edges,
-    # else by the whole CTA (per-warp parts, counts, a scan over the warps): 0 sends every
-    # group to the CTA, 2**30 every group to a warp, 40 some of each.
-    monkeypatch.setattr(gpu, "_WARP_GROUP_MAX", warp_max)
-    lq, lk = [300, 0, 90], [300, 17, 240]
-    I = selection(lq, lk, 3, 5, 1, seed=13, hot=(0, 129), fill=False, shuffle=True)
-    want = ref.build_csr(I, cu(lq), cu(lk), 1)
-    got = gpu._build_csr(I, cu(lq), cu(lk), 1, scatter_version=4, tile_queries=128)
-    assert_same_csr(got, want)
-
-
-def test_build_csr_picks_scatter_v4_for_large_outputs(monkeypatch):
+def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=5, hot=(0,))
     want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
     plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
@@ -157,24 +142,23 @@ def test_build_csr_picks_scatter_v4_for_large_outputs(monkeypatch):
     ran = []
     split = gpu._Plan._scatter_split
     monkeypatch.setattr(gpu._Plan, "_scatter_split",
-                        lambda self, *a: ran.append(a[-1]) or split(self, *a))
+                        lambda self, *a: ran.append(3) or split(self, *a))
     monkeypatch.setattr(gpu, "_SPLIT_MIN_BYTES", 8 * 2 * 65 * 3)  # exactly this output
-    assert plan.auto_scatter() == 4
+    assert plan.auto_scatter() == 3
     assert_same_csr(gpu.build_csr(I, cu([40, 25]), cu([40, 31]), 4), want)
     for g, w in zip(gpu.csr_scatter(I, want[0], cu([40, 25]), cu([40, 31]), 4), want[1:]):
         np.testing.assert_array_equal(to_numpy(g), w)
-    assert ran == [4, 4]  # (the version is _scatter_split's last argument)
+    assert ran == [3, 3]
 
 
-@pytest.mark.parametrize("scatter", [3, 4])
-def test_scatter_v3_groups_varlen_padded(scatter):
+def test_scatter_v3_groups_varlen_padded():
     # Several sequences (one with no queries), -1 padding, a partial last group, 3 heads and
     # tiles that cut sequences: rows 0-89 | 90-94 | 95-154 of Bk = 4 blocks, 155 rows in all.
     lq, lk = [150, 0, 90], [360, 17, 240]
     I = selection(lq, lk, 3, 4, 4, seed=23, hot=(0, 1), fill=False, shuffle=True)
     want = ref.build_csr(I, cu(lq), cu(lk), 4)
     assert want[0].shape[1] - 1 > 128  # two row groups
-    got = gpu._build_csr(I, cu(lq), cu(lk), 4, scatter_version=scatter, tile_queries=64)
+    got = gpu._build_csr(I, cu(lq), cu(lk), 4, scatter_version=3, tile_queries=64)
     assert_same_csr(got, want)
 
 
@@ -200,13 +184,13 @@ def test_scatter_v3_falls_back_past_128_groups(monkeypatch):
     pytest.param([5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False), id="varlen-skewed"),
     pytest.param([1], [1], 1, 2, 4, {}, id="T=1"),
 ])
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_three_steps_equal_reference(lq, lk, hkv, topk, bk, kwargs, version):
     I = selection(lq, lk, hkv, topk, bk, seed=3, **kwargs)
     cu_q, cu_k = cu(lq), cu(lk)
     counts = gpu.csr_histogram(I, cu_q, cu_k, bk)
     np.testing.assert_array_equal(counts, ref.csr_histogram(I, cu_q, cu_k, bk))
-    row_ptr = gpu.exclusive_prefix_sum(counts, version=min(version, 3))  # (scans: 1-3)
+    row_ptr = gpu.exclusive_prefix_sum(counts, version=version)
     np.testing.assert_array_equal(row_ptr, ref.exclusive_prefix_sum(counts))
     want = ref.csr_scatter(I, row_ptr, cu_q, cu_k, bk)
     for g, w in zip(gpu.csr_scatter(I, row_ptr, cu_q, cu_k, bk, version=version), want):
@@ -322,14 +306,12 @@ def test_prefix_sum_rejects(counts, version):
 @given(lens=seq_lens(max_seqs=3, max_len=40), hkv=st.integers(1, 2), topk=st.integers(1, 5),
        bk=st.sampled_from([4, 8, 16]), hot=st.sampled_from([(), (0,), (0, 1)]),
        fill=st.booleans(), future=st.booleans(), shuffle=st.booleans(),
-       tile=st.sampled_from([None, 1, 3, 32]), scatter=st.sampled_from([2, 3, 4]),
+       tile=st.sampled_from([None, 1, 3, 32]), scatter=st.sampled_from([2, 3]),
        seed=st.integers(0, 2**31 - 1))
 @example(lens=([40], [40]), hkv=1, topk=5, bk=4, hot=(0, 1), fill=True, future=False,
          shuffle=True, tile=3, scatter=2, seed=0)
 @example(lens=([40], [40]), hkv=1, topk=5, bk=4, hot=(0, 1), fill=True, future=False,
          shuffle=True, tile=3, scatter=3, seed=0)
-@example(lens=([40], [40]), hkv=1, topk=5, bk=4, hot=(0, 1), fill=True, future=False,
-         shuffle=True, tile=3, scatter=4, seed=0)
 def test_csr_equals_reference(lens, hkv, topk, bk, hot, fill, future, shuffle, tile, scatter,
                               seed):
     lq, lk = lens
@@ -445,7 +427,7 @@ def test_scatter_rejects_foreign_row_ptr(row_ptr, error):
         gpu.csr_scatter(I, row_ptr, EX_CU_Q, EX_CU_K, EX_BK)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("row_ptr", [[[0, 2, 4, 6, 8]], [[-9, 100, 4, 2**31 - 1, -3]]],
                          ids=["other-selection", "garbage"])
 def test_unvalidated_foreign_row_ptr_stays_in_bounds(row_ptr, version):
@@ -499,7 +481,7 @@ def torch_csr(I, rows_total):
 @pytest.mark.big
 @pytest.mark.parametrize("n", [128 * 1024, 1024 * 1024], ids=["128K", "1M"])
 @pytest.mark.parametrize("hot", [0, 3], ids=["uniform", "skewed"])
-@pytest.mark.parametrize("scatter", [2, 3, 4])
+@pytest.mark.parametrize("scatter", [2, 3])
 def test_production_size_equals_reference(n, hot, scatter):
     import torch
     hkv, topk, bk = 4, 16, 128
@@ -549,8 +531,7 @@ def test_fast_launch_equals_numbas_launch():
                                     "_scan_kernel_block_sums", "_scan_kernel_add_back",
                                     "_csr_kernel_scatter_tiled", "_csr_kernel_scatter_rowwise",
                                     "_csr_kernel_fill_tail", "_csr_kernel_split_groups",
-                                    "_csr_kernel_split_rows", "_csr_kernel_split_groups_warps",
-                                    "_csr_kernel_split_rows_warps"])
+                                    "_csr_kernel_split_rows"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     import re
 
@@ -573,9 +554,6 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
         "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2, i32_2),
         "_csr_kernel_split_rows": (i32_2, i32_3, i32_2, i32_2, i32_2, i32_2),
-        "_csr_kernel_split_groups_warps": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2,
-                                           i32_2),
-        "_csr_kernel_split_rows_warps": (i32_2, i32_3, i32_2, i32_2, i64, i32_2, i32_2),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
