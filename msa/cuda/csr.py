@@ -135,8 +135,6 @@ _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a mu
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
 _MAX_SPLIT_ROWS = _GROUP_ROWS * _GROUP_ROWS  # scatter v3: at most 128 groups per head
-# scatter v3: two CTAs of _SPLIT_THREADS per SM (at most 64 registers a thread)
-_SPLIT_JIT = {} if SIMULATOR else {"launch_bounds": (_SPLIT_THREADS, 2)}
 _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
 
@@ -938,94 +936,34 @@ def _tile_groups(row_ptr, cursors, tile, h, gstart, scratch):
 
 
 @cuda.jit(device=True)
-def _peers(key):
-    """The lanes of the warp holding the same ``key`` as this lane, for keys in ``[-1, 128)``:
-    ``match_any_sync(FULL_MASK, key)`` from eight ballots (one for ``key >= 0``, one per key
-    bit), which issue far faster than ``match.any``. Every lane of the warp must call it."""
-    valid = uint32(cuda.ballot_sync(FULL_MASK, key >= 0))
-    peers = valid if key >= 0 else ~valid
-    for b in range(7):
-        bit = (key >> b) & 1
-        votes = uint32(cuda.ballot_sync(FULL_MASK, bit != 0))
-        peers &= votes if bit != 0 else ~votes
-    return peers
-
-
-@cuda.jit(device=True)
-def _multisplit(key, stamp, cur, nkeys, wcnt, wpos, loc):
+def _multisplit(key, stamp, cur, nkeys, wcnt, wpos):
     """Stable multi-split of one chunk: thread i holds record i of the chunk and its ``key`` in
-    ``[0, nkeys)`` (-1: none; ``nkeys <= 128``). Returns ``(pos, li)``: the record's position,
-    ``cur[key]`` plus the number of earlier records of the chunk with the same key, and its
-    index among the chunk's records sorted by key (stable; -1 and -1 for no key); advances every
-    ``cur[k]`` past the chunk's records of k and leaves the chunk's record count in
-    ``loc[_GROUP_ROWS]``. Ranks come from ``match_any`` inside a warp and a scan over the warps
+    ``[0, nkeys)`` (-1: none). Returns the record's position, ``cur[key]`` plus the number of
+    earlier records of the chunk with the same key, and advances every ``cur[k]`` past the
+    chunk's records of k. Ranks come from ``match_any`` inside a warp and a scan over the warps
     per key (no atomics). ``wcnt[w, k]`` holds ``stamp << 6 | count`` of warp w's records of
-    key k; a stale stamp means 0, so nothing is cleared between chunks. Three barriers.
-    (The warp's ranks come from ``_peers``' ballots, not from ``match_any``.)"""
+    key k; a stale stamp means 0, so nothing is cleared between chunks. Two barriers."""
     tid = cuda.threadIdx.x
     w = tid // 32
     nw = cuda.blockDim.x // 32
-    peers = _peers(key)
+    peers = cuda.match_any_sync(FULL_MASK, key)
     rank = cuda.popc(peers & cuda.lanemask_lt())
     if key >= 0 and rank == 0:
         wcnt[w, key] = (stamp << 6) | cuda.popc(peers)
     cuda.syncthreads()
     for k in range(tid, nkeys, cuda.blockDim.x):
         run = cur[k]
-        start = run
         for v in range(nw):
             c = wcnt[v, k]
             wpos[v, k] = run
             if (c >> 6) == stamp:
                 run += c & 63
         cur[k] = run
-        loc[k] = run - start  # the chunk's records of key k
-    cuda.syncthreads()
-    if tid < 32:  # warp 0: exclusive scan of loc[0:nkeys] over keys, four a lane
-        base = 4 * tid
-        c0 = loc[base] if base < nkeys else 0
-        c1 = loc[base + 1] if base + 1 < nkeys else 0
-        c2 = loc[base + 2] if base + 2 < nkeys else 0
-        c3 = loc[base + 3] if base + 3 < nkeys else 0
-        own = c0 + c1 + c2 + c3
-        incl = own
-        for d in (1, 2, 4, 8, 16):
-            up = cuda.shfl_up_sync(FULL_MASK, incl, d)
-            if tid >= d:
-                incl += up
-        ex = incl - own
-        if base < nkeys:
-            loc[base] = ex
-        if base + 1 < nkeys:
-            loc[base + 1] = ex + c0
-        if base + 2 < nkeys:
-            loc[base + 2] = ex + c0 + c1
-        if base + 3 < nkeys:
-            loc[base + 3] = ex + c0 + c1 + c2
-        if tid == 31:
-            loc[_GROUP_ROWS] = incl
     cuda.syncthreads()
     pos = int64(-1)
-    li = int32(-1)
     if key >= 0:
-        within = wpos[w, key] - wpos[0, key] + rank  # (wpos[0, k]: cur[k] before the chunk)
         pos = int64(wpos[w, key]) + rank
-        li = int32(loc[key] + within)
-    return pos, li
-
-
-@cuda.jit(device=True)
-def _flush_sorted(stage_p, stage_a, stage_b, loc, h, out_a, out_b):
-    """After a barrier: thread i writes the chunk's i-th record in key order, ``out_a[h, p] =
-    stage_a[i]``, ``out_b[h, p] = stage_b[i]`` with ``p = stage_p[i]`` (skipped outside
-    ``[0, width)``). Consecutive threads write a key's run of consecutive positions, so a warp's
-    stores fall into a few segments instead of one per record."""
-    i = cuda.threadIdx.x
-    if i < loc[_GROUP_ROWS]:
-        p = stage_p[i]
-        if p >= 0 and p < out_a.shape[1]:
-            out_a[h, p] = stage_a[i]
-            out_b[h, p] = stage_b[i]
+    return pos
 
 
 @cuda.jit(device=True)
@@ -1036,7 +974,7 @@ def _clear_stamps(wcnt):
     cuda.syncthreads()
 
 
-@cuda.jit(**_SPLIT_JIT)
+@cuda.jit
 def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
                              rec_q, rec_sr):
     """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
@@ -1044,10 +982,6 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     ``row // 128``, in (query, slot) order inside a group."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
-    loc = cuda.shared.array(_GROUP_STARTS, int32)  # the chunk's key offsets, then its size
-    stage_p = cuda.shared.array(_SPLIT_THREADS, int32)  # the chunk's records in key order
-    stage_a = cuda.shared.array(_SPLIT_THREADS, int32)
-    stage_b = cuda.shared.array(_SPLIT_THREADS, int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
     scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
@@ -1079,27 +1013,20 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
             r = _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
             if r >= 0 and r < rows:
                 key = int32(r // _GROUP_ROWS)
-        pos, li = _multisplit(key, stamp, cur, ngroups, wcnt, wpos, loc)
+        pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
-        if li >= 0:  # staged in key order, then written run by run
-            stage_p[li] = pos if pos < width else -1
-            stage_a[li] = t
-            stage_b[li] = (s << 7) | (r % _GROUP_ROWS)
-        cuda.syncthreads()
-        _flush_sorted(stage_p, stage_a, stage_b, loc, h, rec_q, rec_sr)
+        if pos >= 0 and pos < width:
+            rec_q[h, pos] = t
+            rec_sr[h, pos] = (s << 7) | (r % _GROUP_ROWS)
 
 
-@cuda.jit(**_SPLIT_JIT)
+@cuda.jit
 def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
     """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
     group and writes every edge to its row: ``row_ptr[h, r] + cursors[tile, h, r]`` plus its
     rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
-    loc = cuda.shared.array(_GROUP_STARTS, int32)  # the chunk's key offsets, then its size
-    stage_p = cuda.shared.array(_SPLIT_THREADS, int32)  # the chunk's records in key order
-    stage_a = cuda.shared.array(_SPLIT_THREADS, int32)
-    stage_b = cuda.shared.array(_SPLIT_THREADS, int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
     scratch = cuda.shared.array(_GROUP_ROWS, int64)
     cur = cuda.shared.array(_GROUP_ROWS, int32)
@@ -1144,14 +1071,11 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
                 v = int64(rec_sr[h, e])
                 if v % _GROUP_ROWS < nr:
                     key = int32(v % _GROUP_ROWS)
-            pos, li = _multisplit(key, stamp, cur, nr, wcnt, wpos, loc)
+            pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
-            if li >= 0:  # staged in row order, then written run by run
-                stage_p[li] = pos if pos < width else -1
-                stage_a[li] = rec_q[h, e]
-                stage_b[li] = v >> 7
-            cuda.syncthreads()
-            _flush_sorted(stage_p, stage_a, stage_b, loc, h, q_indices, slots)
+            if pos >= 0 and pos < width:
+                q_indices[h, pos] = rec_q[h, e]
+                slots[h, pos] = v >> 7
 
 
 @cuda.jit
