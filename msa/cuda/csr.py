@@ -106,7 +106,7 @@ import itertools
 import math
 
 import numpy as np
-from numba import cuda, int32, int64, uint32
+from numba import cuda, int32, int64, uint32, uint64
 
 from .._checks import (
     check_array,
@@ -943,26 +943,31 @@ def _multisplit(key, stamp, cur, nkeys, wcnt, wpos):
     chunk's records of k. Ranks come from ``match_any`` inside a warp and a scan over the warps
     per key (no atomics). ``wcnt[w, k]`` holds ``stamp << 6 | count`` of warp w's records of
     key k; a stale stamp means 0, so nothing is cleared between chunks. Two barriers."""
-    tid = cuda.threadIdx.x
-    w = tid // 32
-    nw = cuda.blockDim.x // 32
+    # (unsigned 32-bit indices: no negative-index wrap-around or 64-bit index arithmetic)
+    tid = uint32(cuda.threadIdx.x)
+    w = tid // uint32(32)
+    nw = uint32(cuda.blockDim.x) // uint32(32)
     peers = cuda.match_any_sync(FULL_MASK, key)
     rank = cuda.popc(peers & cuda.lanemask_lt())
     if key >= 0 and rank == 0:
-        wcnt[w, key] = (stamp << 6) | cuda.popc(peers)
+        wcnt[w, uint32(key)] = (int32(stamp) << 6) | int32(cuda.popc(peers))
     cuda.syncthreads()
-    for k in range(tid, nkeys, cuda.blockDim.x):
+    k = tid
+    while k < uint32(nkeys):
         run = cur[k]
-        for v in range(nw):
+        v = uint32(0)
+        while v < nw:
             c = wcnt[v, k]
             wpos[v, k] = run
-            if (c >> 6) == stamp:
+            if (c >> 6) == int32(stamp):
                 run += c & 63
+            v += uint32(1)
         cur[k] = run
+        k += uint32(cuda.blockDim.x)
     cuda.syncthreads()
     pos = int64(-1)
     if key >= 0:
-        pos = int64(wpos[w, key]) + rank
+        pos = int64(wpos[w, uint32(key)]) + rank
     return pos
 
 
@@ -999,25 +1004,46 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
         cur[g] = gstart[g]
     cuda.syncthreads()
     t_begin = int64(tile) * tile_queries
-    n_edges = (min(int64(tq), t_begin + tile_queries) - t_begin) * topk
+    nq = int32(min(int64(tq), t_begin + tile_queries) - t_begin)
+    # Thread tid's edge of each chunk, (query t_begin + dq, slot s) = edge base + tid of the
+    # tile, kept by stepping (one division here, none per edge).
+    dq = int32(tid // topk)
+    s = int32(tid % topk)
+    step_q = int32(nt // topk)
+    step_s = int32(nt % topk)
+    # One sequence under the whole tile (a prefill: every tile): its rows looked up once.
+    first = int64(0)
+    nblocks = int64(-1)
+    if nq > 0:
+        b = _last_le(cu_q, t_begin)
+        if _last_le(cu_q, t_begin + nq - 1) == b:
+            first = int64(row_offsets[b])
+            nblocks = int64(row_offsets[b + 1]) - first
     stamp = 0
-    for base in range(0, n_edges, nt):
-        e = base + tid
+    for _ in range(0, int64(nq) * topk, nt):
         key = int32(-1)
-        t = int64(0)
-        s = int64(0)
+        t = t_begin + dq
         r = int64(-1)
-        if e < n_edges:
-            t = t_begin + e // topk
-            s = e % topk
-            r = _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
+        if dq < nq:
+            # (unsigned indices: no negative-index wrap-around code)
+            x = block_indices[uint64(t), uint64(h), uint64(s)]
+            if nblocks >= 0:
+                if x >= 0 and x < nblocks:
+                    r = first + x
+            else:
+                r = _block_row(x, cu_q, row_offsets, t)
             if r >= 0 and r < rows:
-                key = int32(r // _GROUP_ROWS)
+                key = int32(r >> 7)
         pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
         if pos >= 0 and pos < width:
-            rec_q[h, pos] = t
-            rec_sr[h, pos] = (s << 7) | (r % _GROUP_ROWS)
+            rec_q[h, uint64(pos)] = t
+            rec_sr[h, uint64(pos)] = (s << 7) | int32(r & (_GROUP_ROWS - 1))
+        dq += step_q
+        s += step_s
+        if s >= topk:
+            s -= topk
+            dq += 1
 
 
 @cuda.jit
@@ -1066,16 +1092,18 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
         for base in range(lo, hi, nt):
             e = base + tid
             key = int32(-1)
-            v = int64(0)
-            if e < hi:
-                v = int64(rec_sr[h, e])
-                if v % _GROUP_ROWS < nr:
-                    key = int32(v % _GROUP_ROWS)
+            v = int32(0)
+            qv = int32(0)
+            if e < hi:  # (unsigned indices: no negative-index wrap-around code)
+                v = rec_sr[h, uint64(e)]
+                qv = rec_q[h, uint64(e)]  # loaded before the ranks, which wait anyway
+                if (v & (_GROUP_ROWS - 1)) < nr:
+                    key = v & (_GROUP_ROWS - 1)
             pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
             if pos >= 0 and pos < width:
-                q_indices[h, pos] = rec_q[h, e]
-                slots[h, pos] = v >> 7
+                q_indices[h, uint64(pos)] = qv
+                slots[h, uint64(pos)] = v >> 7
 
 
 @cuda.jit
