@@ -936,37 +936,21 @@ def _tile_groups(row_ptr, cursors, tile, h, gstart, scratch):
 
 
 @cuda.jit(device=True)
-def _multisplit(key_a, key_b, stamp, cur, nkeys, wcnt, wpos):
-    """Stable multi-split of one chunk of two records a thread: warp w holds the chunk's
-    records ``64 w + lane`` (``key_a``) and ``64 w + 32 + lane`` (``key_b``), keys in ``[0,
-    nkeys)`` (-1: none). Returns their positions ``(pos_a, pos_b)``: ``cur[key]`` plus the
-    number of earlier records of the chunk with the same key (-1 for none), and advances every
-    ``cur[k]`` past the chunk's records of k. Ranks come from ``match_any`` inside a warp (the
-    b half counts the a half's records of its key first) and a scan over the warps per key (no
-    atomics). ``wcnt[w, k]`` holds ``stamp << 7 | count`` of warp w's records of key k; a
-    stale stamp means 0, so nothing is cleared between chunks. Two barriers, which with two
-    records a thread cost half as much per record as with one, as does the scan."""
+def _multisplit(key, stamp, cur, nkeys, wcnt, wpos):
+    """Stable multi-split of one chunk: thread i holds record i of the chunk and its ``key`` in
+    ``[0, nkeys)`` (-1: none). Returns the record's position, ``cur[key]`` plus the number of
+    earlier records of the chunk with the same key, and advances every ``cur[k]`` past the
+    chunk's records of k. Ranks come from ``match_any`` inside a warp and a scan over the warps
+    per key (no atomics). ``wcnt[w, k]`` holds ``stamp << 6 | count`` of warp w's records of
+    key k; a stale stamp means 0, so nothing is cleared between chunks. Two barriers."""
     # (unsigned 32-bit indices: no negative-index wrap-around or 64-bit index arithmetic)
     tid = uint32(cuda.threadIdx.x)
     w = tid // uint32(32)
     nw = uint32(cuda.blockDim.x) // uint32(32)
-    mark = int32(stamp) << 7
-    lt = cuda.lanemask_lt()
-    peers_a = cuda.match_any_sync(FULL_MASK, key_a)
-    rank_a = cuda.popc(peers_a & lt)
-    peers_b = cuda.match_any_sync(FULL_MASK, key_b)
-    rank_b = cuda.popc(peers_b & lt)
-    if key_a >= 0 and rank_a == 0:
-        wcnt[w, uint32(key_a)] = mark | int32(cuda.popc(peers_a))
-    cuda.syncwarp()
-    before_b = int32(0)  # the warp's a records with key_b
-    if key_b >= 0:
-        c = wcnt[w, uint32(key_b)]
-        if (c >> 7) == int32(stamp):
-            before_b = c & 127
-    cuda.syncwarp()
-    if key_b >= 0 and rank_b == 0:
-        wcnt[w, uint32(key_b)] = mark | (before_b + int32(cuda.popc(peers_b)))
+    peers = cuda.match_any_sync(FULL_MASK, key)
+    rank = cuda.popc(peers & cuda.lanemask_lt())
+    if key >= 0 and rank == 0:
+        wcnt[w, uint32(key)] = (int32(stamp) << 6) | int32(cuda.popc(peers))
     cuda.syncthreads()
     k = tid
     while k < uint32(nkeys):
@@ -975,19 +959,16 @@ def _multisplit(key_a, key_b, stamp, cur, nkeys, wcnt, wpos):
         while v < nw:
             c = wcnt[v, k]
             wpos[v, k] = run
-            if (c >> 7) == int32(stamp):
-                run += c & 127
+            if (c >> 6) == int32(stamp):
+                run += c & 63
             v += uint32(1)
         cur[k] = run
         k += uint32(cuda.blockDim.x)
     cuda.syncthreads()
-    pos_a = int64(-1)
-    pos_b = int64(-1)
-    if key_a >= 0:
-        pos_a = int64(wpos[w, uint32(key_a)]) + rank_a
-    if key_b >= 0:
-        pos_b = int64(wpos[w, uint32(key_b)]) + before_b + rank_b
-    return pos_a, pos_b
+    pos = int64(-1)
+    if key >= 0:
+        pos = int64(wpos[w, uint32(key)]) + rank
+    return pos
 
 
 @cuda.jit(device=True)
@@ -996,22 +977,6 @@ def _clear_stamps(wcnt):
     for i in range(cuda.threadIdx.x, wcnt.shape[0] * wcnt.shape[1], cuda.blockDim.x):
         wcnt[i // wcnt.shape[1], i % wcnt.shape[1]] = -1
     cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def _tile_edge_row(block_indices, cu_q, row_offsets, first, nblocks, t, h, s, valid):
-    """CSR row of edge ``(t, h, s)`` (-1 if not ``valid``, see ``_block_row``); with
-    ``nblocks >= 0`` every query of the tile is in the sequence whose rows start at ``first``
-    and its lookup is skipped. Unsigned indices: no negative-index wrap-around code."""
-    r = int64(-1)
-    if valid:
-        x = block_indices[uint64(t), uint64(h), uint64(s)]
-        if nblocks >= 0:
-            if x >= 0 and x < nblocks:
-                r = first + x
-        else:
-            r = _block_row(x, cu_q, row_offsets, t)
-    return r
 
 
 @cuda.jit
@@ -1040,16 +1005,12 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     cuda.syncthreads()
     t_begin = int64(tile) * tile_queries
     nq = int32(min(int64(tq), t_begin + tile_queries) - t_begin)
-    # Thread tid's edges of each chunk of 2 nt: e_a = 64 w + lane and e_b = e_a + 32 (warp w
-    # holds 64 consecutive edges), as (query t_begin + dq, slot s), kept by stepping (two
-    # divisions here, none per edge).
-    e_a = int32(64 * (tid // 32) + tid % 32)
-    dq_a = e_a // topk
-    s_a = e_a % topk
-    dq_b = (e_a + 32) // topk
-    s_b = (e_a + 32) % topk
-    step_q = int32(2 * nt // topk)
-    step_s = int32(2 * nt % topk)
+    # Thread tid's edge of each chunk, (query t_begin + dq, slot s) = edge base + tid of the
+    # tile, kept by stepping (one division here, none per edge).
+    dq = int32(tid // topk)
+    s = int32(tid % topk)
+    step_q = int32(nt // topk)
+    step_s = int32(nt % topk)
     # One sequence under the whole tile (a prefill: every tile): its rows looked up once.
     first = int64(0)
     nblocks = int64(-1)
@@ -1059,48 +1020,30 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
             first = int64(row_offsets[b])
             nblocks = int64(row_offsets[b + 1]) - first
     stamp = 0
-    for _ in range(0, int64(nq) * topk, 2 * nt):
-        t_a = t_begin + dq_a
-        t_b = t_begin + dq_b
-        r_a = _tile_edge_row(block_indices, cu_q, row_offsets, first, nblocks, t_a, h, s_a,
-                             dq_a < nq)
-        r_b = _tile_edge_row(block_indices, cu_q, row_offsets, first, nblocks, t_b, h, s_b,
-                             dq_b < nq)
-        key_a = int32(r_a >> 7) if r_a >= 0 and r_a < rows else int32(-1)
-        key_b = int32(r_b >> 7) if r_b >= 0 and r_b < rows else int32(-1)
-        pos_a, pos_b = _multisplit(key_a, key_b, stamp, cur, ngroups, wcnt, wpos)
+    for _ in range(0, int64(nq) * topk, nt):
+        key = int32(-1)
+        t = t_begin + dq
+        r = int64(-1)
+        if dq < nq:
+            # (unsigned indices: no negative-index wrap-around code)
+            x = block_indices[uint64(t), uint64(h), uint64(s)]
+            if nblocks >= 0:
+                if x >= 0 and x < nblocks:
+                    r = first + x
+            else:
+                r = _block_row(x, cu_q, row_offsets, t)
+            if r >= 0 and r < rows:
+                key = int32(r >> 7)
+        pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
-        if pos_a >= 0 and pos_a < width:
-            rec_q[h, uint64(pos_a)] = t_a
-            rec_sr[h, uint64(pos_a)] = (s_a << 7) | int32(r_a & (_GROUP_ROWS - 1))
-        if pos_b >= 0 and pos_b < width:
-            rec_q[h, uint64(pos_b)] = t_b
-            rec_sr[h, uint64(pos_b)] = (s_b << 7) | int32(r_b & (_GROUP_ROWS - 1))
-        dq_a += step_q
-        s_a += step_s
-        if s_a >= topk:
-            s_a -= topk
-            dq_a += 1
-        dq_b += step_q
-        s_b += step_s
-        if s_b >= topk:
-            s_b -= topk
-            dq_b += 1
-
-
-@cuda.jit(device=True)
-def _split_record(rec_q, rec_sr, h, e, hi, nr):
-    """Record e of a row group of ``nr`` rows in the split arrays: ``(slot << 7 | row % 128,
-    query id, key = row % 128)``, key -1 past ``hi``. Unsigned indices: no wrap-around code."""
-    v = int32(0)
-    qv = int32(0)
-    key = int32(-1)
-    if e < hi:
-        v = rec_sr[h, uint64(e)]
-        qv = rec_q[h, uint64(e)]
-        if (v & (_GROUP_ROWS - 1)) < nr:
-            key = v & (_GROUP_ROWS - 1)
-    return v, qv, key
+        if pos >= 0 and pos < width:
+            rec_q[h, uint64(pos)] = t
+            rec_sr[h, uint64(pos)] = (s << 7) | int32(r & (_GROUP_ROWS - 1))
+        dq += step_q
+        s += step_s
+        if s >= topk:
+            s -= topk
+            dq += 1
 
 
 @cuda.jit
@@ -1146,19 +1089,21 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
         for i in range(tid, nr, nt):
             cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
         cuda.syncthreads()
-        for base in range(lo, hi, 2 * nt):  # (uniform: every thread meets the barriers)
-            # this thread's records: e_a, and e_b = e_a + 32 (warp w holds 64 consecutive)
-            e_a = base + 64 * (tid // 32) + tid % 32
-            v_a, q_a, key_a = _split_record(rec_q, rec_sr, h, e_a, hi, nr)
-            v_b, q_b, key_b = _split_record(rec_q, rec_sr, h, e_a + 32, hi, nr)
-            pos_a, pos_b = _multisplit(key_a, key_b, stamp, cur, nr, wcnt, wpos)
+        for base in range(lo, hi, nt):
+            e = base + tid
+            key = int32(-1)
+            v = int32(0)
+            qv = int32(0)
+            if e < hi:  # (unsigned indices: no negative-index wrap-around code)
+                v = rec_sr[h, uint64(e)]
+                qv = rec_q[h, uint64(e)]  # loaded before the ranks, which wait anyway
+                if (v & (_GROUP_ROWS - 1)) < nr:
+                    key = v & (_GROUP_ROWS - 1)
+            pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
-            if pos_a >= 0 and pos_a < width:
-                q_indices[h, uint64(pos_a)] = q_a
-                slots[h, uint64(pos_a)] = v_a >> 7
-            if pos_b >= 0 and pos_b < width:
-                q_indices[h, uint64(pos_b)] = q_b
-                slots[h, uint64(pos_b)] = v_b >> 7
+            if pos >= 0 and pos < width:
+                q_indices[h, uint64(pos)] = qv
+                slots[h, uint64(pos)] = v >> 7
 
 
 @cuda.jit
