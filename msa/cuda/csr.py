@@ -1020,15 +1020,23 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
             first = int64(row_offsets[b])
             nblocks = int64(row_offsets[b + 1]) - first
     stamp = 0
+    # (unsigned indices: no negative-index wrap-around code; the next chunk's block id is
+    # loaded while this one is ranked)
+    x = block_indices[uint64(t_begin + dq), uint64(h), uint64(s)] if dq < nq else int32(-1)
     for _ in range(0, int64(nq) * topk, nt):
-        key = int32(-1)
         t = t_begin + dq
+        s_now = s
+        dq += step_q
+        s += step_s
+        if s >= topk:
+            s -= topk
+            dq += 1
+        x_next = block_indices[uint64(t_begin + dq), uint64(h), uint64(s)] if dq < nq else int32(-1)
+        key = int32(-1)
         r = int64(-1)
-        if dq < nq:
-            # (unsigned indices: no negative-index wrap-around code)
-            x = block_indices[uint64(t), uint64(h), uint64(s)]
+        if x >= 0:
             if nblocks >= 0:
-                if x >= 0 and x < nblocks:
+                if x < nblocks:
                     r = first + x
             else:
                 r = _block_row(x, cu_q, row_offsets, t)
@@ -1038,12 +1046,24 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
         stamp += 1
         if pos >= 0 and pos < width:
             rec_q[h, uint64(pos)] = t
-            rec_sr[h, uint64(pos)] = (s << 7) | int32(r & (_GROUP_ROWS - 1))
-        dq += step_q
-        s += step_s
-        if s >= topk:
-            s -= topk
-            dq += 1
+            rec_sr[h, uint64(pos)] = (s_now << 7) | int32(r & (_GROUP_ROWS - 1))
+        x = x_next
+
+
+@cuda.jit(device=True)
+def _split_record(rec_q, rec_sr, h, e, hi, nr):
+    """Record e of a row group of ``nr`` rows in the split arrays: ``(slot << 7 | row % 128,
+    query id, key = row % 128)``; key -1 (nothing loaded) from ``hi`` on. Unsigned indices: no
+    negative-index wrap-around code."""
+    v = int32(0)
+    qv = int32(0)
+    key = int32(-1)
+    if e < hi:
+        v = rec_sr[h, uint64(e)]
+        qv = rec_q[h, uint64(e)]
+        if (v & (_GROUP_ROWS - 1)) < nr:
+            key = v & (_GROUP_ROWS - 1)
+    return v, qv, key
 
 
 @cuda.jit
@@ -1086,24 +1106,22 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
             continue
         r0 = g * _GROUP_ROWS
         nr = min(_GROUP_ROWS, rows - r0)
+        # The first chunk's records are loaded with the row cursors, before the barrier, and
+        # each next chunk's while this one is ranked: one memory round trip at a time, not two.
+        v, qv, key = _split_record(rec_q, rec_sr, h, lo + tid, hi, nr)
         for i in range(tid, nr, nt):
             cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
         cuda.syncthreads()
         for base in range(lo, hi, nt):
-            e = base + tid
-            key = int32(-1)
-            v = int32(0)
-            qv = int32(0)
-            if e < hi:  # (unsigned indices: no negative-index wrap-around code)
-                v = rec_sr[h, uint64(e)]
-                qv = rec_q[h, uint64(e)]  # loaded before the ranks, which wait anyway
-                if (v & (_GROUP_ROWS - 1)) < nr:
-                    key = v & (_GROUP_ROWS - 1)
+            v_next, q_next, key_next = _split_record(rec_q, rec_sr, h, base + nt + tid, hi, nr)
             pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
             if pos >= 0 and pos < width:
                 q_indices[h, uint64(pos)] = qv
                 slots[h, uint64(pos)] = v >> 7
+            v = v_next
+            qv = q_next
+            key = key_next
 
 
 @cuda.jit
