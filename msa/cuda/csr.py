@@ -434,6 +434,56 @@ def _edge_row(block_indices, cu_q, row_offsets, t, h, s):
 
 
 @cuda.jit(device=True)
+def _tile_sequence(cu_q, row_offsets, t_begin, nq):
+    """``(first, nblocks)`` of the one sequence holding queries ``[t_begin, t_begin + nq)``
+    (its CSR rows start at ``first``); ``nblocks = -1`` if they span several (or none)."""
+    first = int64(0)
+    nblocks = int64(-1)
+    if nq > 0:
+        b = _last_le(cu_q, t_begin)
+        if _last_le(cu_q, t_begin + nq - 1) == b:
+            first = int64(row_offsets[b])
+            nblocks = int64(row_offsets[b + 1]) - first
+    return first, nblocks
+
+
+@cuda.jit(device=True)
+def _tile_block(block_indices, t_begin, dq, s, nq, h):
+    """``block_indices[t_begin + dq, h, s]``, -1 from ``dq = nq`` on. Unsigned indices: no
+    negative-index wrap-around code."""
+    x = int32(-1)
+    if dq < nq:
+        x = block_indices[uint64(t_begin + dq), uint64(h), uint64(s)]
+    return x
+
+
+@cuda.jit(device=True)
+def _tile_row(x, t, first, nblocks, cu_q, row_offsets):
+    """CSR row of block id x chosen by query t (-1: none), as ``_block_row``, without the
+    sequence lookup when ``nblocks >= 0`` (``_tile_sequence``)."""
+    r = int64(-1)
+    if x >= 0:
+        if nblocks >= 0:
+            if x < nblocks:
+                r = first + x
+        else:
+            r = _block_row(x, cu_q, row_offsets, t)
+    return r
+
+
+@cuda.jit(device=True)
+def _next_edge(dq, s, step_q, step_s, topk):
+    """``(dq, s)`` advanced by ``step_q * topk + step_s`` edges (``step_s < topk``): a walk over
+    a tile's edges in (query, slot) order without a division per edge."""
+    dq += step_q
+    s += step_s
+    if s >= topk:
+        s -= topk
+        dq += 1
+    return dq, s
+
+
+@cuda.jit(device=True)
 def _block_inclusive_scan(sh, tid, nt):
     """In-place inclusive scan of ``sh[0:nt]`` by the ``nt`` threads of a CTA (Hillis-Steele)."""
     d = 1
@@ -528,15 +578,24 @@ def _csr_kernel_count_shared(block_indices, cu_q, row_offsets, tile_queries, til
         hist[w] = 0
     cuda.syncthreads()
     t_begin = int64(tile) * tile_queries
-    t_end = min(int64(tq), t_begin + tile_queries)
-    n = max(t_end - t_begin, int64(0)) * topk
-    e = int64(tid)
-    while e < n:  # consecutive threads read consecutive slots: coalesced rows of I
-        t = t_begin + e // topk
-        r = _edge_row(block_indices, cu_q, row_offsets, t, h, e % topk)
+    nq = int32(max(min(int64(tq), t_begin + tile_queries) - t_begin, int64(0)))
+    first, nblocks = _tile_sequence(cu_q, row_offsets, t_begin, nq)
+    # Thread tid walks edges tid, tid + nt, ... as (query t_begin + dq, slot s): consecutive
+    # threads read consecutive slots (coalesced rows of I); the next block id is loaded while
+    # this one is counted.
+    dq = int32(tid // topk)
+    s = int32(tid % topk)
+    step_q = int32(nt // topk)
+    step_s = int32(nt % topk)
+    x = _tile_block(block_indices, t_begin, dq, s, nq, h)
+    while dq < nq:
+        t = t_begin + dq
+        dq, s = _next_edge(dq, s, step_q, step_s, topk)
+        x_next = _tile_block(block_indices, t_begin, dq, s, nq, h)
+        r = _tile_row(x, t, first, nblocks, cu_q, row_offsets)
         if r >= 0:
             cuda.atomic.add(hist, r >> 1, uint32(1) << uint32((r & 1) * 16))
-        e += nt
+        x = x_next
     cuda.syncthreads()
     out = tile_counts[tile, h]
     for r in range(tid, rows, nt):
@@ -1006,42 +1065,22 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     t_begin = int64(tile) * tile_queries
     nq = int32(min(int64(tq), t_begin + tile_queries) - t_begin)
     # Thread tid's edge of each chunk, (query t_begin + dq, slot s) = edge base + tid of the
-    # tile, kept by stepping (one division here, none per edge).
+    # tile, kept by stepping (one division here, none per edge); the next chunk's block id is
+    # loaded while this one is ranked.
     dq = int32(tid // topk)
     s = int32(tid % topk)
     step_q = int32(nt // topk)
     step_s = int32(nt % topk)
-    # One sequence under the whole tile (a prefill: every tile): its rows looked up once.
-    first = int64(0)
-    nblocks = int64(-1)
-    if nq > 0:
-        b = _last_le(cu_q, t_begin)
-        if _last_le(cu_q, t_begin + nq - 1) == b:
-            first = int64(row_offsets[b])
-            nblocks = int64(row_offsets[b + 1]) - first
+    first, nblocks = _tile_sequence(cu_q, row_offsets, t_begin, nq)
     stamp = 0
-    # (unsigned indices: no negative-index wrap-around code; the next chunk's block id is
-    # loaded while this one is ranked)
-    x = block_indices[uint64(t_begin + dq), uint64(h), uint64(s)] if dq < nq else int32(-1)
+    x = _tile_block(block_indices, t_begin, dq, s, nq, h)
     for _ in range(0, int64(nq) * topk, nt):
         t = t_begin + dq
         s_now = s
-        dq += step_q
-        s += step_s
-        if s >= topk:
-            s -= topk
-            dq += 1
-        x_next = block_indices[uint64(t_begin + dq), uint64(h), uint64(s)] if dq < nq else int32(-1)
-        key = int32(-1)
-        r = int64(-1)
-        if x >= 0:
-            if nblocks >= 0:
-                if x < nblocks:
-                    r = first + x
-            else:
-                r = _block_row(x, cu_q, row_offsets, t)
-            if r >= 0 and r < rows:
-                key = int32(r >> 7)
+        dq, s = _next_edge(dq, s, step_q, step_s, topk)
+        x_next = _tile_block(block_indices, t_begin, dq, s, nq, h)
+        r = _tile_row(x, t, first, nblocks, cu_q, row_offsets)
+        key = int32(r >> 7) if r >= 0 and r < rows else int32(-1)
         pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
         if pos >= 0 and pos < width:
