@@ -45,6 +45,7 @@ warp).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -325,6 +326,31 @@ if MMA_BACKEND == "ptx":
 else:
     mma_bf16_m16n8k16 = _mma_bf16_twin
     mma_f16_m16n8k16 = _mma_f16_twin
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_pair(mma):
+    """``mma_pair(acc, n, a0, a1, a2, a3, b0, b1, b2, b3)``: the two mma of one ``ldmatrix_x4``
+    B load, n-tiles ``(b0, b1)`` and ``(b2, b3)``, accumulating into ``acc[n:n+4]`` and
+    ``acc[n+4:n+8]`` (the fp32 C/D fragments in a local array); ``mma`` is the 16-bit type's
+    mma. Inlined into the kernel, so the accumulators stay in registers."""
+
+    @cuda.jit(device=True, inline=True)
+    def mma_pair(acc, n, a0, a1, a2, a3, b0, b1, b2, b3):
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[n], acc[n + 1], acc[n + 2],
+                             acc[n + 3])
+        acc[n] = d0
+        acc[n + 1] = d1
+        acc[n + 2] = d2
+        acc[n + 3] = d3
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, acc[n + 4], acc[n + 5], acc[n + 6],
+                             acc[n + 7])
+        acc[n + 4] = d0
+        acc[n + 5] = d1
+        acc[n + 6] = d2
+        acc[n + 7] = d3
+
+    return mma_pair
 
 
 # Fragment loads from shared memory (plain Numba, shared by both backends).

@@ -82,7 +82,7 @@ from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                       group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
-from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag,
+from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag, make_mma_pair,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
 from .csr import MAX_TOPK, _last_le
@@ -662,7 +662,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     O_PARTS = o_parts
     assert NO_PART % 2 == 0 and NO_PART * o_parts == NO
     S_REGS, P_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO_PART  # register arrays (constant sizes)
-    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16_in else pack_f16x2
     copy16 = cp_async16 if use_async else copy16_plain3
     commit = cp_async_commit if use_async else no_op
@@ -779,18 +779,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                 for n2 in range(NS // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
                     n = 8 * n2
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
-                                         s_acc[n + 2], s_acc[n + 3])
-                    s_acc[n] = d0
-                    s_acc[n + 1] = d1
-                    s_acc[n + 2] = d2
-                    s_acc[n + 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
-                                         s_acc[n + 6], s_acc[n + 7])
-                    s_acc[n + 4] = d0
-                    s_acc[n + 5] = d1
-                    s_acc[n + 6] = d2
-                    s_acc[n + 7] = d3
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
 
             # Token-level causal mask (and keys past the sequence): key c of the block is
             # visible to a row iff c <= lim; rows without a query have pos = -1: nothing.
@@ -869,18 +858,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                         b0, b1, b2, b3 = ldmatrix_x4_trans(
                             smem, v_lane + 16 * kp * LD + 8 * (part * (NO_PART // 2) + n2))
                         n = 8 * n2
-                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, o_acc[n], o_acc[n + 1],
-                                             o_acc[n + 2], o_acc[n + 3])
-                        o_acc[n] = d0
-                        o_acc[n + 1] = d1
-                        o_acc[n + 2] = d2
-                        o_acc[n + 3] = d3
-                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, o_acc[n + 4], o_acc[n + 5],
-                                             o_acc[n + 6], o_acc[n + 7])
-                        o_acc[n + 4] = d0
-                        o_acc[n + 5] = d1
-                        o_acc[n + 6] = d2
-                        o_acc[n + 7] = d3
+                        mma_pair(o_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
                 for i in range(NO_PART):
                     # output columns 8 (part NO_PART + i) + col and the next one
                     if BF16_PARTIALS:  # one word (two bf16) per column pair
@@ -1756,6 +1734,7 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
     ROUNDS = -(-PAIRS // NW)
     S_REGS, F_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    mma_pair = make_mma_pair(mma)
     pack = pack_bf16x2 if bf16_in else pack_f16x2
     copy16 = cp_async16 if use_async else copy16_plain3
     commit = cp_async_commit if use_async else no_op
@@ -1895,31 +1874,9 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                 for n2 in range(NS // 2):
                     n = 8 * n2
                     b0, b1, b2, b3 = ldmatrix_x4(smem, qo + b_lane + 16 * n2 * LD + 8 * ks)
-                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
-                                         s_acc[n + 2], s_acc[n + 3])
-                    s_acc[n] = x0
-                    s_acc[n + 1] = x1
-                    s_acc[n + 2] = x2
-                    s_acc[n + 3] = x3
-                    x0, x1, x2, x3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
-                                         s_acc[n + 6], s_acc[n + 7])
-                    s_acc[n + 4] = x0
-                    s_acc[n + 5] = x1
-                    s_acc[n + 6] = x2
-                    s_acc[n + 7] = x3
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
                     b0, b1, b2, b3 = ldmatrix_x4(smem, doo + b_lane + 16 * n2 * LD + 8 * ks)
-                    x0, x1, x2, x3 = mma(c0_, c1_, c2_, c3_, b0, b1, dp_acc[n], dp_acc[n + 1],
-                                         dp_acc[n + 2], dp_acc[n + 3])
-                    dp_acc[n] = x0
-                    dp_acc[n + 1] = x1
-                    dp_acc[n + 2] = x2
-                    dp_acc[n + 3] = x3
-                    x0, x1, x2, x3 = mma(c0_, c1_, c2_, c3_, b2, b3, dp_acc[n + 4],
-                                         dp_acc[n + 5], dp_acc[n + 6], dp_acc[n + 7])
-                    dp_acc[n + 4] = x0
-                    dp_acc[n + 5] = x1
-                    dp_acc[n + 6] = x2
-                    dp_acc[n + 7] = x3
+                    mma_pair(dp_acc, n, c0_, c1_, c2_, c3_, b0, b1, b2, b3)
 
             # Pᵀ and dSᵀ: lane element (key_top or key_bot, row 8 i + 2 t4 + e); a key past a
             # row's limit (its position, the block's end, no query) gives P = 0.
@@ -1953,37 +1910,12 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
                     n = 8 * n2
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, doo + t_lane + 16 * kr * LD
                                                        + 8 * n2)
-                    x0, x1, x2, x3 = mma(p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
-                                         p_frag[4 * kr + 3], b0, b1, dv_acc[n], dv_acc[n + 1],
-                                         dv_acc[n + 2], dv_acc[n + 3])
-                    dv_acc[n] = x0
-                    dv_acc[n + 1] = x1
-                    dv_acc[n + 2] = x2
-                    dv_acc[n + 3] = x3
-                    x0, x1, x2, x3 = mma(p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
-                                         p_frag[4 * kr + 3], b2, b3, dv_acc[n + 4],
-                                         dv_acc[n + 5], dv_acc[n + 6], dv_acc[n + 7])
-                    dv_acc[n + 4] = x0
-                    dv_acc[n + 5] = x1
-                    dv_acc[n + 6] = x2
-                    dv_acc[n + 7] = x3
+                    mma_pair(dv_acc, n, p_frag[4 * kr], p_frag[4 * kr + 1],
+                             p_frag[4 * kr + 2], p_frag[4 * kr + 3], b0, b1, b2, b3)
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, qo + t_lane + 16 * kr * LD
                                                        + 8 * n2)
-                    x0, x1, x2, x3 = mma(ds_frag[4 * kr], ds_frag[4 * kr + 1],
-                                         ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1,
-                                         dk_acc[n], dk_acc[n + 1], dk_acc[n + 2], dk_acc[n + 3])
-                    dk_acc[n] = x0
-                    dk_acc[n + 1] = x1
-                    dk_acc[n + 2] = x2
-                    dk_acc[n + 3] = x3
-                    x0, x1, x2, x3 = mma(ds_frag[4 * kr], ds_frag[4 * kr + 1],
-                                         ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b2, b3,
-                                         dk_acc[n + 4], dk_acc[n + 5], dk_acc[n + 6],
-                                         dk_acc[n + 7])
-                    dk_acc[n + 4] = x0
-                    dk_acc[n + 5] = x1
-                    dk_acc[n + 6] = x2
-                    dk_acc[n + 7] = x3
+                    mma_pair(dk_acc, n, ds_frag[4 * kr], ds_frag[4 * kr + 1],
+                             ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1, b2, b3)
             cuda.syncthreads()  # (C) dSᵀ complete
 
             # dQ_tile = dS K: units (m-tile, n-tile pair) dealt to the warps, ROUNDS each; a unit

@@ -135,7 +135,7 @@ from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
                       load_f32x4, no_op)
 from ._mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
-                   mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
+                   make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 
 VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = 4
@@ -1291,7 +1291,7 @@ def _kl_kernel_student_reg(bf16_in: bool, block_size: int, index_dim: int, warps
     NS = Bk // 8
     S_REGS = 4 * NS  # (a local array's size must be a plain constant)
     KS = DI // 16
-    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
     copy16 = cp_async16 if use_async else copy16_plain3
     copy16_2d = cp_async16 if use_async else copy16_plain2
     commit = cp_async_commit if use_async else no_op
@@ -1371,18 +1371,7 @@ def _kl_kernel_student_reg(bf16_in: bool, block_size: int, index_dim: int, warps
                 for n2 in range(NS // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LDI + 8 * ks)
                     n = 8 * n2
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
-                                         s_acc[n + 2], s_acc[n + 3])
-                    s_acc[n] = d0
-                    s_acc[n + 1] = d1
-                    s_acc[n + 2] = d2
-                    s_acc[n + 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
-                                         s_acc[n + 6], s_acc[n + 7])
-                    s_acc[n + 4] = d0
-                    s_acc[n + 5] = d1
-                    s_acc[n + 6] = d2
-                    s_acc[n + 7] = d3
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
             lim_top = min(pos_top - key_pos0, nk - 1)
             lim_bot = min(pos_bot - key_pos0, nk - 1)
             m_top = _NEG_INF
@@ -1504,6 +1493,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
     ds_down = float32(1.0) if bf16_in else float32(2.0 ** -14)
     GRADS = grads
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    mma_pair = make_mma_pair(mma)
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
     copy16 = cp_async16 if use_async else copy16_plain3
     copy16_2d = cp_async16 if use_async else copy16_plain2
@@ -1680,18 +1670,7 @@ def _kl_kernel_grad_reg(bf16_in: bool, block_size: int, head_dim: int, index_dim
                 for n2 in range(NS // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
                     n = 8 * n2
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, s_acc[n], s_acc[n + 1],
-                                         s_acc[n + 2], s_acc[n + 3])
-                    s_acc[n] = d0
-                    s_acc[n + 1] = d1
-                    s_acc[n + 2] = d2
-                    s_acc[n + 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, s_acc[n + 4], s_acc[n + 5],
-                                         s_acc[n + 6], s_acc[n + 7])
-                    s_acc[n + 4] = d0
-                    s_acc[n + 5] = d1
-                    s_acc[n + 6] = d2
-                    s_acc[n + 7] = d3
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
             lim_top = min(pos_top - key_pos0, nk - 1)
             lim_bot = min(pos_bot - key_pos0, nk - 1)
             for i in range(NS):
@@ -1883,6 +1862,7 @@ def _kl_kernel_keys_mma(block_size: int, index_dim: int, use_async: bool = True)
     per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
     folds its runs. The next step's ``dS`` rows are loaded into registers and its queries
     copied while this step computes."""
+    mma_pair_bf16 = make_mma_pair(mma_bf16_m16n8k16)
     Bk, DI = block_size, index_dim
     NW = Bk // 16
     NT = 32 * NW
@@ -2000,20 +1980,7 @@ def _kl_kernel_keys_mma(block_size: int, index_dim: int, use_async: bool = True)
                                 a1 = afr[4 * plane + 1]
                                 a2 = afr[4 * plane + 2]
                                 a3 = afr[4 * plane + 3]
-                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                    a0, a1, a2, a3, b0, b1, acc[n], acc[n + 1], acc[n + 2],
-                                    acc[n + 3])
-                                acc[n] = c0
-                                acc[n + 1] = c1
-                                acc[n + 2] = c2
-                                acc[n + 3] = c3
-                                c0, c1, c2, c3 = mma_bf16_m16n8k16(
-                                    a0, a1, a2, a3, b2, b3, acc[n + 4], acc[n + 5],
-                                    acc[n + 6], acc[n + 7])
-                                acc[n + 4] = c0
-                                acc[n + 5] = c1
-                                acc[n + 6] = c2
-                                acc[n + 7] = c3
+                                mma_pair_bf16(acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
                     for i in range(ACC):
                         tot[i], comp[i] = _kahan_add(tot[i], comp[i], acc[i])
                 if st < steps:
