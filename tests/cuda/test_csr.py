@@ -134,6 +134,17 @@ def test_scatter_v3_groups_many_rows():
         assert_same_csr(got, want)
 
 
+@pytest.mark.parametrize("threads", [32, 128, 256, 512])
+def test_scatter_v3_block_sizes(monkeypatch, threads):
+    # Scatter v3 at 1 to 16 warps a CTA (the simulator's default is 2; the GPU's 16): the
+    # multi-split's ranks then come from a scan over that many warps per key. 300 rows of
+    # Bk = 1 (three row groups) and hot rows put most keys of a group in every chunk.
+    monkeypatch.setattr(gpu, "_SPLIT_THREADS", threads)
+    I = selection([300], [300], 1, 5, 1, seed=threads, hot=(0, 129), shuffle=True)
+    got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=150)
+    assert_same_csr(got, ref.build_csr(I, cu([300]), cu([300]), 1))
+
+
 def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=5, hot=(0,))
     want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
