@@ -250,7 +250,7 @@ def run_case(n, pattern, reps):
             "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan_v3, reps),
             "scan_v2_ms (tile scan + 3-launch prefix sum)": time_ms(scan_v2, reps),
             "scatter_v2_ms (+ copy)": time_ms(scatter, reps),
-            "scatter_v3_ms (two multi-splits)": time_ms(scatter_v3, reps) if plan.split_fits()
+            "scatter_v3_ms (two multi-splits + unpack)": time_ms(scatter_v3, reps) if plan.split_fits()
             else None,
             "schedule_ms": t["msa_schedule_ms"],
             "host_csr_ms (Python per build_csr)": host_ms(msa_csr, reps),
@@ -261,7 +261,7 @@ def run_case(n, pattern, reps):
                 scan_version=2), reps),
         }
         case["msa_csr_phases"] = phases
-        case["launches"] = dict(csr=3, schedule="5 (one torch fill_)", csr_before=7,
+        case["launches"] = dict(csr="3 (scatter v2) or 5 (v3)", schedule="5 (one torch fill_)", csr_before=7,
                                 schedule_before=10)
     except Exception as e:  # the breakdown is a bonus; keep the case
         case["msa_csr_phases_error"] = f"{type(e).__name__}: {e}"

@@ -71,25 +71,35 @@ a record among its warp's records with the same key, a scan over the warps per k
 warp's start, a running cursor per key carries over between chunks; no atomics):
 
 1. pass 1, CTA (tile, h): the tile's edges, in (query, slot) order, go into the tile's own
-   range of two scratch arrays (query id; ``slot << 7 | row % 128``), grouped by row group
-   ``row // 128`` (at most 128 groups: ``rows <= 16384``, else v2 runs);
-2. pass 2, CTA (tile, h): group by group, each record goes to its row, at ``row_ptr[h, r] +
-   cursors[tile, h, r]`` plus its rank among the tile's earlier records of r.
+   range of an int64 scratch array, one record an edge (``query id << 32 | slot << 7 | row %
+   128``), grouped by row group ``row // 128`` (at most 128 groups: ``rows <= 16384``, else v2
+   runs);
+2. pass 2, CTA (tile, h): group by group, each record goes whole to its row in a second int64
+   array, at ``row_ptr[h, r] + cursors[tile, h, r]`` plus its rank among the tile's earlier
+   records of r;
+3. a streaming kernel (``_csr_kernel_unpack``) splits the records into ``q_indices`` and
+   ``slots`` and writes the -1 tail.
 
-Pass 1 writes inside the tile's range (256 KiB per array at 1M); pass 2 writes a tile's whole
-run of each row (~8 edges at 1M) while it works on that row's group, so the run's sectors fill
-while they are in L2, except a sector shared with the next tile's run. At 1M the scatter takes
-4.4 ms instead of 7.2; at 128K (64 MiB of output) v2 is faster (0.40 vs 0.60 ms; H200,
-benchmarks/bench_csr.py). The scratch arrays double the memory of the build. A second pass
-over (row group x 16 tiles) instead of per tile, which writes 16 tiles' runs of a row side by
-side, measured slower (5.1 ms for that pass alone at 1M).
+Pass 1 writes inside the tile's range (512 KiB at 1M); pass 2 writes a tile's whole run of each
+row (~8 edges at 1M) while it works on that row's group, so the run's sectors fill while they
+are in L2, except a sector shared with the next tile's run. A second pass over (row group x 16
+tiles) instead of per tile, which writes 16 tiles' runs of a row side by side, measured slower
+(5.1 ms for that pass alone at 1M). The two scratch arrays triple the memory of the build
+(1.5 GiB at 1M, half of what the PyTorch build takes).
 
-What bounds both passes (and the tile counts) is their instruction stream and its memory round
-trips, not their stores: a version that stored each chunk run by run (half the sectors) was no
-faster. So the kernels walk a tile's edges without a division per edge (each thread's (query,
-slot) steps by the chunk size: ``_next_edge``), look the tile's sequence up once
-(``_tile_sequence``), index with unsigned values (no negative-index wrap-around code), and load
-the next chunk while the current one is ranked. That took the 1M build from 5.0 to 4.2 ms.
+What bounds both passes (and the tile counts) is their instruction stream and their scattered
+stores, more than their loads. Ablations at 1M (H200, each pass without one part, results
+wrong, time right) gave pass 2's 2.35 ms as 0.92 without its stores and 0.52 with synthetic
+records instead of loaded ones: the loads of the next chunk wait behind the scattered stores of
+this one. So every scattered store is one 8-byte record (pass 1: 1.35 -> 0.92 ms, two 4-byte
+stores before; pass 2: 2.47 -> 1.39 ms plus 0.41 ms for the coalesced unpack), and the kernels
+walk a tile's edges without a division per edge (each thread's (query, slot) steps by the
+chunk size: ``_next_edge``), look the tile's sequence up once (``_tile_sequence``), index with
+unsigned values (no negative-index wrap-around code), and load the next chunk while the current
+one is ranked. Storing each chunk run by run (half the sectors, same number of store
+instructions) was no faster. The 1M build: 7.2 ms (v2), 5.0 (v3 as first written), 4.2, 3.2.
+At 128K (64 MiB of output) v2 is as fast (0.49 vs 0.52 ms), so ``build_csr`` runs v3 from
+192 MiB of output on.
 
 Memory: ``tile_counts`` is int32 ``[ceil(Tq/TQ), Hkv, rows]``. ``TQ`` is the smallest ``C * 2**k``
 (at most 8192) with ``TQ >= 8 * rows / K``, i.e. at least 8 edges per (tile, row) on average, so
@@ -1047,10 +1057,11 @@ def _clear_stamps(wcnt):
 
 @cuda.jit
 def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
-                             rec_q, rec_sr):
+                             records):
     """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
-    ``rec_q``/``rec_sr`` (query id; ``slot << 7 | row % 128``), grouped by row group
-    ``row // 128``, in (query, slot) order inside a group."""
+    ``records`` (int64: query id << 32 | slot << 7 | row % 128), grouped by row group
+    ``row // 128``, in (query, slot) order inside a group. (One 8-byte store an edge, not two
+    4-byte ones: these stores are scattered, and they are what the loads queue behind.)"""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
@@ -1062,7 +1073,7 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
     nt = cuda.blockDim.x
     tq, hkv, topk = block_indices.shape
     rows = row_ptr.shape[1] - 1
-    width = rec_q.shape[1]
+    width = records.shape[1]
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
     _clear_stamps(wcnt)
     _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
@@ -1091,32 +1102,39 @@ def _csr_kernel_split_groups(block_indices, cu_q, row_offsets, row_ptr, cursors,
         pos = _multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
         if pos >= 0 and pos < width:
-            rec_q[h, uint64(pos)] = t
-            rec_sr[h, uint64(pos)] = (s_now << 7) | int32(r & (_GROUP_ROWS - 1))
+            records[h, uint64(pos)] = (int64(t) << 32) | int64(
+                (s_now << 7) | int32(r & (_GROUP_ROWS - 1)))
         x = x_next
 
 
 @cuda.jit(device=True)
-def _split_record(rec_q, rec_sr, h, e, hi, nr):
-    """Record e of a row group of ``nr`` rows in the split arrays: ``(slot << 7 | row % 128,
-    query id, key = row % 128)``; key -1 (nothing loaded) from ``hi`` on. Unsigned indices: no
-    negative-index wrap-around code."""
-    v = int32(0)
-    qv = int32(0)
-    key = int32(-1)
+def _split_record(records, h, e, hi):
+    """Record e of a row group, ``query id << 32 | slot << 7 | row % 128``, or -1 from ``hi``
+    on. Nothing is computed from the loaded value here, so a load issued a chunk ahead stays
+    in flight until the next chunk uses it. Unsigned indices: no negative-index wrap-around
+    code."""
+    rec = int64(-1)
     if e < hi:
-        v = rec_sr[h, uint64(e)]
-        qv = rec_q[h, uint64(e)]
-        if (v & (_GROUP_ROWS - 1)) < nr:
-            key = v & (_GROUP_ROWS - 1)
-    return v, qv, key
+        rec = records[h, uint64(e)]
+    return rec
+
+
+@cuda.jit(device=True)
+def _record_key(rec, nr):
+    """The multi-split key of a record of a group of ``nr`` rows, ``row % 128`` (-1: none)."""
+    key = int32(-1)
+    if rec >= 0 and int32(rec & (_GROUP_ROWS - 1)) < nr:
+        key = int32(rec & (_GROUP_ROWS - 1))  # int32: a 32-bit match.any
+    return key
 
 
 @cuda.jit
-def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
-    """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of the split arrays group by
-    group and writes every edge to its row: ``row_ptr[h, r] + cursors[tile, h, r]`` plus its
-    rank among the tile's earlier edges of r. Also writes the -1 tail ``[nnz_h, Tq*K)``."""
+def _csr_kernel_split_rows(row_ptr, cursors, records, packed):
+    """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of ``records`` group by group
+    and writes every record whole to its row in ``packed`` (int64 [Hkv, Tq*K]):
+    ``row_ptr[h, r] + cursors[tile, h, r]`` plus its rank among the tile's earlier edges of r.
+    One 8-byte store an edge; ``_csr_kernel_unpack`` then splits the records into the output
+    and writes the -1 tail."""
     wcnt = cuda.shared.array((32, _GROUP_ROWS), int32)
     wpos = cuda.shared.array((32, _GROUP_ROWS), int32)
     gstart = cuda.shared.array(_GROUP_STARTS, int64)
@@ -1127,20 +1145,8 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     rows = row_ptr.shape[1] - 1
-    width = q_indices.shape[1]
-    ntiles = cuda.gridDim.x
+    width = packed.shape[1]
     ngroups = (rows + _GROUP_ROWS - 1) // _GROUP_ROWS
-
-    # The -1 tail: tile k fills its share of [nnz, width).
-    nnz = min(max(int64(row_ptr[h, rows]), int64(0)), int64(width))
-    share = (width - nnz + ntiles - 1) // ntiles
-    tail_end = min(int64(width), nnz + (tile + 1) * share)
-    e = nnz + tile * share + tid
-    while e < tail_end:
-        q_indices[h, e] = -1
-        slots[h, e] = -1
-        e += nt
-
     _clear_stamps(wcnt)
     _tile_groups(row_ptr, cursors, tile, h, gstart, scratch)
     stamp = 0
@@ -1154,20 +1160,40 @@ def _csr_kernel_split_rows(row_ptr, cursors, rec_q, rec_sr, q_indices, slots):
         nr = min(_GROUP_ROWS, rows - r0)
         # The first chunk's records are loaded with the row cursors, before the barrier, and
         # each next chunk's while this one is ranked: one memory round trip at a time, not two.
-        v, qv, key = _split_record(rec_q, rec_sr, h, lo + tid, hi, nr)
+        rec = _split_record(records, h, lo + tid, hi)
         for i in range(tid, nr, nt):
             cur[i] = int64(row_ptr[h, r0 + i]) + int64(cursors[tile, h, r0 + i])
         cuda.syncthreads()
         for base in range(lo, hi, nt):
-            v_next, q_next, key_next = _split_record(rec_q, rec_sr, h, base + nt + tid, hi, nr)
+            key = _record_key(rec, nr)
+            rec_next = _split_record(records, h, base + nt + tid, hi)
             pos = _multisplit(key, stamp, cur, nr, wcnt, wpos)
             stamp += 1
             if pos >= 0 and pos < width:
-                q_indices[h, uint64(pos)] = qv
-                slots[h, uint64(pos)] = v >> 7
-            v = v_next
-            qv = q_next
-            key = key_next
+                packed[h, uint64(pos)] = rec
+            rec = rec_next
+
+
+@cuda.jit
+def _csr_kernel_unpack(row_ptr, packed, q_indices, slots):
+    """Scatter v3, last step: ``q_indices[h, e]``, ``slots[h, e]`` = query id and slot of
+    ``packed[h, e]`` for ``e < nnz_h``, -1 from there on. Grid (blocks, Hkv), coalesced."""
+    width = q_indices.shape[1]
+    rows = row_ptr.shape[1] - 1
+    h = cuda.blockIdx.y
+    nnz = int64(row_ptr[h, rows])
+    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+    while i < width:
+        q = int32(-1)
+        sl = int32(-1)
+        if i < nnz:
+            rec = packed[h, uint64(i)]
+            q = int32(rec >> 32)
+            sl = int32(rec & 0xFFFFFFFF) >> 7
+        q_indices[h, uint64(i)] = q
+        slots[h, uint64(i)] = sl
+        i += stride
 
 
 @cuda.jit
@@ -1375,21 +1401,24 @@ class _Plan:
         return self.rows <= _MAX_SPLIT_ROWS
 
     def _scatter_split(self, row_ptr_arg, cursors, tile_queries, dq, ds):
-        """Scatter v3: two launches over (tile, head) and two scratch arrays like the output."""
+        """Scatter v3: two launches over (tile, head) and one streaming launch; two int64
+        scratch arrays [Hkv, Tq*K] (each the size of the output)."""
         if not self.split_fits():  # the kernels' shared arrays hold 128 groups
             raise ValueError(f"scatter v3 takes at most {_MAX_SPLIT_ROWS} CSR rows, got "
                              f"{self.rows}")
         if not self.hkv * self.width:
             return
         ctx = self.ctx
-        rec_q = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
-        rec_sr = _karg(ctx, ctx.empty((self.hkv, self.width), np.int32))
+        records = _karg(ctx, ctx.empty((self.hkv, self.width), np.int64))
         d_cursors = _karg(ctx, cursors)
         grid = (cursors.shape[0], self.hkv)
         _launch(_csr_kernel_split_groups, grid, _SPLIT_THREADS, self.I, self.d_cu_q,
-                self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, rec_q, rec_sr)
-        _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, rec_q,
-                rec_sr, dq, ds)
+                self.d_row_offsets, row_ptr_arg, d_cursors, tile_queries, records)
+        packed = _karg(ctx, ctx.empty((self.hkv, self.width), np.int64))
+        _launch(_csr_kernel_split_rows, grid, _SPLIT_THREADS, row_ptr_arg, d_cursors, records,
+                packed)
+        _launch(_csr_kernel_unpack, (_grid(self.width), self.hkv), _THREADS, row_ptr_arg,
+                packed, dq, ds)
 
     def _scatter_tiled(self, row_ptr_arg, cursors, tile_queries, dq, ds):
         if not self.hkv * self.width:

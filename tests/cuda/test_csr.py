@@ -542,7 +542,7 @@ def test_fast_launch_equals_numbas_launch():
                                     "_scan_kernel_block_sums", "_scan_kernel_add_back",
                                     "_csr_kernel_scatter_tiled", "_csr_kernel_scatter_rowwise",
                                     "_csr_kernel_fill_tail", "_csr_kernel_split_groups",
-                                    "_csr_kernel_split_rows"])
+                                    "_csr_kernel_split_rows", "_csr_kernel_unpack"])
 def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
     import re
 
@@ -563,8 +563,9 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
                                       i32_2),
         "_csr_kernel_scatter_rowwise": (i32_3, i32_1, i32_1, i32_2, i32_2, i32_2),
         "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
-        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i32_2, i32_2),
-        "_csr_kernel_split_rows": (i32_2, i32_3, i32_2, i32_2, i32_2, i32_2),
+        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i64[:, ::1]),
+        "_csr_kernel_split_rows": (i32_2, i32_3, i64[:, ::1], i64[:, ::1]),
+        "_csr_kernel_unpack": (i32_2, i64[:, ::1], i32_2, i32_2),
     }
     ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
