@@ -513,6 +513,27 @@ def test_production_size_equals_reference(n, hot, scatter):
                                   np.diff(want[0], axis=1))
 
 
+@pytest.mark.big
+def test_largest_configuration_equals_torch():
+    # The issue's limits together: N = 1M, Hkv = 16, K = 64 (a billion edges; Tq*K = 2**26 per
+    # head, 8 GiB of output, 24 GiB with scatter v3's scratch). Heads are independent, so the
+    # PyTorch oracle runs head by head, on the GPU.
+    import torch
+
+    from benchmarks.bench_csr import selection as gpu_selection
+    n, hkv, topk, bk = 1 << 20, 16, 64, 128
+    dI = gpu_selection(n, hkv, topk, bk, hot=2, seed=5)
+    cu_q = cu_k = cu([n])
+    plan = gpu._Plan(dI, cu_q, cu_k, bk, False)
+    assert plan.auto_scatter() == 3 and plan.tile_queries() == 1024
+    got = gpu.build_csr(dI, cu_q, cu_k, bk, validate=False)
+    for h in range(hkv):
+        want = torch_csr(dI[:, h:h + 1].contiguous(), n // bk)
+        for name, g, w in zip(("row_ptr", "q_indices", "slots"), got, want):
+            assert torch.equal(g[h], w[0]), f"{name} of head {h}"
+    assert int(got[0][:, -1].min()) > 60 * n  # nearly every query fills its 64 slots
+
+
 @pytest.mark.gpu
 def test_fast_launch_equals_numbas_launch():
     # _launch packs the arrays itself (_Dev); Numba's own launch must give the same counts.
