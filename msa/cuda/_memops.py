@@ -13,6 +13,9 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
 ``load_u32x4(a, flat)``            the same for the four uint32 ``a.flat[flat:flat+4]``
                                    (``ld.global.nc.v4.u32``), e.g. eight bf16 values viewed
                                    as uint32 words; same alignment and read-only contract
+``store_u32x4(a, flat, w0..w3)``    the four uint32 ``a.flat[flat:flat+4] = w0..w3`` in one
+                                   128-bit ``st.global.v4.u32``; ``flat`` a multiple of 4 and
+                                   ``a``'s data 16-byte aligned
 ``cp_async16(dst, d, src, s, n)``  ``cp.async.cg.shared.global``: 16 bytes (four uint32) of the
                                    global ``src.flat[s:s+4]`` into the shared ``dst.flat[d:d+4]``
                                    without passing through registers; ``n`` (0 or 16) bytes are
@@ -86,6 +89,15 @@ if SIMULATOR:
         f = a.reshape(-1)
         return (np.uint32(f[flat]), np.uint32(f[flat + 1]), np.uint32(f[flat + 2]),
                 np.uint32(f[flat + 3]))
+
+    @cuda.jit(device=True)
+    def store_u32x4(a, flat, w0, w1, w2, w3):
+        """Simulator twin: four element stores."""
+        f = a.reshape(-1)
+        f[flat] = w0
+        f[flat + 1] = w1
+        f[flat + 2] = w2
+        f[flat + 3] = w3
 
     @cuda.jit(device=True)
     def cp_async16(dst, d, src, s, nbytes):
@@ -177,6 +189,33 @@ else:
 
     load_f32x4 = _vec4_load(types.float32, ir.FloatType())
     load_u32x4 = _vec4_load(types.uint32, ir.IntType(32))
+
+    @intrinsic
+    def store_u32x4(typingctx, a, flat, w0, w1, w2, w3):
+        """``a.flat[flat:flat+4] = w0..w3`` of a C-contiguous uint32 array in one 128-bit
+        global store (``st.global.v4.u32``)."""
+        words = (w0, w1, w2, w3)
+        if not (isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
+                and isinstance(flat, types.Integer)
+                and all(isinstance(w, types.Integer) for w in words)):
+            return None
+        sig = types.void(a, flat, w0, w1, w2, w3)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            ptr = builder.gep(ary.data, [index])
+            vec_t = ir.VectorType(ir.IntType(32), 4)
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec_t)),
+                                         ir.PointerType(vec_t, addrspace=1))
+            vec = ir.Constant(vec_t, ir.Undefined)
+            for k in range(4):
+                w = context.cast(builder, args[2 + k], signature.args[2 + k], types.uint32)
+                vec = builder.insert_element(vec, w, ir.Constant(ir.IntType(32), k))
+            builder.store(vec, gptr, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)

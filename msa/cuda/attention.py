@@ -81,7 +81,8 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
 from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                      group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op)
+                      group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
+                      store_u32x4)
 from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag, make_mma_pair,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
@@ -585,6 +586,28 @@ V3_MAX_HEAD_DIM = 128
 V3_MAX_BLOCK_SIZE = 128
 
 
+@cuda.jit(device=True, inline=True)
+def _quad_transpose(t4, v0, v1, v2, v3):
+    """4 x 4 transpose across the four lanes of a quad (``t4 = lane % 4``): lane ``t4`` gives
+    ``v_j`` and receives, as ``u_k``, lane k's ``v_{t4}``. Two butterfly steps of two shuffles
+    each; every lane of the warp must call it. Words travel as int32 (shuffles take no
+    uint32)."""
+    v0, v1, v2, v3 = int32(v0), int32(v1), int32(v2), int32(v3)
+    odd = (t4 & 1) != 0
+    r0 = cuda.shfl_xor_sync(0xFFFFFFFF, v0 if odd else v1, 1)
+    r1 = cuda.shfl_xor_sync(0xFFFFFFFF, v2 if odd else v3, 1)
+    w0 = r0 if odd else v0
+    w1 = v1 if odd else r0
+    w2 = r1 if odd else v2
+    w3 = v3 if odd else r1
+    high = (t4 & 2) != 0
+    r0 = cuda.shfl_xor_sync(0xFFFFFFFF, w0 if high else w2, 2)
+    r1 = cuda.shfl_xor_sync(0xFFFFFFFF, w1 if high else w3, 2)
+    if high:
+        return r0, r1, w2, w3
+    return w0, w1, r0, r1
+
+
 def _v3_layout(block_size, head_dim, rows, groups=1):
     """Row stride (32-bit words), word offsets of sV and sQ, and total bytes of K1 v3's shared
     memory: sK [Bk rows] and sV [Bk rows] row-major (V's B fragments come from
@@ -621,9 +644,10 @@ else:
 @functools.lru_cache(maxsize=None)
 def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
                    bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1,
-                   groups: int = 1):
+                   groups: int = 1, vector_stores: bool = False):
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
-    copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups).
+    copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups,
+    bf16 partials stored 16 bytes a lane when ``o_part`` is 16-byte aligned).
 
     Arguments as v2's kernel (uint32 views of q, k, v), except that ``o_part`` is flat: the
     C-order elements of ``[K, Tq, Hq, D]`` float32, or with ``bf16_partials`` of the uint32
@@ -669,6 +693,10 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     wait_all = cp_async_wait_all if use_async else no_op
     BF16_PARTIALS = bf16_partials
     O_ROW = DW if bf16_partials else D  # elements of one O_s row in o_part
+    # bf16 partials: a quad's lanes hold words t4, 4 + t4, ... of a row; transposed across the
+    # quad in groups of four n-tiles, each lane stores 16 contiguous bytes (one st.global.v4
+    # instead of four 4-byte stores a lane: a quarter of the scattered store instructions).
+    STORE_V4 = bf16_partials and vector_stores and NO_PART % 4 == 0
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, h, row, half, t, dst_buf):
@@ -859,6 +887,27 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                             smem, v_lane + 16 * kp * LD + 8 * (part * (NO_PART // 2) + n2))
                         n = 8 * n2
                         mma_pair(o_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+                if STORE_V4:
+                    for i4 in range(NO_PART // 4):
+                        a = 16 * i4  # o_acc index of n-tile 4 i4 of this part
+                        x0, x1, x2, x3 = _quad_transpose(
+                            t4, pack_bf16x2(o_acc[a] * inv_top, o_acc[a + 1] * inv_top),
+                            pack_bf16x2(o_acc[a + 4] * inv_top, o_acc[a + 5] * inv_top),
+                            pack_bf16x2(o_acc[a + 8] * inv_top, o_acc[a + 9] * inv_top),
+                            pack_bf16x2(o_acc[a + 12] * inv_top, o_acc[a + 13] * inv_top))
+                        y0, y1, y2, y3 = _quad_transpose(
+                            t4, pack_bf16x2(o_acc[a + 2] * inv_bot, o_acc[a + 3] * inv_bot),
+                            pack_bf16x2(o_acc[a + 6] * inv_bot, o_acc[a + 7] * inv_bot),
+                            pack_bf16x2(o_acc[a + 10] * inv_bot, o_acc[a + 11] * inv_bot),
+                            pack_bf16x2(o_acc[a + 14] * inv_bot, o_acc[a + 15] * inv_bot))
+                        # lane t4 stores n-tile 4 i4 + t4 of the part: words 4 (that n-tile)
+                        # .. + 3 of the row, i.e. at_* - t4 + 4 (part NO_PART + 4 i4 + t4)
+                        d = uint64(3 * t4 + 4 * (part * NO_PART + 4 * i4))
+                        if t_top >= 0:
+                            store_u32x4(o_part, at_top + d, x0, x1, x2, x3)
+                        if t_bot >= 0:
+                            store_u32x4(o_part, at_bot + d, y0, y1, y2, y3)
+                    continue
                 for i in range(NO_PART):
                     # output columns 8 (part NO_PART + i) + col and the next one
                     if BF16_PARTIALS:  # one word (two bf16) per column pair
@@ -1042,8 +1091,11 @@ class _K1Plan:
             # cp.async needs 16-byte aligned rows: D % 16 == 0 keeps slices of aligned arrays
             # aligned; an input that is not falls back to plain loads
             aligned = all(is_aligned16(x) for x in (q, k, v))
+            # 16-byte stores of bf16 partials need o_part 16-byte aligned too (rows of D/2
+            # words, D % 16 == 0, keep every row aligned then); else 4-byte stores
             kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
-                                    bf16_partials, aligned, _v3_o_parts(spec.d), self.groups)
+                                    bf16_partials, aligned, _v3_o_parts(spec.d), self.groups,
+                                    bf16_partials and is_aligned16(o_part))
             _mma.launch(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
                         q_indices,
                         slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part)

@@ -329,6 +329,44 @@ def test_sparse_partial_dtypes(kind, version, partials, request):
     run_sparse(p, I, kind, version, partial_dtype=partials)
 
 
+@pytest.mark.parametrize("d,o_parts", [(32, 1), (64, 2)])
+def test_k1_v3_vector_stores_of_bf16_partials(d, o_parts, monkeypatch):
+    """With bf16 partials K1 v3 transposes O_s across each quad and stores 16 bytes a lane
+    (n-tiles in groups of four: D = 32 in one part, D = 64 in two); the result is bitwise that
+    of the 4-byte stores it takes when o_part is not 16-byte aligned."""
+    monkeypatch.setattr(gpu, "_v3_o_parts", lambda _: o_parts)
+    seen = []
+    real = gpu._k1_kernel_reg
+
+    def spy(*args):
+        seen.append(args[9])  # vector_stores
+        return real(*args)
+
+    monkeypatch.setattr(gpu, "_k1_kernel_reg", spy)
+    p, I = problem([14], [30], 4, 2, d, 16, 2, seed=d)
+    vec = run_sparse(p, I, "float16", 3, partial_dtype="bfloat16")
+    monkeypatch.setattr(gpu, "is_aligned16", lambda x: False)
+    plain = run_sparse(p, I, "float16", 3, partial_dtype="bfloat16")
+    assert seen[0] and not seen[-1]
+    for a, b in zip(vec, plain):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_quad_transpose():
+    @cuda.jit
+    def kernel(out):
+        lane = cuda.threadIdx.x
+        x0, x1, x2, x3 = gpu._quad_transpose(lane % 4, uint32(4 * lane), uint32(4 * lane + 1),
+                                             uint32(4 * lane + 2), uint32(4 * lane + 3))
+        out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = x0, x1, x2, x3
+
+    got = cuda.to_device(np.zeros((32, 4), np.int32))
+    kernel[1, 32](got)
+    lane = np.arange(32)[:, None]
+    k = np.arange(4)[None, :]
+    np.testing.assert_array_equal(got.copy_to_host(), 4 * (lane - lane % 4 + k) + lane % 4)
+
+
 def test_sparse_fp16_on_cuda_cores():
     p, I = problem([14], [14], 2, 1, 8, 4, 2, seed=9)
     run_sparse(p, I, "float16", 1)
@@ -1138,7 +1176,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._k1_kernel_reg(128, 128, 16, 8, True, True, True, gpu._v3_o_parts(128))
         sig = (words, words, words, *index, types.uint32[::1], parts[1])
     elif kernel == "k1-v3-bf16-partials-groups3":
-        fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3)
+        fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3,
+                                True)  # the production kernel: 16-byte stores of O_s
         sig = (words, words, words, *index, types.uint32[::1], parts[1])
     elif kernel == "k1-v3-fp16-D64-plain":
         fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
