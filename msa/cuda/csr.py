@@ -61,13 +61,11 @@ row ``r`` goes to ``row_ptr[h, r] + #{t' < t : t' chose r}``. The queries are cu
    query of the chunk then advances the row's cursor (``tile_counts``, now the tile's write
    position in the row) by ``popc(mask)``. Where a row lands in the hash table depends on the
    atomics, the masks and cursors do not: the output is bitwise reproducible. Two tables
-   alternate between chunks, so a chunk costs two barriers. Each edge is stored as one 8-byte
-   record (query id and slot) into an int64 array like the output, which a coalesced kernel
-   then splits into ``q_indices`` and ``slots`` (see v3 on why one store beats two).
+   alternate between chunks, so a chunk costs two barriers.
 
-Scatter v3, for large outputs. v2 writes every edge straight to its row: writes spread over
-the whole output, which at 1M tokens (512 MiB of ``q_indices`` + ``slots``) no longer merge in
-the 50 MB L2, so each one costs a partial-sector write to HBM (7 ms at 1M). v3 splits
+Scatter v3, for large outputs. v2 writes every edge straight to its row: 4-byte writes spread
+over the whole output, which at 1M tokens (512 MiB of ``q_indices`` + ``slots``) no longer
+merge in the 50 MB L2, so each one costs a partial-sector write to HBM (7 ms at 1M). v3 splits
 the same tile twice, both times with a stable multi-split (``_multisplit``: ``match_any`` ranks
 a record among its warp's records with the same key, a scan over the warps per key gives the
 warp's start, a running cursor per key carries over between chunks; no atomics):
@@ -878,15 +876,14 @@ def _table_insert(keys, buf, r, table_size):
 
 @cuda.jit
 def _csr_kernel_scatter_tiled(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
-                              chunk_queries, table_size, packed):
-    """v2: CTA (tile, h) writes the edges of queries ``[tile*TQ, (tile+1)*TQ)`` of head h, each
-    as one 8-byte record ``query id << 32 | slot << 7`` of ``packed`` int64 [Hkv, Tq*K] (one
-    scattered store an edge, not two; ``_csr_kernel_unpack`` splits them and writes the tail).
+                              chunk_queries, table_size, q_indices, slots):
+    """v2: CTA (tile, h) writes the edges of queries ``[tile*TQ, (tile+1)*TQ)`` of head h.
 
     ``cursors[tile, h, r]``: where (relative to ``row_ptr[h, r]``) the tile's next edge of row r
     goes; advanced by each chunk. Threads: ``chunk_queries * K``, thread = (query c, slot s).
     Two hash tables alternate between chunks, so that one chunk's inserts and the clearing of
-    the previous chunk's table share a phase: two barriers per chunk.
+    the previous chunk's table share a phase: two barriers per chunk. Also writes the -1 tail
+    ``[nnz_h, Tq*K)``, split between the tiles.
     """
     keys = cuda.shared.array((2, _TABLE), int32)
     masks = cuda.shared.array((2, _TABLE), uint32)
@@ -895,11 +892,24 @@ def _csr_kernel_scatter_tiled(block_indices, cu_q, row_offsets, row_ptr, cursors
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     tq, hkv, topk = block_indices.shape
-    width = packed.shape[1]
+    rows = row_ptr.shape[1] - 1
+    width = q_indices.shape[1]
+    ntiles = cuda.gridDim.x
     # 1-D views of this CTA's head and tile: fewer live strides, fewer registers.
-    out = packed[h]
+    q_out = q_indices[h]
+    s_out = slots[h]
     ptr = row_ptr[h]
     cursor = cursors[tile, h]
+
+    # The -1 tail: tile k fills its share of [nnz, width).
+    nnz = min(max(int64(ptr[rows]), int64(0)), int64(width))
+    share = (width - nnz + ntiles - 1) // ntiles
+    tail_end = min(int64(width), nnz + (tile + 1) * share)
+    e = nnz + tile * share + tid
+    while e < tail_end:
+        q_out[e] = -1
+        s_out[e] = -1
+        e += nt
 
     for p in range(tid, table_size, nt):
         keys[0, p] = -1
@@ -946,7 +956,8 @@ def _csr_kernel_scatter_tiled(block_indices, cu_q, row_offsets, row_ptr, cursors
             base = cursor[r]
             e = int64(ptr[r]) + base + cuda.popc(m & (bit - uint32(1)))
             if e >= 0 and e < width:
-                out[e] = (int64(t) << 32) | int64(s << 7)
+                q_out[e] = t
+                s_out[e] = s
         r_prev = r
         buf = 1 - buf
         cuda.syncthreads()
@@ -1417,12 +1428,9 @@ class _Plan:
         while table < 2 * chunk * self.topk:
             table *= 2
         ntiles = cursors.shape[0]
-        packed = _karg(self.ctx, self.ctx.empty((self.hkv, self.width), np.int64))
         _launch(_csr_kernel_scatter_tiled, (ntiles, self.hkv), chunk * self.topk, self.I,
                 self.d_cu_q, self.d_row_offsets, row_ptr_arg, _karg(self.ctx, cursors),
-                tile_queries, chunk, table, packed)
-        _launch(_csr_kernel_unpack, (_grid(self.width), self.hkv), _THREADS, row_ptr_arg,
-                packed, dq, ds)
+                tile_queries, chunk, table, dq, ds)
 
 
 def _prefix_sum(ctx, counts_arg, version, validate, host_counts=None, threads=None):
