@@ -117,21 +117,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     ending at ``total_q``/``total_k``, with every sequence having ``Lq <= Lk`` (a sequence's
     queries are the last ``Lq`` positions of its ``Lk`` keys).
     """
-    out = []
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q),
-                            ("cu_seqlens_k", cu_seqlens_k, total_k)):
-        check_array(name, cu, ndim=1, dtypes=("int",))
-        cu = np.asarray(cu_to_host(cu), dtype=np.int64)
-        if cu.shape[0] < 2:
-            raise ValueError(f"{name} must have B+1 >= 2 entries, got shape {cu.shape}")
-        if cu[0] != 0:
-            raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
-        if np.any(np.diff(cu) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-        if cu[-1] != total:
-            raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
-        out.append(cu)
-    cq, ck = out
+    cq = check_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
+    ck = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
     if cq.shape != ck.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got {cq.shape[0]} and {ck.shape[0]}")
