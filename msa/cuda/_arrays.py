@@ -92,6 +92,22 @@ class ArrayContext:
             raise ValueError(f"{name} must be C-contiguous")
         return arr
 
+    def free_bytes(self) -> float:
+        """Bytes this library could allocate on the inputs' device now: the driver's free memory
+        plus what the library's pool holds unused (torch, CuPy). Infinite under the simulator."""
+        if SIMULATOR:
+            return float("inf")
+        if self.lib == "torch":
+            import torch
+            dev = self._torch_device
+            free, _ = torch.cuda.mem_get_info(dev)
+            return float(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+        if self.lib == "cupy":
+            import cupy
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            return float(free + cupy.get_default_memory_pool().free_bytes())
+        return float(cuda.current_context().get_memory_info().free)
+
     # -- outputs ------------------------------------------------------------------------------
     def empty(self, shape, dtype, fill=None):
         """An output array in the caller's library (bf16 is asked for as ``'bfloat16'``)."""

@@ -647,7 +647,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                    groups: int = 1, vector_stores: bool = False):
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
     copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups,
-    bf16 partials stored 16 bytes a lane when ``o_part`` is 16-byte aligned).
+    bf16 partials stored 16 bytes a lane when ``vector_stores`` (``o_part`` 16-byte aligned)
+    and each of the ``o_parts`` holds a multiple of 4 n-tiles, e.g. D = 32, 64, 128; else 4-byte
+    stores).
 
     Arguments as v2's kernel (uint32 views of q, k, v), except that ``o_part`` is flat: the
     C-order elements of ``[K, Tq, Hq, D]`` float32, or with ``bf16_partials`` of the uint32
@@ -1092,7 +1094,8 @@ class _K1Plan:
             # aligned; an input that is not falls back to plain loads
             aligned = all(is_aligned16(x) for x in (q, k, v))
             # 16-byte stores of bf16 partials need o_part 16-byte aligned too (rows of D/2
-            # words, D % 16 == 0, keep every row aligned then); else 4-byte stores
+            # words, D % 16 == 0, keep every row aligned then), and the kernel takes them only
+            # where a part of O has a multiple of 4 n-tiles (STORE_V4); else 4-byte stores
             kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
                                     bf16_partials, aligned, _v3_o_parts(spec.d), self.groups,
                                     bf16_partials and is_aligned16(o_part))

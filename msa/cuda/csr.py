@@ -26,8 +26,8 @@ scatter        v1   one thread per ``(h, row)`` walks its sequence's queries in 
                     (below); ``build_csr`` runs it for outputs of 192 MiB and more
 =============  ===  ==========================================================================
 
-``build_csr`` is three launches (count v2, scan v3, scatter v2), four with scatter v3 (seven
-before scan v3 and count v2).
+``build_csr`` is three launches (count v2, scan v3, scatter v2), five with scatter v3 (its two
+multi-splits and the unpack; seven launches before scan v3 and count v2).
 At 128K tokens the GPU work of each is tens of microseconds, so each launch's Python cost
 counts too: launchers describe every array once (``_Dev``) and call the compiled kernel of the
 signature directly (``_launch``, next to ``_Dev``).
@@ -148,6 +148,7 @@ _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C =
 # it (on an H200, v2 is faster at 128K tokens, 64 MiB, and v3 at 1M, 512 MiB: benchmarks/
 # bench_csr.py); v3 also needs at most 128 row groups, else v2 runs.
 _SPLIT_MIN_BYTES = 192 << 20
+_SPLIT_HEADROOM = 256 << 20  # left free after v3's scratch, else build_csr runs v2
 _SPLIT_THREADS = 64 if SIMULATOR else 512  # threads per CTA of scatter v3 (a multiple of 32)
 _GROUP_ROWS = 128  # rows per group in scatter v3 (the packed slot | row % 128 relies on it)
 _GROUP_STARTS = _GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
@@ -1392,9 +1393,16 @@ class _Plan:
         return q_indices, slots
 
     def auto_scatter(self) -> int:
-        """The scatter ``build_csr`` runs: 3 for large outputs where it fits, else 2."""
-        big = 8 * self.hkv * self.width >= _SPLIT_MIN_BYTES
-        return 3 if big and self.split_fits() else 2
+        """The scatter ``build_csr`` runs: 3 for large outputs where it fits, else 2.
+
+        v3's scratch is two int64 arrays [Hkv, Tq*K], each as large as the output (``q_indices``
+        and ``slots`` together): 1 GiB in all at N = 1M, Hkv = 4, K = 16. Where the device cannot
+        allocate that now with ``_SPLIT_HEADROOM`` to spare, v2 runs, which needs no scratch.
+        """
+        out_bytes = 8 * self.hkv * self.width
+        if out_bytes < _SPLIT_MIN_BYTES or not self.split_fits():
+            return 2
+        return 3 if 2 * out_bytes + _SPLIT_HEADROOM <= self.ctx.free_bytes() else 2
 
     def split_fits(self) -> bool:
         """Whether scatter v3 takes this selection (at most 128 row groups of 128 rows)."""
@@ -1549,8 +1557,9 @@ def build_csr(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int, *,
     """Paper §4.2: the k2q reverse index of a selection, built on the GPU.
 
     Tile histogram (count v2) -> tile scan + prefix sum (scan v3, one look-back launch) ->
-    tiled deterministic scatter (v3, two launches, for outputs of 192 MiB and more; else v2):
-    three or four launches, no host round trip besides ``cu_seqlens``
+    tiled deterministic scatter (v3, three launches, for outputs of 192 MiB and more when its
+    scratch fits in free device memory; else v2, one launch): three or five launches, no host
+    round trip besides ``cu_seqlens``
     (and ``validate``).
 
     Args:

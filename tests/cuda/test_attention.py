@@ -329,11 +329,12 @@ def test_sparse_partial_dtypes(kind, version, partials, request):
     run_sparse(p, I, kind, version, partial_dtype=partials)
 
 
-@pytest.mark.parametrize("d,o_parts", [(32, 1), (64, 2)])
+@pytest.mark.parametrize("d,o_parts", [(32, 1), (64, 2), (64, 1), (128, 2)])
 def test_k1_v3_vector_stores_of_bf16_partials(d, o_parts, monkeypatch):
     """With bf16 partials K1 v3 transposes O_s across each quad and stores 16 bytes a lane
-    (n-tiles in groups of four: D = 32 in one part, D = 64 in two); the result is bitwise that
-    of the 4-byte stores it takes when o_part is not 16-byte aligned."""
+    (n-tiles in groups of four: D = 32 in one part, D = 64 in two of 4 n-tiles or, as on the
+    GPU, one of 8, D = 128 in two of 8 as on the GPU); the result is bitwise that of the
+    4-byte stores it takes when o_part is not 16-byte aligned."""
     monkeypatch.setattr(gpu, "_v3_o_parts", lambda _: o_parts)
     seen = []
     real = gpu._k1_kernel_reg
@@ -365,6 +366,27 @@ def test_quad_transpose():
     lane = np.arange(32)[:, None]
     k = np.arange(4)[None, :]
     np.testing.assert_array_equal(got.copy_to_host(), 4 * (lane - lane % 4 + k) + lane % 4)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU faults instead (misaligned address)")
+@pytest.mark.parametrize("flat,ok", [(8, True), (6, False), (1, False)])
+def test_simulated_16_byte_store_checks_alignment(flat, ok):
+    """The simulator's ``store_u32x4`` refuses what ``st.global.v4`` would fault on, so a wrong
+    offset fails in the simulator too; an aligned store writes its four words."""
+    from msa.cuda._memops import store_u32x4
+
+    @cuda.jit
+    def kernel(a, flat):
+        store_u32x4(a, flat, uint32(1), uint32(2), uint32(3), uint32(4))
+
+    a = np.zeros(16, np.uint32)
+    assert a.ctypes.data % 16 == 0
+    if ok:
+        kernel[1, 1](a, flat)
+        np.testing.assert_array_equal(a[flat:flat + 4], [1, 2, 3, 4])
+    else:
+        with pytest.raises(AssertionError, match="16-byte boundary"):
+            kernel[1, 1](a, flat)
 
 
 def test_sparse_fp16_on_cuda_cores():
