@@ -1397,12 +1397,13 @@ class _Plan:
 
         v3's scratch is two int64 arrays [Hkv, Tq*K], each as large as the output (``q_indices``
         and ``slots`` together): 1 GiB in all at N = 1M, Hkv = 4, K = 16. Where the device cannot
-        allocate that now with ``_SPLIT_HEADROOM`` to spare, v2 runs, which needs no scratch.
+        allocate the output and that scratch now (both come after this choice) with
+        ``_SPLIT_HEADROOM`` to spare, v2 runs, which needs no scratch.
         """
         out_bytes = 8 * self.hkv * self.width
         if out_bytes < _SPLIT_MIN_BYTES or not self.split_fits():
             return 2
-        return 3 if 2 * out_bytes + _SPLIT_HEADROOM <= self.ctx.free_bytes() else 2
+        return 3 if 3 * out_bytes + _SPLIT_HEADROOM <= self.ctx.free_bytes() else 2
 
     def split_fits(self) -> bool:
         """Whether scatter v3 takes this selection (at most 128 row groups of 128 rows)."""

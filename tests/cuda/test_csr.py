@@ -163,8 +163,9 @@ def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
 
 
 def test_build_csr_runs_scatter_v2_where_v3_scratch_does_not_fit(monkeypatch):
-    # v3 needs two int64 scratch arrays as large as the output (2 * 8 * Hkv * Tq*K bytes) plus
-    # _SPLIT_HEADROOM free; with less free device memory build_csr runs v2, with the same result.
+    # v3 needs two int64 scratch arrays as large as the output (8 * Hkv * Tq*K bytes), which is
+    # allocated after the choice too, plus _SPLIT_HEADROOM free; with less free device memory
+    # build_csr runs v2, with the same result.
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=7, hot=(0,))
     want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
     out_bytes = 8 * 2 * 65 * 3
@@ -175,7 +176,7 @@ def test_build_csr_runs_scatter_v2_where_v3_scratch_does_not_fit(monkeypatch):
         orig = getattr(gpu._Plan, name)
         monkeypatch.setattr(gpu._Plan, name,
                             lambda self, *a, v=version, f=orig: ran.append(v) or f(self, *a))
-    need = 2 * out_bytes + gpu._SPLIT_HEADROOM
+    need = 3 * out_bytes + gpu._SPLIT_HEADROOM
     for free, version in ((need - 1, 2), (need, 3)):
         monkeypatch.setattr(gpu.ArrayContext, "free_bytes", lambda self, f=free: float(f))
         assert gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False).auto_scatter() == version
