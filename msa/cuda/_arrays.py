@@ -94,7 +94,8 @@ class ArrayContext:
 
     def free_bytes(self) -> float:
         """Bytes this library could allocate on the inputs' device now: the driver's free memory
-        plus what the library's pool holds unused (torch, CuPy). Infinite under the simulator."""
+        plus what the library's pool holds unused (torch, CuPy). Infinite under the simulator
+        and where Numba's memory manager cannot tell."""
         if SIMULATOR:
             return float("inf")
         if self.lib == "torch":
@@ -106,7 +107,10 @@ class ArrayContext:
             import cupy
             free, _ = cupy.cuda.runtime.memGetInfo()
             return float(free + cupy.get_default_memory_pool().free_bytes())
-        return float(cuda.current_context().get_memory_info().free)
+        try:
+            return float(cuda.current_context().get_memory_info().free)
+        except NotImplementedError:  # an external memory manager that cannot tell (Numba EMM)
+            return float("inf")
 
     # -- outputs ------------------------------------------------------------------------------
     def empty(self, shape, dtype, fill=None):

@@ -185,6 +185,29 @@ def test_build_csr_runs_scatter_v2_where_v3_scratch_does_not_fit(monkeypatch):
         assert ran == [version]
 
 
+def test_free_bytes_from_numba_and_its_memory_managers(monkeypatch):
+    # On a GPU, free_bytes asks Numba's context for NumPy/Numba arrays; an external memory
+    # manager may not know (NotImplementedError), and then v3 is not ruled out.
+    from collections import namedtuple
+
+    from msa.cuda import _arrays
+
+    class Ctx:
+        def __init__(self, free):
+            self.free = free
+
+        def get_memory_info(self):
+            if self.free is None:
+                raise NotImplementedError
+            return namedtuple("MemoryInfo", "free,total")(self.free, 2 * self.free)
+
+    monkeypatch.setattr(_arrays, "SIMULATOR", False)
+    ctx = _arrays.ArrayContext(np.zeros(3, np.int32))
+    for free, want in ((12345, 12345.0), (None, float("inf"))):
+        monkeypatch.setattr(_arrays.cuda, "current_context", lambda c=Ctx(free): c)
+        assert ctx.free_bytes() == want
+
+
 def test_scatter_v3_groups_varlen_padded():
     # Several sequences (one with no queries), -1 padding, a partial last group, 3 heads and
     # tiles that cut sequences: rows 0-89 | 90-94 | 95-154 of Bk = 4 blocks, 155 rows in all.
