@@ -81,7 +81,7 @@ from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa
 from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                      group_barrier, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
+                      is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
                       store_u32x4)
 from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag, make_mma_pair,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
@@ -677,8 +677,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
 
     ``groups`` > 1: the CTA is that many independent groups of ``R/16`` warps sharing the K/V
     block in shared memory; group ``g`` takes tiles ``g, g + groups, ...`` with its own two Q
-    buffers and its own barrier (``bar.sync 1 + g``), so that one group's softmax overlaps
-    another's mma and more warps share one load of K/V. The CTA needs ``groups`` times one
+    buffers, so that one group's softmax overlaps another's mma and more warps share one load
+    of K/V. Each warp gathers and reads only its own 16 rows of a tile, so past the K/V load
+    the warps need no barrier between them (one ``syncwarp`` a tile). The CTA needs ``groups`` times one
     group's registers: it is launched with bounds that cap them (168 a thread for 3 groups of
     4 warps: 64K registers an SM)."""
     Bk, D, G, P = block_size, head_dim, group, positions
@@ -778,9 +779,12 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         commit()
         t_raw, s_raw = _load_entry(q_indices, slots, h, q_begin, q_count, grp + NG, P, G, g_row,
                                    R)
-        if NG > 1:  # K/V came from every group: one CTA barrier before the groups part
-            wait_all()
-            cuda.syncthreads()
+        # K/V came from every thread of the CTA: one CTA barrier before the tiles. After it a
+        # warp reads only Q rows it gathered itself (thread tid copies half of row tid // 2,
+        # and warp w's A fragments are rows 16 w .. 16 w + 15), so a tile needs no barrier
+        # across warps: each warp waits for its own copies and syncs its lanes.
+        wait_all()
+        cuda.syncthreads()
 
         # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
         r_top = 16 * warp + g4
@@ -799,11 +803,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             tile = step * NG + grp
             buf = step % 2
             wait_all()
-            # the tile's queries (and K/V) landed; the group's warps are past its previous tile
-            if NG == 1:
-                cuda.syncthreads()
-            else:
-                group_barrier(1 + grp, NT)
+            # the warp's rows of the tile landed, and its lanes are past their previous tile
+            # (whose buffer the gather below overwrites)
+            cuda.syncwarp()
             # The entries of the tiles ahead are loaded before the gather's copies, so that
             # those loads do not queue behind the copies; nothing reads them until next step.
             t_g, _, _ = _check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
