@@ -39,16 +39,17 @@ v    idea
      fragment of ``O = P V`` (the C layout of two n-tiles of S is the A layout of one k-step).
      K and V row-major in shared memory (B fragments by ``ldmatrix.x4``, V's by
      ``ldmatrix.x4.trans``), Q tiles gathered by ``cp.async`` into two buffers (tile i+1 lands
-     while tile i computes; A fragments by ``ldmatrix.x4``), one barrier per tile; O in
+     while tile i computes; A fragments by ``ldmatrix.x4``); a warp copies and reads only its
+     own 16 rows of each tile, so after one CTA barrier for K/V a tile needs only the warp's
+     own ``cp.async`` wait and a ``syncwarp`` (no barrier across warps); O in
      registers, in two column halves at D = 128. fp16/bf16, D and Bk multiples of 16 up to
      128. 136 KB of dynamic shared memory at D = Bk = 128, R = 128 (one CTA of 8 warps per
      SM); 168 registers, no spills, at D = 128 with Bk = 128 (every D, Bk in {16, 32, 64, 128}
      at most 168; sm_90, offline ptxas). Inputs that are not 16-byte aligned are copied by
      plain loads instead of ``cp.async``. ``groups`` > 1 makes the CTA that many independent
-     groups of tile warps over one shared K/V block (each group its own Q buffers and
-     ``bar.sync`` barrier; 3 groups of 4 warps: 170 KB, 168 registers under launch bounds, no
-     spills), so that more warps share each load of K/V and one group's softmax overlaps
-     another's mma.
+     groups of tile warps over one shared K/V block (each group its own Q buffers; 3 groups of
+     4 warps: 170 KB, 168 registers under launch bounds, no spills), so that more warps share
+     each load of K/V.
 ===  =========================================================================================
 
 ``version=None`` takes ``DEFAULT_TC_VERSION`` (3)

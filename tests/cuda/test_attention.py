@@ -1136,8 +1136,9 @@ def test_big_tensor_core_shapes(version, d, bk, tile_rows):
 
 @pytest.mark.big
 def test_big_warp_groups_bitwise_equal_one_group():
-    """The paper configuration at 4K: K1 v3 with 2 and 3 warp groups per CTA (bar.sync per
-    group, launch bounds capping the registers) gives bitwise the output of one group."""
+    """The paper configuration at 4K: K1 v3 with 2 and 3 warp groups per CTA (launch bounds
+    capping the registers, no barrier across warps after the K/V load) gives bitwise the output
+    of one group."""
     torch = pytest.importorskip("torch")
     q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=4)
     args = (_torch_bf16(q), _torch_bf16(k), _torch_bf16(v), torch.from_numpy(I).cuda(), cu_q,
