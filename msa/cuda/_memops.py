@@ -34,10 +34,6 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    8``; lane ``4 g + t`` receives word ``t`` of row ``g`` of the
                                    four matrices (the mma B/A fragment layout). Called by all
                                    32 lanes together
-``group_barrier(bar_id, count)``   ``bar.sync bar_id, count``: a barrier of ``count`` threads
-                                   (whole warps) only, so that groups of warps of one CTA
-                                   synchronise independently; ``syncthreads`` in the simulator
-                                   (every thread must then call it equally often)
 ``ldmatrix_x4_trans(a, flat)``     ``ldmatrix...x4.trans``: the same four matrices, transposed:
                                    lane ``4 g + t`` receives, from each matrix, the 16-bit
                                    elements ``[2t][g]`` (low half) and ``[2t+1][g]`` (high
@@ -123,12 +119,6 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_wait_all():
         pass
-
-    @cuda.jit(device=True)
-    def group_barrier(bar_id, count):
-        """Simulator twin: ``syncthreads``. Only correct when every thread of the CTA calls it
-        equally often (the kernels that use it then run uniform loops in the simulator)."""
-        cuda.syncthreads()
 
     @cuda.jit(device=True)
     def ldmatrix_x4(a, flat):
@@ -310,25 +300,6 @@ else:
     # Four 8x8 b16 matrices into the mma fragment layout; .trans: transposed (the B of P V).
     ldmatrix_x4 = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
     ldmatrix_x4_trans = _ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
-
-    @intrinsic
-    def group_barrier(typingctx, bar_id, count):
-        """``bar.sync bar_id, count``: waits for ``count`` threads (whole warps) of the CTA at
-        barrier ``bar_id`` (1-15; 0 is ``syncthreads``'), and orders their shared memory."""
-        if not (isinstance(bar_id, types.Integer) and isinstance(count, types.Integer)):
-            return None
-        sig = types.void(bar_id, count)
-
-        def codegen(context, builder, signature, args):
-            a = signature.args
-            i = context.cast(builder, args[0], a[0], types.int32)
-            n = context.cast(builder, args[1], a[1], types.int32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), "bar.sync $0, $1;",
-                               "r,r,~{memory}", side_effect=True)
-            builder.call(asm, [i, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
 
 
 @cuda.jit(device=True)
