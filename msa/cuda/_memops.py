@@ -21,7 +21,8 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    without passing through registers; ``n`` (0 or 16) bytes are
                                    read and the rest zero-filled; ``d``/``s`` multiples of 4,
                                    both 16-byte aligned. Visible after ``cp_async_wait_all()``
-                                   in the issuing thread and, after a ``syncthreads``, to all
+                                   in the issuing thread and, after a ``syncthreads`` (or a
+                                   ``syncwarp`` for the lanes of its warp), to the others
 ``cp_async_commit()``              closes the group of copies issued so far
 ``cp_async_wait_all()``            waits for every committed group of this thread
 ``copy16_plain3/2``, ``no_op``     ``cp_async16``'s contract (same arguments) by ordinary

@@ -176,7 +176,8 @@ else:
 
 @cuda.jit(device=True)
 def _load_entry(q_indices, slots, h, q_begin, q_count, tile, positions, group, tid, rows):
-    """Raw ``(t, slot)`` of the CSR entry behind row ``tid`` of ``tile`` (-1 past the chunk).
+    """Raw ``(t, slot)`` of the CSR entry behind row ``tid`` of ``tile`` (past the chunk: -1,
+    all ones for unsigned index arrays; ``_check_entry`` rejects both).
 
     Only loads: the checks that need the values are in ``_check_entry``, so the loads can be
     issued early and consumed a tile later. The values stay in the arrays' integer type: a
@@ -678,11 +679,10 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
 
     ``groups`` > 1: the CTA is that many independent groups of ``R/16`` warps sharing the K/V
     block in shared memory; group ``g`` takes tiles ``g, g + groups, ...`` with its own two Q
-    buffers, so that one group's softmax overlaps another's mma and more warps share one load
-    of K/V. Each warp gathers and reads only its own 16 rows of a tile, so past the K/V load
-    the warps need no barrier between them (one ``syncwarp`` a tile). The CTA needs ``groups`` times one
-    group's registers: it is launched with bounds that cap them (168 a thread for 3 groups of
-    4 warps: 64K registers an SM)."""
+    buffers, so that more warps share one load of K/V. Each warp gathers and reads only its
+    own 16 rows of a tile, so past the K/V load the warps need no barrier between them (one
+    ``syncwarp`` a tile). The CTA needs ``groups`` times one group's registers: it is launched
+    with bounds that cap them (168 a thread for 3 groups of 4 warps: 64K registers an SM)."""
     Bk, D, G, P = block_size, head_dim, group, positions
     R = P * G
     NW = R // 16
