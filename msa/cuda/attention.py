@@ -79,7 +79,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
-from ._arrays import SIMULATOR, ArrayContext, fill, is_bf16
+from ._arrays import SIMULATOR, ArrayContext, device_constant, fill, is_bf16
 from . import _mma
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                       is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
@@ -1198,8 +1198,8 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     fill(o_arg, 0.0)
     fill(l_arg, -np.inf)
     plan.launch(qa, ka, va, ctx.input("work", work), ctx.input("q_indices", q_indices),
-                ctx.input("partial_slots", partial_slots), _device_copy(cu_q.astype(np.int32)),
-                _device_copy(cu_k.astype(np.int32)), scale, o_arg, l_arg)
+                ctx.input("partial_slots", partial_slots), device_constant(cu_q.astype(np.int32)),
+                device_constant(cu_k.astype(np.int32)), scale, o_arg, l_arg)
     return ctx.output(o_part), ctx.output(lse_part)
 
 
@@ -1343,7 +1343,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     l_buf = ctx.arg(ctx.empty((topk * q_chunk * spec.hq,), np.float32))
     # Every chunk's offsets go to the device before the first launch: a host-to-device copy
     # inside the loop would wait for the previous chunk's kernels.
-    chunks = [(t0, t1, k_lo, k_hi, cq, ck, _device_copy(cq), _device_copy(ck))
+    chunks = [(t0, t1, k_lo, k_hi, cq, ck, device_constant(cq), device_constant(ck))
               for t0, t1, k_lo, k_hi, cq, ck in query_chunks(cu_q, cu_k, q_chunk)]
     for t0, t1, k_lo, k_hi, cu_q_c, cu_k_c, d_cu_q, d_cu_k in chunks:
         tc = t1 - t0
@@ -2245,7 +2245,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     if version == 1:
         qa, ka, va = (_element_view(ctx, name, x, spec.bf16)
                       for name, x in (("q", q), ("k", k), ("v", v)))
-        d_cu_q, d_cu_k = (_device_copy(x.astype(np.int32)) for x in (cu_q, cu_k))
+        d_cu_q, d_cu_k = (device_constant(x.astype(np.int32)) for x in (cu_q, cu_k))
         k_dq[tq * hkv, nt](qa, ka, va, doa, lse_a, delta_a, _kernel_array(I), d_cu_q, d_cu_k,
                            np.float32(scale), dq_a)
         row_ptr, q_indices, _ = build_csr(I, cu_q, cu_k, block_size, validate=False)
@@ -2253,7 +2253,8 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         rows = int(row_offsets[-1])
         if rows == 0:
             return ctx.output(dq), ctx.output(dk), ctx.output(dv)
-        d_row_ptr, d_row_offsets = _kernel_array(row_ptr), _device_copy(row_offsets.astype(np.int32))
+        d_row_ptr = _kernel_array(row_ptr)
+        d_row_offsets = device_constant(row_offsets.astype(np.int32))
         part_ptr, per_head, num_split = _bwd_parts(ctx, k_parts, d_row_ptr, hkv, rows, part_size,
                                                    tq * topk)
         dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
@@ -2278,7 +2279,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     for t0, t1, k_lo, k_hi, cq, ck in query_chunks(cu_q, cu_k, q_chunk):
         row_offsets = block_row_offsets(ck, block_size)
         chunks.append((t0, t1, k_lo, k_hi, cq, ck, int(row_offsets[-1]),
-                       *(_device_copy(x.astype(np.int32)) for x in (row_offsets, cq, ck))))
+                       *(device_constant(x.astype(np.int32)) for x in (row_offsets, cq, ck))))
     for t0, t1, k_lo, k_hi, cq, ck, rows, d_row_offsets, d_cu_q, d_cu_k in chunks:
         tc = t1 - t0
         I_c = I[t0:t1]

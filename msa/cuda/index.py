@@ -75,7 +75,7 @@ from .._checks import (
     dtype_of,
 )
 from ..reference.blocks import max_blocks
-from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
 from ._memops import (
     cp_async16,
     cp_async_commit,
@@ -758,7 +758,14 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     cu_q_host, cu_k_host = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
     nb = max_blocks(cu_k_host, block_size)
-    ctx = ArrayContext(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k)
+    # cu_seqlens may be host arrays beside GPU inputs (read on the host anyway): then they go to
+    # the device once (memoised), and no device-to-host read stalls the call
+    on_host = [isinstance(c, np.ndarray) for c in (cu_seqlens_q, cu_seqlens_k)]
+    ctx = ArrayContext(q_idx, k_idx, *(c for c, h in zip((cu_seqlens_q, cu_seqlens_k), on_host)
+                                       if not h))
+
+    def offsets(name, c, host):
+        return device_constant(c) if host and ctx.lib != "numpy" else ctx.input(name, c)
     wide = kind == "float64"
     tc_ok = (kind in ("bf16", "float16") and d_idx % 16 == 0 and block_size % 8 == 0
              and hkv <= 16 * _TC_WARPS)
@@ -790,8 +797,9 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
     return SimpleNamespace(
-        ctx=ctx, q=q, k=k, cu_q=ctx.input("cu_seqlens_q", cu_seqlens_q),
-        cu_k=ctx.input("cu_seqlens_k", cu_seqlens_k), cu_q_host=cu_q_host, cu_k_host=cu_k_host,
+        ctx=ctx, q=q, k=k, cu_q=offsets("cu_seqlens_q", cu_seqlens_q, on_host[0]),
+        cu_k=offsets("cu_seqlens_k", cu_seqlens_k, on_host[1]), cu_q_host=cu_q_host,
+        cu_k_host=cu_k_host,
         tq=tq, tk=tk, hkv=hkv, d_idx=d_idx, nb=nb, block_size=block_size, kind=kind,
         scale=np.float64(scale) if wide else np.float32(scale),
         out_dtype=np.float64 if wide else np.float32, mean=pool == "mean", version=version,
@@ -827,7 +835,7 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
     else:
         kernel = _block_scores_kernel_tc2(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
                                           p.mean, cap, _tc_mtiles(p.version))
-    tiles_dev = tiles if SIMULATOR else cuda.to_device(tiles)
+    tiles_dev = device_constant(tiles)
     kernel[tiles.shape[0], 32 * _TC_WARPS](p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb,
                                            p.scale, M, topk, out)
 

@@ -128,7 +128,7 @@ from numba import cuda, float32, int32, uint32
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from . import _mma
-from ._arrays import SIMULATOR, ArrayContext, is_bf16
+from ._arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
 from .attention import (_LN2, _LOG2E, _check_entry, _device_copy, _item_fields, _load_entry,
                         _row_query)
 from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
@@ -2264,8 +2264,8 @@ class _Plan:
         else:
             self.I = self.ctx.input("block_indices", block_indices)
         self.lse = self.ctx.input("lse", lse) if self.has_lse else None
-        self.d_cu_q = _device_copy(self.cu_q.astype(np.int32))
-        self.d_cu_k = _device_copy(self.cu_k.astype(np.int32))
+        self.d_cu_q = device_constant(self.cu_q.astype(np.int32))
+        self.d_cu_k = device_constant(self.cu_k.astype(np.int32))
 
     def _why_not_v3(self):
         """Why v3 (tensor cores, KV-outer) cannot run these inputs, or None."""
@@ -2414,7 +2414,7 @@ class _Plan:
                                            max_edges=max(1, (t1 - t0) * self.topk),
                                            validate=False))
         return (_kernel_array(work), _kernel_array(row_ptr), _kernel_array(q_indices),
-                _kernel_array(slots), (_device_copy(cu_q_c), _device_copy(cu_k_c)))
+                _kernel_array(slots), (device_constant(cu_q_c), device_constant(cu_k_c)))
 
     def launch_v3(self, mode, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse, lse_idx,
                   coef, part, ds, dq_part):
@@ -2666,7 +2666,7 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
         if p.tk:
             dummy_csr = _device_copy(np.zeros((1, 1), np.int32))
             p.launch_keys(lse_arg, lse_idx, dummy_csr, dummy_csr, dummy_csr, dummy_ds, p.d_cu_q,
-                          p.d_cu_k, _device_copy(row_offsets.astype(np.int32)),
+                          p.d_cu_k, device_constant(row_offsets.astype(np.int32)),
                           int(row_offsets[-1]), coef, p.q_idx, p.k_idx, dk_arg)
         return result()
 
@@ -2688,8 +2688,8 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
         row_ptr, q_indices, slots = build_csr(p.I[t0:t1], cu_q_c, cu_k_c, p.block_size,
                                               validate=False)
         p.launch_keys(lse_arg, lse_idx, _kernel_array(row_ptr), _kernel_array(q_indices),
-                      _kernel_array(slots), ds, _device_copy(cu_q_c), _device_copy(cu_k_c),
-                      _device_copy(row_offsets.astype(np.int32)), int(row_offsets[-1]), coef,
+                      _kernel_array(slots), ds, device_constant(cu_q_c), device_constant(cu_k_c),
+                      device_constant(row_offsets.astype(np.int32)), int(row_offsets[-1]), coef,
                       p.q_idx[t0:t1], p.k_idx[k_lo:k_hi], dk_arg[k_lo:k_hi])
     return result()
 
@@ -2732,7 +2732,7 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
         row_offsets = block_row_offsets(cu_k_c, p.block_size)
         if int(row_offsets[-1]) == 0:
             continue
-        d_rows = _device_copy(row_offsets.astype(np.int32))
+        d_rows = device_constant(row_offsets.astype(np.int32))
         if keys_v4:
             qi_words = p.q_idx[t0:t1].view(np.uint32)
             kernel = _kl_kernel_keys_mma(p.block_size, p.d_idx, is_aligned16(qi_words))

@@ -230,6 +230,22 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
                                    rtol=0)
 
 
+@pytest.mark.gpu
+def test_cuda_prefill_takes_offsets_on_the_host_or_the_device():
+    """``msa.cuda.msa_prefill`` (index, top-k, sparse attention) on CUDA tensors with
+    ``cu_seqlens`` as NumPy arrays (no device-to-host read) or as CUDA tensors: the same bits."""
+    from msa.cuda.attention import msa_prefill
+
+    p = make_problem((700, 300), num_q_heads=8, num_kv_heads=2, head_dim=64, index_dim=64,
+                     block_size=64, topk=4, seed=8)
+    args = [T(x).to(torch.bfloat16).cuda() for x in (p.q, p.k, p.v, p.q_idx, p.k_idx)]
+    host = msa_prefill(*args, p.cu_seqlens_q, p.cu_seqlens_k, 64, 4)
+    dev = msa_prefill(*args, T(p.cu_seqlens_q).cuda(), T(p.cu_seqlens_k).cuda(), 64, 4)
+    for a, b in zip(host, dev):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
 def test_sparse_attention_backward_choice():
     """``backward="cuda"`` and the default ``"auto"`` need CUDA tensors: on the CPU they take
     the PyTorch path (the same gradient bit for bit); an unknown choice is refused by name, by
