@@ -205,6 +205,18 @@ def flex_attention_fn(I, n, bk=BK, compile=True):
 
 # -- helpers ------------------------------------------------------------------------------------
 
+def _offsets(n, args):
+    """``cu_seqlens`` of one sequence of ``n`` tokens for the msa calls: NumPy (``--offsets
+    host``, the default: msa reads them on the host, and a CUDA tensor costs a device-to-host
+    read that waits for the GPU's queued work on every call) or a CUDA tensor."""
+    import numpy as np
+    import torch
+
+    if args.offsets == "host":
+        return np.array([0, n], dtype=np.int32)
+    return torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+
+
 def _peak_and_first(fn):
     """(first result, peak torch-allocated GiB of that call); the call is also the warm-up."""
     import torch
@@ -320,7 +332,7 @@ def bench_sparse(n, pattern, args):
     S = visible_tokens(I)
     flops = 4 * HQ * D * S  # useful FLOPs of the selection
     dense_flops = 4 * HQ * D * n * (n + 1) / 2
-    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    cu = _offsets(n, args)
     print(f"== {case}: visible selected tokens per query {S / n:.1f}, "
           f"useful GFLOP {flops / 1e9:.1f}", flush=True)
 
@@ -450,7 +462,7 @@ def bench_prefill(n, args):
     g = torch.Generator(device=DEVICE).manual_seed(2)
     q_idx = torch.randn((n, HKV, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
     k_idx = torch.randn((n, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
-    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    cu = _offsets(n, args)
     reps = 1 if n > (256 << 10) else args.reps
     ms_prefill = None
     try:
@@ -517,6 +529,8 @@ def main(argv=None):
     p.add_argument("--prefill-index-version", default=None,
                    help="select_blocks_fused version in the prefill (default: the library's)")
     p.add_argument("--skip-flex", action="store_true")
+    p.add_argument("--offsets", choices=("host", "device"), default="host",
+                   help="cu_seqlens for the msa calls: NumPy arrays or CUDA tensors")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     args = p.parse_args(argv)
     args.versions = [int(x) for x in args.versions.split(",") if x]
