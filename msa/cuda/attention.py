@@ -1278,7 +1278,9 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
         block_indices: I int [Tq, Hkv, K], batch-local block ids, unique per row, -1 only at the
             tail; a block wholly after the query contributes nothing.
-        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence,
+            read on the host: pass NumPy arrays (a CUDA tensor costs a device-to-host read,
+            i.e. a wait for the GPU's queued work, on every call).
         block_size: Bk >= 1.
         scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
         version, tile_rows, groups: K1's kernel, tile and warp groups (see
@@ -1404,7 +1406,9 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
     Args:
         q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; float32, float16 or bfloat16 (torch), one dtype.
         q_idx: [Tq, Hkv, Didx]; k_idx: [Tk, Didx]: the index branch's queries and shared key head.
-        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence,
+            read on the host: pass NumPy arrays (a CUDA tensor costs a device-to-host read,
+            i.e. a wait for the GPU's queued work, on every call).
         block_size: Bk >= 1. topk: K in [1, 64].
         scale: attention softmax scale (default ``1/sqrt(D)``); index_scale: the index scores'
             scale (default ``1/sqrt(Didx)``).

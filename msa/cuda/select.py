@@ -913,7 +913,8 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
     Args:
         q_idx: [Tq, Hkv, Didx] bf16 (torch), float16, float32 or float64 index queries.
         k_idx: [Tk, Didx], same dtype: the shared index key head.
-        cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
+        cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment);
+            NumPy arrays beside GPU inputs are fine (and spare a device-to-host read).
         topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
         version: one of ``FUSED_VERSIONS``; default ``"heap3"`` where its kernel applies
