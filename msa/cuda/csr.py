@@ -133,7 +133,7 @@ from .._checks import (
     cu_to_host,
 )
 from ..reference.blocks import block_row_offsets
-from ._arrays import SIMULATOR, ArrayContext
+from ._arrays import SIMULATOR, ArrayContext, device_constant
 from ._warp import FULL_MASK, warp_sum
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -1257,7 +1257,8 @@ def _device_copy(host):
 
 @functools.lru_cache(maxsize=64)
 def _cached_upload(data: bytes, device_id: int):
-    return _Dev(cuda.to_device(np.frombuffer(data, dtype=np.int32)))
+    """The ``_Dev`` of ``device_constant``'s (memoised) upload: one upload cache for msa."""
+    return _Dev(device_constant(np.frombuffer(data, dtype=np.int32)))
 
 
 @functools.lru_cache(maxsize=64)

@@ -758,14 +758,9 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     cu_q_host, cu_k_host = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
     nb = max_blocks(cu_k_host, block_size)
-    # cu_seqlens may be host arrays beside GPU inputs (read on the host anyway): then they go to
-    # the device once (memoised), and no device-to-host read stalls the call
-    on_host = [isinstance(c, np.ndarray) for c in (cu_seqlens_q, cu_seqlens_k)]
-    ctx = ArrayContext(q_idx, k_idx, *(c for c, h in zip((cu_seqlens_q, cu_seqlens_k), on_host)
-                                       if not h))
-
-    def offsets(name, c, host):
-        return device_constant(c) if host and ctx.lib != "numpy" else ctx.input(name, c)
+    # cu_seqlens are read on the host (above) and go to the device as the other launchers' do
+    # (memoised int32 copies), so they may come from any library, NumPy beside GPU inputs too
+    ctx = ArrayContext(q_idx, k_idx)
     wide = kind == "float64"
     tc_ok = (kind in ("bf16", "float16") and d_idx % 16 == 0 and block_size % 8 == 0
              and hkv <= 16 * _TC_WARPS)
@@ -797,8 +792,8 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
     return SimpleNamespace(
-        ctx=ctx, q=q, k=k, cu_q=offsets("cu_seqlens_q", cu_seqlens_q, on_host[0]),
-        cu_k=offsets("cu_seqlens_k", cu_seqlens_k, on_host[1]), cu_q_host=cu_q_host,
+        ctx=ctx, q=q, k=k, cu_q=device_constant(cu_q_host.astype(np.int32)),
+        cu_k=device_constant(cu_k_host.astype(np.int32)), cu_q_host=cu_q_host,
         cu_k_host=cu_k_host,
         tq=tq, tk=tk, hkv=hkv, d_idx=d_idx, nb=nb, block_size=block_size, kind=kind,
         scale=np.float64(scale) if wide else np.float32(scale),
@@ -864,7 +859,7 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
             C-contiguous, on the GPU (CuPy, torch, Numba; NumPy under the simulator or with a
             copy each way).
         k_idx: [Tk, Didx], same dtype and library: the shared index key head.
-        cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums, same library (``Lq <= Lk``;
+        cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums, any library (``Lq <= Lk``;
             bottom-right alignment). Copied to the host for validation and tile planning.
         block_size: ``Bk`` >= 1; block ``b`` holds key positions ``[b*Bk, min((b+1)*Bk, Lk))``.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
