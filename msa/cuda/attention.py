@@ -80,7 +80,8 @@ from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
 from ._arrays import SIMULATOR, ArrayContext, device_constant, fill, is_bf16
-from . import _mma
+from . import _mma, _wgmma
+from ._wgmma import core_word
 from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                       is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
                       store_u32x4)
@@ -89,7 +90,7 @@ from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_fr
 from .combine import launch_combine
 from .csr import MAX_TOPK, _last_le
 
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE_V2 = 256
 # The tensor-core version ``version=None`` picks where it applies (v3 falls back to v2 for
@@ -103,7 +104,7 @@ MAX_PARTIAL_BYTES = 4 << 30
 # outputs do not depend on T). The simulator runs every thread as a Python thread, so its tiles
 # are as small as the kernels allow.
 DEFAULT_TILE_ROWS = {1: 32 if SIMULATOR else 64, 2: 16 if SIMULATOR else 128,
-                     3: 16 if SIMULATOR else 64}
+                     3: 16 if SIMULATOR else 64, 4: 64}
 # Warp groups per K1 v3 CTA (``groups``): independent groups of tiles sharing one K/V block.
 # 3 groups of 4 warps (64-row tiles; 170 KB, 168 registers: one CTA of 12 warps per SM) against
 # one group (two CTAs of 4 warps per SM): K1 3-4% faster at 32K and 128K, the whole sparse
@@ -663,7 +664,7 @@ else:
 @functools.lru_cache(maxsize=None)
 def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
                    bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1,
-                   groups: int = 1, vector_stores: bool = False):
+                   groups: int = 1, vector_stores: bool = False, wgmma: bool = False):
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
     copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, warp groups,
     bf16 partials stored 16 bytes a lane when ``vector_stores`` (``o_part`` 16-byte aligned)
@@ -682,7 +683,13 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     buffers, so that more warps share one load of K/V. Each warp gathers and reads only its
     own 16 rows of a tile, so past the K/V load the warps need no barrier between them (one
     ``syncwarp`` a tile). The CTA needs ``groups`` times one group's registers: it is launched
-    with bounds that cap them (168 a thread for 3 groups of 4 warps: 64K registers an SM)."""
+    with bounds that cap them (168 a thread for 3 groups of 4 warps: 64K registers an SM).
+
+    ``wgmma`` (K1 v4, Hopper only, 64-row tiles: a warp group is one warpgroup): ``S = Q Kᵀ``
+    and ``O = P V`` by ``wgmma.mma_async`` (``msa.cuda._wgmma``) with A in registers (Q's
+    fragments by ``ldmatrix``, P as in v3) and B straight from shared memory, where K and V
+    are stored as 8 x 8 core matrices (``core_word``) instead of padded rows. The fragment
+    layouts are those of ``mma.sync``, so the mask, softmax and stores are v3's."""
     Bk, D, G, P = block_size, head_dim, group, positions
     R = P * G
     NW = R // 16
@@ -690,6 +697,8 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     NG = groups
     assert R % 16 == 0 and NW * NG <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
     assert 1 <= NG <= 15
+    WGMMA = wgmma
+    assert not WGMMA or (R == 64 and _wgmma.AVAILABLE)
     CTA_THREADS = NG * NT
     # The twin mma (simulator, MSA_MMA=twin) runs syncthreads inside: every group then walks
     # the same number of tiles (a group past the end computes on stale rows and stores nothing).
@@ -707,6 +716,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     O_PARTS = o_parts
     assert NO_PART % 2 == 0 and NO_PART * o_parts == NO
     S_REGS, P_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO_PART  # register arrays (constant sizes)
+    Q_REGS = 4 * KS if WGMMA else 1
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16_in else pack_f16x2
     copy16 = cp_async16 if use_async else copy16_plain3
@@ -718,6 +728,17 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     # quad in groups of four n-tiles, each lane stores 16 contiguous bytes (one st.global.v4
     # instead of four 4-byte stores a lane: a quarter of the scattered store instructions).
     STORE_V4 = bf16_partials and vector_stores and NO_PART % 4 == 0
+    if WGMMA:
+        ab = "bf16" if bf16_in else "f16"
+        wg_s = _wgmma.make_wgmma_rs(Bk, ab, 0)  # S: B = Kᵀ, K-major
+        wg_o = _wgmma.make_wgmma_rs(8 * NO_PART, ab, 1)  # O: B = V, N-major
+        wait_s = _wgmma.make_wgmma_wait(S_REGS)
+        wait_o = _wgmma.make_wgmma_wait(O_REGS)
+    else:
+        wg_s = wg_o = wait_s = wait_o = None
+    # core-matrix descriptors of K (k: next 8 dims +128 B, n: next 8 keys +16 D B) and V (k:
+    # next 8 keys, n: next 8 dims); a k-step of S moves 256 B, of O 32 D B (/16: descriptor)
+    KV_GROUP_BYTES = 16 * D
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, h, row, half, t, dst_buf):
@@ -736,6 +757,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         s_acc = cuda.local.array(S_REGS, float32)
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V mma
         o_acc = cuda.local.array(O_REGS, float32)
+        q_frag = cuda.local.array(Q_REGS, uint32)  # Q's A fragments (wgmma)
         cta_tid = cuda.threadIdx.x
         grp = cta_tid // NT  # this thread's warp group ...
         tid = cta_tid % NT  # ... and its index in it
@@ -769,8 +791,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             w = (e % PIECES) * 4
             ok = c < nk
             src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
-            copy16(smem, c * LD + w, k, src, 16 if ok else 0)
-            copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
+            dst = core_word(c, w, D) if WGMMA else c * LD + w
+            copy16(smem, dst, k, src, 16 if ok else 0)
+            copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
         # The group's first tile; thread tid gathers half of row tid // 2 of every tile.
         g_row = tid // 2
         g_half = tid % 2
@@ -785,7 +808,14 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
         # and warp w's A fragments are rows 16 w .. 16 w + 15), so a tile needs no barrier
         # across warps: each warp waits for its own copies and syncs its lanes.
         wait_all()
+        if WGMMA:  # K/V came through the generic proxy; wgmma reads them through the async one
+            _wgmma.fence_proxy_async()
         cuda.syncthreads()
+        k_desc = uint64(0)
+        v_desc = uint64(0)
+        if WGMMA:
+            k_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, 0), 128, KV_GROUP_BYTES)
+            v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), KV_GROUP_BYTES, 128)
 
         # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
         r_top = 16 * warp + g4
@@ -823,15 +853,29 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             commit()
 
             # S = Q Kᵀ (raw scores, fp32 registers).
-            for i in range(S_REGS):
-                s_acc[i] = float32(0.0)
             qa = q_buf0 + buf * QBUF + a_lane
-            for ks in range(KS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
-                for n2 in range(NS // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
-                    n = 8 * n2
-                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+            if WGMMA:  # the warpgroup's 64 x Bk scores in KS wgmma, K from shared memory
+                for ks in range(KS):
+                    a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                    q_frag[4 * ks] = a0
+                    q_frag[4 * ks + 1] = a1
+                    q_frag[4 * ks + 2] = a2
+                    q_frag[4 * ks + 3] = a3
+                _wgmma.wgmma_fence()
+                for ks in range(KS):
+                    wg_s(s_acc, q_frag[4 * ks], q_frag[4 * ks + 1], q_frag[4 * ks + 2],
+                         q_frag[4 * ks + 3], k_desc + uint64(16 * ks), int32(ks > 0))
+                _wgmma.wgmma_commit()
+                wait_s(s_acc)
+            else:
+                for i in range(S_REGS):
+                    s_acc[i] = float32(0.0)
+                for ks in range(KS):
+                    a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                    for n2 in range(NS // 2):
+                        b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
+                        n = 8 * n2
+                        mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
 
             # Token-level causal mask (and keys past the sequence): key c of the block is
             # visible to a row iff c <= lim; rows without a query have pos = -1: nothing.
@@ -899,9 +943,18 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
             if t_bot >= 0:
                 at_bot += uint64(((s_bot * q_total + t_bot) * hq_total + hq_bot) * O_ROW)
             for part in range(O_PARTS):
-                for i in range(O_REGS):
+                if WGMMA:  # the part's 64 x 8 NO_PART outputs in KP wgmma, V from shared memory
+                    _wgmma.wgmma_fence()
+                    for kp in range(KP):
+                        wg_o(o_acc, p_frag[4 * kp], p_frag[4 * kp + 1], p_frag[4 * kp + 2],
+                             p_frag[4 * kp + 3],
+                             v_desc + uint64((2 * kp * KV_GROUP_BYTES + part * NO_PART * 128)
+                                             >> 4), int32(kp > 0))
+                    _wgmma.wgmma_commit()
+                    wait_o(o_acc)
+                for i in range(0 if WGMMA else O_REGS):
                     o_acc[i] = float32(0.0)
-                for kp in range(KP):
+                for kp in range(0 if WGMMA else KP):
                     a0 = p_frag[4 * kp]
                     a1 = p_frag[4 * kp + 1]
                     a2 = p_frag[4 * kp + 2]
@@ -964,6 +1017,22 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
                     lse_part[s_bot, t_bot, hq_bot] = lse
 
     return _k1_kernel_v3
+
+
+@functools.lru_cache(maxsize=None)
+def _why_not_wgmma_on(device_id: int):
+    cc = cuda.get_current_device().compute_capability
+    if cc != (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]} (wgmma is sm_90a's)"
+    return None
+
+
+def _why_not_wgmma():
+    """Why K1 v4 (``wgmma``) cannot run here, or None: it needs a GPU of compute capability
+    9.0 (the simulator has no twin of wgmma)."""
+    if not _wgmma.AVAILABLE:
+        return "the simulator (wgmma has no twin; version 3 computes the same function)"
+    return _why_not_wgmma_on(cuda.get_current_device().id)
 
 
 def _device_copy(host):
@@ -1033,19 +1102,27 @@ class _K1Plan:
             why_not_v3 = f"head dim D={d} (at most {V3_MAX_HEAD_DIM}: O lives in registers)"
         elif why_not_v3 is None and bk > V3_MAX_BLOCK_SIZE:
             why_not_v3 = f"block_size={bk} (at most {V3_MAX_BLOCK_SIZE}: S lives in registers)"
+        why_not_v4 = why_not_v3
+        if why_not_v4 is None:
+            why_not_v4 = _why_not_wgmma()
+        if why_not_v4 is None and tile_rows not in (None, 64):
+            why_not_v4 = f"tile_rows={tile_rows} (a warpgroup's wgmma tile is 64 rows)"
         if version is None:
             if why_not_v2:
                 version = 1
-            elif DEFAULT_TC_VERSION == 3 and why_not_v3 is None:
+            elif DEFAULT_TC_VERSION == 4 and why_not_v4 is None:
+                version = 4
+            elif DEFAULT_TC_VERSION >= 3 and why_not_v3 is None:
                 version = 3
             else:
                 version = 2
         if version not in VERSIONS:
             raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
-        why_not = {2: why_not_v2, 3: why_not_v3}.get(version)
+        why_not = {2: why_not_v2, 3: why_not_v3, 4: why_not_v4}.get(version)
         if why_not:
             raise ValueError(f"version={version} (tensor cores) does not support {why_not}; use "
-                             f"version=1" + ("" if why_not_v2 else " or 2"))
+                             f"version=1" + ("" if why_not_v2 else " or 2")
+                             + ("" if why_not_v3 or version != 4 else " or 3"))
         if tile_rows is None:
             tile_rows = DEFAULT_TILE_ROWS[version]
         tile_rows = check_positive_int("tile_rows", tile_rows, high=128)
@@ -1054,7 +1131,7 @@ class _K1Plan:
                              f"{tile_rows}")
         positions = -(-tile_rows // g)  # ceil(T / G) query positions x G heads per tile
         rows = positions * g
-        if version != 3:
+        if version < 3:
             if groups not in (None, 1):
                 raise ValueError(f"groups must be None or 1 for version={version} (warp groups "
                                  f"are a version 3 option), got {groups!r}")
@@ -1083,6 +1160,7 @@ class _K1Plan:
                 f"block_size={bk}" + (f" and groups={groups}" if groups > 1 else "") +
                 f", more than the {limit} it may use; use a smaller block_size"
                 + (" or fewer groups" if groups > 1 else ""))
+        assert version != 4 or rows == 64
         self.version, self.positions, self.rows, self.smem = version, positions, rows, smem
         self.groups = groups
         self.block_size = bk
@@ -1108,7 +1186,7 @@ class _K1Plan:
                                        _THREADS_V1, spec.bf16, bf16_partials)
             _mma.launch(kernel, num_items, _THREADS_V1, self.smem, q, k, v, work, q_indices,
                         slots, cu_q, cu_k, np.float32(scale), o_part, lse_part)
-        elif self.version == 3:
+        elif self.version in (3, 4):
             if bf16_partials:
                 o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
             o_part = o_part.reshape(o_part.size)  # the kernel indexes it flat
@@ -1120,7 +1198,7 @@ class _K1Plan:
             # where a part of O has a multiple of 4 n-tiles (STORE_V4); else 4-byte stores
             kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
                                     bf16_partials, aligned, _v3_o_parts(spec.d), self.groups,
-                                    bf16_partials and is_aligned16(o_part))
+                                    bf16_partials and is_aligned16(o_part), self.version == 4)
             _mma.launch(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
                         q_indices,
                         slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part)

@@ -176,7 +176,13 @@ K1_CASES = [
 ]
 
 
-@pytest.mark.parametrize("version,kind", [(1, "float32"), (2, "float16"), (3, "float16")])
+# K1 v4 (wgmma) runs on a GPU of compute capability 9.0 only: no simulator twin
+V4 = pytest.param(4, marks=pytest.mark.skipif(SIMULATOR, reason="wgmma: GPU only"))
+V4_FP16 = pytest.param(4, "float16", marks=pytest.mark.skipif(SIMULATOR, reason="wgmma: GPU only"))
+
+
+@pytest.mark.parametrize("version,kind", [(1, "float32"), (2, "float16"), (3, "float16"),
+                                          V4_FP16])
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel,chunk,pad", [c[1:] for c in K1_CASES],
                          ids=[c[0] for c in K1_CASES])
 def test_k1_matches_reference_partials(lq, lk, hq, hkv, d, bk, topk, sel, chunk, pad, version,
@@ -193,6 +199,8 @@ def test_k1_v1_odd_head_dim_and_block():
 
 def test_k1_bf16(bf16_as_uint16):
     p, I = problem([21], [30], 4, 2, 16, 16, 2, seed=4)
+    if not SIMULATOR:
+        run_k1(p, I, "bfloat16", 4)
     run_k1(p, I, "bfloat16", 3)
     run_k1(p, I, "bfloat16", 2)
     run_k1(p, I, "bfloat16", 1)
@@ -244,6 +252,24 @@ def test_k1_v3_warp_groups_do_not_change_the_result(groups):
     b = run_k1(p, I, "float16", 3, chunk_size=28, tile_rows=16, groups=groups)
     for x, y in zip(a, b):
         assert x.tobytes() == y.tobytes()
+
+
+def test_k1_v4_says_why_it_cannot_run():
+    """K1 v4 (wgmma) needs a GPU of compute capability 9.0 and 64-row tiles: anything else is a
+    ValueError naming the reason and the versions that do run, before any launch."""
+    spec = gpu._Spec(np.zeros((4, 16, 128), np.float16), np.zeros((4, 1, 128), np.float16),
+                     np.zeros((4, 1, 128), np.float16))
+    if SIMULATOR:
+        with pytest.raises(ValueError, match="simulator.*version=1 or 2 or 3"):
+            gpu._K1Plan(spec, 128, 4, None, None)
+    elif gpu._why_not_wgmma() is None:
+        assert gpu._K1Plan(spec, 128, 4, None, None).rows == 64
+    with pytest.raises(ValueError, match="version=4"):
+        gpu._K1Plan(spec, 128, 4, 32, None)
+    spec32 = gpu._Spec(np.zeros((4, 16, 128), np.float32), np.zeros((4, 1, 128), np.float32),
+                       np.zeros((4, 1, 128), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        gpu._K1Plan(spec32, 128, 4, None, None)
 
 
 def test_k1_default_groups_keep_a_cta_at_12_warps_or_fewer(monkeypatch):
@@ -304,13 +330,13 @@ def test_sparse_v1_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
                          [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES],
                          ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES])
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, V4])
 def test_sparse_tensor_cores_match_reference(lq, lk, hq, hkv, d, bk, topk, sel, version):
     p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
     run_sparse(p, I, "float16", version)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, V4])
 def test_sparse_bf16(bf16_as_uint16, version):
     p, I = problem([12, 9], [20, 9], 4, 2, 16, 16, 2, seed=8)
     run_sparse(p, I, "bfloat16", version)
@@ -320,7 +346,11 @@ def test_sparse_bf16(bf16_as_uint16, version):
                                                    ("float16", 3, "bfloat16"),
                                                    ("float32", 1, "bfloat16"),
                                                    ("bfloat16", 2, "float32"),
-                                                   ("bfloat16", 3, "float32")])
+                                                   ("bfloat16", 3, "float32"),
+                                                   pytest.param("bfloat16", 4, "float32",
+                                                                marks=V4.marks),
+                                                   pytest.param("float16", 4, "bfloat16",
+                                                                marks=V4.marks)])
 def test_sparse_partial_dtypes(kind, version, partials, request):
     """bf16 partials (half the bytes between K1 and K2) for any input, fp32 ones for bf16."""
     if kind == "bfloat16":
@@ -1078,7 +1108,7 @@ def _paper_config_8k():
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [3, 2, 1])
+@pytest.mark.parametrize("version", [4, 3, 2, 1])
 def test_big_paper_configuration_8k(version):
     """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 8K sequence, bf16 (torch), sink + random."""
     torch = pytest.importorskip("torch")
@@ -1102,12 +1132,12 @@ def test_big_varlen_g8_d64_fp16():
     oracle, baseline = oracle_and_baseline(ref.sparse_attention, q32, k32, v32, I, cu_q, cu_k, 128)
     baseline = (baseline[0].astype(np.float16), baseline[1])
     outs = {}
-    for version in (3, 2, 1):
+    for version in (4, 3, 2, 1):
         o, lse = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=version)
         check_o_lse(o, lse, oracle, baseline, "float16", version, v32, factor=4.0,
                     name=f" v{version}")
         outs[version] = (o, lse)
-    for version in (3, 2):
+    for version in (4, 3, 2):
         o2, lse2 = gpu.sparse_attention(q16, k16, v16, I, cu_q, cu_k, 128, version=version,
                                         max_partial_bytes=8 * 32 * 64 * 4 * 1000, validate=False)
         assert o2.tobytes() == outs[version][0].tobytes()
@@ -1115,9 +1145,10 @@ def test_big_varlen_g8_d64_fp16():
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [3, 2])
-@pytest.mark.parametrize("d,bk,tile_rows", [(64, 32, 128), (64, 64, 64), (128, 64, 32),
-                                            (32, 16, 16)])
+@pytest.mark.parametrize("version,d,bk,tile_rows", [
+    (v, d, bk, t) for v in (3, 2) for d, bk, t in ((64, 32, 128), (64, 64, 64), (128, 64, 32),
+                                                   (32, 16, 16))]
+    + [(4, d, bk, 64) for d, bk in ((64, 32), (128, 64), (32, 16), (128, 128))])
 def test_big_tensor_core_shapes(version, d, bk, tile_rows):
     """The other D, Bk and tile sizes of the tensor-core kernels (D = 64 at Bk = 32 once failed
     to launch: static + dynamic shared memory past 48 KB), bf16, G = 16 with bf16 partials."""
@@ -1151,7 +1182,7 @@ def test_big_warp_groups_bitwise_equal_one_group():
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [None, 3])
+@pytest.mark.parametrize("version", [None, 4, 3])
 def test_big_reruns_bitwise_identical(version):
     torch = pytest.importorskip("torch")
     q, k, v, I, cu_q, cu_k = _big_problem([4096], [4096], 64, 4, 128, 128, 16, seed=2)
@@ -1167,7 +1198,8 @@ def test_big_reruns_bitwise_identical(version):
 @pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
 @pytest.mark.parametrize("kernel", ["k1-v2-bf16", "k1-v2-bf16-partials", "k1-v2-fp16-D64",
                                     "k1-v3-bf16", "k1-v3-bf16-partials", "k1-v3-fp16-D64-plain",
-                                    "k1-v3-bf16-partials-groups3",
+                                    "k1-v3-bf16-partials-groups3", "k1-v4-bf16-partials-groups3",
+                                    "k1-v4-fp16-D64",
                                     "k1-v1-bf16", "k2-bf16-out", "k2-v2-bf16-out", "bwd-dq-bf16",
                                     "bwd-dq-bf16-uint16-int64", "bwd-delta-bf16",
                                     "bwd-dkdv-bf16", "bwd-dkdv-sum", "bwd-tc-bf16",
@@ -1202,6 +1234,14 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3,
                                 True)  # the production kernel: 16-byte stores of O_s
         sig = (words, words, words, *index, types.uint32[::1], parts[1])
+    elif kernel == "k1-v4-bf16-partials-groups3":
+        fn = gpu._k1_kernel_reg(128, 128, 16, 4, True, True, True, gpu._v3_o_parts(128), 3,
+                                True, True)
+        sig = (words, words, words, *index, types.uint32[::1], parts[1])
+    elif kernel == "k1-v4-fp16-D64":
+        fn = gpu._k1_kernel_reg(128, 64, 8, 8, False, False, True, gpu._v3_o_parts(64), 1,
+                                False, True)
+        sig = (words, words, words, *index, types.float32[::1], parts[1])
     elif kernel == "k1-v3-fp16-D64-plain":
         fn = gpu._k1_kernel_reg(32, 64, 4, 32, False, False, False, gpu._v3_o_parts(64))
         sig = (words, words, words, *index, types.float32[::1], parts[1])
@@ -1256,3 +1296,5 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         assert "mma.sync.aligned.m16n8k16" in ptx
     if kernel.startswith(("k1-v3", "bwd-tc")):
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    if kernel.startswith("k1-v4"):
+        assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync" not in ptx

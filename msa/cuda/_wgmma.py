@@ -1,0 +1,189 @@
+"""Hopper's warpgroup MMA (``wgmma.mma_async``) for msa's kernels, through inline PTX.
+
+Four consecutive warps (a *warpgroup*, 128 threads whose first warp index is a multiple of 4)
+multiply a 64-row A by an N-column B together, asynchronously, with B read straight from
+shared memory (no ``ldmatrix``). msa uses the form with A in registers::
+
+    D[64 x N] (+)= A[64 x 16] B[16 x N]          (bf16/fp16 in, fp32 accumulate)
+
+Register layouts (PTX ISA, "Register Fragments", ``wgmma.mma_async.m64nNk16``): warp ``w`` of
+the warpgroup holds rows ``16w .. 16w + 15``; inside a warp A is exactly the A fragment of
+``mma.sync.m16n8k16`` (``msa.cuda._mma``'s table, four uint32 registers), and the ``N/2``
+fp32 accumulators are the m16n8 C fragments of the ``N/8`` n-tiles one after the other
+(``d[4i .. 4i+3]``: n-tile ``i``, rows ``g`` and ``g + 8``, columns ``8i + 2t``, ``+1``).
+So a kernel written for ``mma.sync`` keeps its fragment bookkeeping.
+
+B in shared memory is named by a 64-bit *matrix descriptor* (``smem_desc``): start address,
+leading and stride byte offsets, no swizzle. msa stores a ``[rows, D]`` 16-bit matrix (K or V
+of a block) as 8 x 8 *core matrices* of 128 contiguous bytes (8 rows of 16 bytes):
+``core_word(r, w, D)`` is the uint32 word of row ``r``, word ``w`` (a multiple of 4) of that
+layout. The same bytes serve both uses:
+
+* ``S = Q Kᵀ``, B = Kᵀ (K-major, ``trans_b = 0``): next core matrix along k (the next 8
+  dims) at +128 bytes (leading offset), along n (the next 8 keys) at +16 D bytes (stride).
+* ``O = P V``, B = V (N-major, ``trans_b = 1``): along k (the next 8 keys) +16 D bytes
+  (leading), along n (the next 8 dims) +128 bytes (stride).
+
+Ordering (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Operation"):
+``wgmma_fence()`` before the first ``wgmma`` that reads registers written by other
+instructions (A fragments, zeroed accumulators); ``wgmma_commit()`` after the batch;
+``wgmma_wait(acc)`` before the accumulators are read: it also passes them through an empty
+``asm`` so that no read can be scheduled above the wait. Shared memory written through the
+generic proxy (``st.shared``, ``cp.async``) must be followed by ``fence_proxy_async()`` and
+a barrier before a ``wgmma`` reads it.
+
+GPU only (compute capability 9.0, ``sm_90a``): the simulator has no inline PTX and no twin of
+these, so a kernel that uses them is built only off the simulator (``AVAILABLE``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, types
+
+from ._arrays import SIMULATOR
+
+AVAILABLE = not SIMULATOR
+
+
+@cuda.jit(device=True, inline=True)
+def core_word(r, w, d):
+    """Word (uint32) offset of row ``r``, word ``w`` (a multiple of 4) of a ``[rows, d]``
+    16-bit matrix stored as 8 x 8 core matrices (8 rows of 16 bytes each, 128 bytes)."""
+    return (r >> 3) * (4 * d) + (w >> 2) * 32 + (r & 7) * 4
+
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    _F32 = ir.FloatType()
+    _I32 = ir.IntType(32)
+    _I64 = ir.IntType(64)
+
+    @intrinsic
+    def shared_address(typingctx, a, flat):
+        """32-bit shared-window address of the shared uint32 ``a.flat[flat]``."""
+        if not (isinstance(a, types.Array) and a.dtype == types.uint32
+                and isinstance(flat, types.Integer)):
+            return None
+        sig = types.uint32(a, flat)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            idx = context.cast(builder, args[1], signature.args[1], types.intp)
+            ptr = builder.bitcast(builder.gep(ary.data, [idx]), ir.IntType(8).as_pointer())
+            return builder.ptrtoint(builder.addrspacecast(ptr, ir.IntType(8).as_pointer(3)),
+                                    _I32)
+
+        return sig, codegen
+
+    def _statement(text):
+        @intrinsic
+        def _stmt(typingctx):
+            def codegen(context, builder, signature, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return _stmt
+
+    wgmma_fence = _statement("wgmma.fence.sync.aligned;")
+    wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
+    fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+
+    def _acc_pointers(context, builder, aryty, ary, n):
+        arr = context.make_array(aryty)(context, builder, ary)
+        return [builder.gep(arr.data, [ir.Constant(_I64, i)]) for i in range(n)]
+
+    @functools.lru_cache(maxsize=None)
+    def make_wgmma_wait(nacc: int):
+        """``wgmma_wait(acc)``: ``wgmma.wait_group 0`` with ``acc[0:nacc]`` passed through it
+        (in and out), so that reads of the accumulators stay below the wait."""
+
+        @intrinsic
+        def _wait(typingctx, acc):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+                return None
+
+            def codegen(context, builder, signature, args):
+                ptrs = _acc_pointers(context, builder, signature.args[0], args[0], nacc)
+                vals = [builder.load(p) for p in ptrs]
+                cons = ",".join(["=f"] * nacc + [str(i) for i in range(nacc)]) + ",~{memory}"
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * nacc), [_F32] * nacc)
+                asm = ir.InlineAsm(fnty, "wgmma.wait_group.sync.aligned 0;", cons,
+                                   side_effect=True)
+                res = builder.call(asm, vals)
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, i), p)
+                return context.get_dummy_value()
+
+            return types.void(acc), codegen
+
+        return _wait
+
+    @functools.lru_cache(maxsize=None)
+    def make_wgmma_rs(n: int, ab_type: str, trans_b: int):
+        """``wgmma_rs(acc, a0, a1, a2, a3, desc_b, accumulate)``: ``wgmma.mma_async.sync.aligned
+        .m64n{n}k16.f32.{ab_type}.{ab_type}`` with A in registers and B named by ``desc_b``;
+        ``acc[0:n/2]`` += A B, or = A B where ``accumulate`` is 0. Issues only: results are
+        there after ``wgmma_commit()`` and ``make_wgmma_wait(n // 2)(acc)``."""
+        assert n % 8 == 0 and 8 <= n <= 256 and ab_type in ("bf16", "f16") and trans_b in (0, 1)
+        nacc = n // 2
+
+        @intrinsic
+        def _wgmma(typingctx, acc, a0, a1, a2, a3, desc_b, accumulate):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+                return None
+            sig = types.void(acc, types.uint32, types.uint32, types.uint32, types.uint32,
+                             types.uint64, types.int32)
+
+            def codegen(context, builder, signature, args):
+                ptrs = _acc_pointers(context, builder, signature.args[0], args[0], nacc)
+                vals = [builder.load(p) for p in ptrs]
+                d = ",".join(f"${i}" for i in range(nacc))
+                a = ",".join(f"${2 * nacc + i}" for i in range(4))
+                text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; "
+                        "wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, {%s}, $%d, p, "
+                        "1, 1, %d; }" % (2 * nacc + 5, n, ab_type, ab_type, d, a,
+                                         2 * nacc + 4, trans_b))
+                cons = ",".join(["=f"] * nacc + [str(i) for i in range(nacc)]
+                                + ["r"] * 4 + ["l", "r"]) + ",~{memory}"
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * nacc),
+                                       [_F32] * nacc + [_I32] * 4 + [_I64, _I32])
+                asm = ir.InlineAsm(fnty, text, cons, side_effect=True)
+                res = builder.call(asm, vals + list(args[1:5]) + [args[5], args[6]])
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, i), p)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return _wgmma
+
+else:
+    def _gpu_only(*args, **kwargs):
+        raise NotImplementedError("wgmma needs a GPU of compute capability 9.0 (no simulator "
+                                  "twin): use K1 version 3")
+
+    shared_address = wgmma_fence = wgmma_commit = fence_proxy_async = _gpu_only
+
+    def make_wgmma_wait(nacc):
+        return _gpu_only
+
+    def make_wgmma_rs(n, ab_type, trans_b):
+        return _gpu_only
+
+
+@cuda.jit(device=True, inline=True)
+def smem_desc(address, leading_bytes, stride_bytes):
+    """Matrix descriptor (no swizzle) of the core-matrix layout starting at shared ``address``
+    (16-byte aligned): bits 0-13 address / 16, 16-29 leading byte offset / 16, 32-45 stride
+    byte offset / 16."""
+    return (types.uint64((address & 0x3FFFF) >> 4)
+            | (types.uint64(leading_bytes >> 4) << types.uint64(16))
+            | (types.uint64(stride_bytes >> 4) << types.uint64(32)))
