@@ -20,7 +20,7 @@ sequence of N tokens (Lq = Lk = N).
    baseline's own FLOPs (4 * Hq * D * N(N+1)/2) are reported beside it. Peak torch-allocated
    memory of one call next to each time. The MSA time is also split into CSR + schedule, K1 and
    K2 (CUDA events around each stage, one query chunk).
-2. K1 alone, versions side by side (``--k1-versions``, default 3, 2, 1: registers, shared-memory
+2. K1 alone, versions side by side (``--k1-versions``, default 4, 3, 2, 1: wgmma, registers, shared-memory
    tensor cores, CUDA cores) at N = 32K, ``uniform``: CSR + schedule, K1 and K2 timed by CUDA
    events on one query chunk (the last 16K queries against every key), each version behind
    its own correctness gate (the chunk's last 512 outputs against the gather implementation);
@@ -506,10 +506,10 @@ def main(argv=None):
     p.add_argument("--sizes", default="32768,131072", help="sparse attention N, comma separated")
     p.add_argument("--patterns", default="uniform,sink+local+random,skewed")
     p.add_argument("--prefill-sizes", default="131072,1048576")
-    p.add_argument("--versions", default="3,2,1",
+    p.add_argument("--versions", default="4,3,2,1",
                    help="K1 versions to time end to end (first = breakdown)")
     p.add_argument("--k1-sizes", default="32768", help="N of the K1 side-by-side section")
-    p.add_argument("--k1-versions", default="3,2,1", help="K1 versions side by side")
+    p.add_argument("--k1-versions", default="4,3,2,1", help="K1 versions side by side")
     p.add_argument("--partials", default="bfloat16,float32",
                    help="partial dtypes to time with the first version (the others: the first)")
     p.add_argument("--v1-max-n", type=int, default=32768, help="time K1 v1 up to this N")

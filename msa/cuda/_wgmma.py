@@ -2,9 +2,12 @@
 
 Four consecutive warps (a *warpgroup*, 128 threads whose first warp index is a multiple of 4)
 multiply a 64-row A by an N-column B together, asynchronously, with B read straight from
-shared memory (no ``ldmatrix``). msa uses the form with A in registers::
+shared memory (no ``ldmatrix``)::
 
     D[64 x N] (+)= A[64 x 16] B[16 x N]          (bf16/fp16 in, fp32 accumulate)
+
+``make_wgmma_rs`` takes A in registers (K1 v4: Q's fragments by ``ldmatrix``, P from the
+softmax), ``make_wgmma_ss`` from shared memory too (the index kernel's queries, loaded once).
 
 Register layouts (PTX ISA, "Register Fragments", ``wgmma.mma_async.m64nNk16``): warp ``w`` of
 the warpgroup holds rows ``16w .. 16w + 15``; inside a warp A is exactly the A fragment of
@@ -165,6 +168,41 @@ if not SIMULATOR:
 
         return _wgmma
 
+    @functools.lru_cache(maxsize=None)
+    def make_wgmma_ss(n: int, ab_type: str):
+        """``wgmma_ss(acc, desc_a, desc_b, accumulate)``: as ``make_wgmma_rs`` (B K-major) with
+        A (64 x 16, K-major) read from shared memory too, named by ``desc_a``."""
+        assert n % 8 == 0 and 8 <= n <= 256 and ab_type in ("bf16", "f16")
+        nacc = n // 2
+
+        @intrinsic
+        def _wgmma(typingctx, acc, desc_a, desc_b, accumulate):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+                return None
+            sig = types.void(acc, types.uint64, types.uint64, types.int32)
+
+            def codegen(context, builder, signature, args):
+                ptrs = _acc_pointers(context, builder, signature.args[0], args[0], nacc)
+                vals = [builder.load(p) for p in ptrs]
+                d = ",".join(f"${i}" for i in range(nacc))
+                text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; "
+                        "wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, $%d, $%d, p, "
+                        "1, 1, 0, 0; }" % (2 * nacc + 2, n, ab_type, ab_type, d, 2 * nacc,
+                                           2 * nacc + 1))
+                cons = ",".join(["=f"] * nacc + [str(i) for i in range(nacc)]
+                                + ["l", "l", "r"]) + ",~{memory}"
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * nacc),
+                                       [_F32] * nacc + [_I64, _I64, _I32])
+                asm = ir.InlineAsm(fnty, text, cons, side_effect=True)
+                res = builder.call(asm, vals + [args[1], args[2], args[3]])
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, i), p)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return _wgmma
+
 else:
     def _gpu_only(*args, **kwargs):
         raise NotImplementedError("wgmma needs a GPU of compute capability 9.0 (no simulator "
@@ -176,6 +214,9 @@ else:
         return _gpu_only
 
     def make_wgmma_rs(n, ab_type, trans_b):
+        return _gpu_only
+
+    def make_wgmma_ss(n, ab_type):
         return _gpu_only
 
 
