@@ -99,9 +99,9 @@ if not SIMULATOR:
     wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
     fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
 
-    def _acc_pointers(context, builder, aryty, ary, n):
+    def _acc_pointers(context, builder, aryty, ary, n, offset=0):
         arr = context.make_array(aryty)(context, builder, ary)
-        return [builder.gep(arr.data, [ir.Constant(_I64, i)]) for i in range(n)]
+        return [builder.gep(arr.data, [ir.Constant(_I64, offset + i)]) for i in range(n)]
 
     @functools.lru_cache(maxsize=None)
     def make_wgmma_wait(nacc: int):
@@ -169,9 +169,10 @@ if not SIMULATOR:
         return _wgmma
 
     @functools.lru_cache(maxsize=None)
-    def make_wgmma_ss(n: int, ab_type: str):
+    def make_wgmma_ss(n: int, ab_type: str, acc_offset: int = 0):
         """``wgmma_ss(acc, desc_a, desc_b, accumulate)``: as ``make_wgmma_rs`` (B K-major) with
-        A (64 x 16, K-major) read from shared memory too, named by ``desc_a``."""
+        A (64 x 16, K-major) read from shared memory too, named by ``desc_a``; the
+        accumulators are ``acc.flat[acc_offset : acc_offset + n/2]``."""
         assert n % 8 == 0 and 8 <= n <= 256 and ab_type in ("bf16", "f16")
         nacc = n // 2
 
@@ -182,7 +183,8 @@ if not SIMULATOR:
             sig = types.void(acc, types.uint64, types.uint64, types.int32)
 
             def codegen(context, builder, signature, args):
-                ptrs = _acc_pointers(context, builder, signature.args[0], args[0], nacc)
+                ptrs = _acc_pointers(context, builder, signature.args[0], args[0], nacc,
+                                     acc_offset)
                 vals = [builder.load(p) for p in ptrs]
                 d = ",".join(f"${i}" for i in range(nacc))
                 text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; "
@@ -216,7 +218,7 @@ else:
     def make_wgmma_rs(n, ab_type, trans_b):
         return _gpu_only
 
-    def make_wgmma_ss(n, ab_type):
+    def make_wgmma_ss(n, ab_type, acc_offset=0):
         return _gpu_only
 
 

@@ -46,6 +46,14 @@ tc3    ``_block_scores_kernel_tc2``   tc2 with two 16-row m-tiles a warp (32 row
                                       registers, sm_90). Bit for bit tc2's results. On an H200
                                       1.39x tc2's fused top-k at 128K, 1.33x at 1M (358 TFLOP/s).
                                       ``select_blocks_fused(version="heap3")`` is its top-k.
+tc4    ``_block_scores_kernel_tc2``   tc3 on Hopper's wgmma (compute capability 9.0, no
+       (``wgmma=True``)               simulator twin): the CTA's queries are copied once into
+                                      shared memory as wgmma tiles, and each key chunk's scores
+                                      are ``wgmma.m64n{KC}k16`` with both operands read from
+                                      shared memory (``msa.cuda._wgmma``): no ``ldmatrix``, no
+                                      A fragments in registers. Needs 16-byte aligned
+                                      ``q_idx`` too and ~105 KB of dynamic shared memory at
+                                      Didx = 128. ``select_blocks_fused(version="heap4")``.
 =====  =============================  ==========================================================
 
 Tensor cores are reached through ``msa.cuda._mma`` (inline PTX ``mma.sync``; under the
@@ -64,7 +72,7 @@ import os
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, float64, int32, types, uint32
+from numba import cuda, float32, float64, int32, types, uint32, uint64
 
 from .._checks import (
     FLOAT_DTYPES,
@@ -83,9 +91,11 @@ from ._memops import (
     is_aligned16,
     ldmatrix_x4,
 )
+from . import _mma, _wgmma
 from ._mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
+from ._wgmma import core_word
 
-VERSIONS = ("v1", "tc", "tc2", "tc3")
+VERSIONS = ("v1", "tc", "tc2", "tc3", "tc4")
 POOLS = ("max", "mean")
 _THREADS_V1 = 128
 # Warps per CTA of the tensor-core kernel (16 (query, group) rows each). The simulator runs
@@ -410,7 +420,7 @@ def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool,
 
 @functools.lru_cache(maxsize=None)
 def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool, mean: bool,
-                             cap: int = 0, mtiles: int = 1):
+                             cap: int = 0, mtiles: int = 1, wgmma: bool = False):
     """``_block_scores_kernel_tc`` with the key chunks double-buffered by ``cp.async`` (the copy
     of chunk ``c + 1`` runs while chunk ``c`` is multiplied; one barrier a chunk), B fragments
     by ``ldmatrix.x4`` (two n-tiles a load) and the quad's partial maxima combined by two
@@ -423,7 +433,17 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     halving the shared-memory reads per product; the chunk is walked n-tile pair by n-tile pair
     (all k-steps of a pair, then its maxima), so only 16 accumulators are live next to the
     64 registers of A fragments. Every row's products, sums and maxima are still taken in tc's
-    order: the same results bit for bit."""
+    order: the same results bit for bit.
+
+    ``wgmma`` (version ``tc4``, compute capability 9.0; ``mtiles = 2``, 8 warps): the CTA's
+    index queries are copied once into dynamic shared memory as 8 x 8 core matrices, one
+    64-row wgmma tile per (warpgroup, m-tile) (warp ``w``'s m-tile ``mi`` is rows
+    ``16 (w % 4) ..`` of tile ``(w // 4, mi)``), and the key chunks are stored the same way;
+    each chunk's scores are ``2 KS`` ``wgmma.m64n{KC}k16`` with both operands read by the
+    tensor cores from shared memory (``msa.cuda._wgmma``), no ``ldmatrix`` and no A fragments
+    in registers. The accumulators have the ``mma.sync`` layout, so the maxima are folded as
+    in tc (key order per row), and staged and stored (or offered to the top-k) as in tc2.
+    Needs 16-byte aligned ``q_idx`` too."""
     from .select import _offer  # here, not at the top: msa.cuda.select imports this module
 
     fused = cap > 0
@@ -434,8 +454,11 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     NP = NT // 2
     MT = mtiles
     assert MT in (1, 2)
+    WG = wgmma
+    assert not WG or (MT == 2 and warps == 8 and _wgmma.AVAILABLE)
     R = 16 * MT * warps  # (query, group) rows per CTA
-    ACC_TILES = NT if MT == 1 else 2 * MT  # live accumulator n-tiles (see the docstring)
+    # live accumulator n-tiles (see the docstring; tc4: every n-tile of both m-tiles)
+    ACC_TILES = NT if MT == 1 else MT * NT if wgmma else 2 * MT
     SK = D2 + 4  # padded shared row (16-byte multiple): an 8-row ldmatrix phase hits 32 banks
     BUF = KC * SK  # words per key buffer
     SK_WORDS = 2 * BUF  # two buffers
@@ -446,11 +469,26 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     NTHREADS = 32 * warps
     mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
     HCAP = max(cap, 1)
+    # tc4: dynamic shared memory [key buffer 0 | key buffer 1 | queries], core matrices
+    WBUF = KC * D2  # words per key buffer
+    WQ = 2 * WBUF  # first word of the queries: tile (wg, mi) at WQ + (wg MT + mi) 64 D2
+    GROUP_BYTES = 16 * d_idx  # next 8 rows of a core-matrix layout (stride byte offset)
+    if WG:
+        wg_ss = _wgmma.make_wgmma_ss(KC, "bf16" if bf16 else "f16")
+        wg_ss2 = _wgmma.make_wgmma_ss(KC, "bf16" if bf16 else "f16", NT * 4)  # m-tile 1
+        wg_wait = _wgmma.make_wgmma_wait(MT * NT * 4)
+    else:
+        wg_ss = wg_ss2 = wg_wait = None
 
     if SIMULATOR:  # the simulator has no alignment argument (and needs none)
         @cuda.jit(device=True)
         def key_buffers():
             return cuda.shared.array(SK_WORDS, uint32)
+    elif WG:
+        @cuda.jit(device=True, inline=True)
+        def key_buffers():
+            """Two key chunks and the queries (dynamic: more than 48 KB), 16-byte aligned."""
+            return cuda.shared.array(0, uint32, alignment=16)
     else:
         @cuda.jit(device=True, inline=True)
         def key_buffers():
@@ -467,7 +505,25 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
             kw = (e - kr * PROW) * 4
             ok = j0 + kr < lk
             src = (k_base + (j0 + kr if ok else 0)) * D2 + kw
-            cp_async16(sk, dst0 + kr * SK + kw, k32, src, 16 if ok else 0)
+            dst = dst0 + (core_word(kr, kw, d_idx) if WG else kr * SK + kw)
+            cp_async16(sk, dst, k32, src, 16 if ok else 0)
+            e += NTHREADS
+
+    @cuda.jit(device=True, inline=True)
+    def copy_queries(sk, q32, ta, tb, hkv, tid):
+        """tc4: start copying the CTA's index queries into their wgmma tiles (zeros past tb)."""
+        e = tid
+        while e < R * PROW:
+            row = e // PROW
+            w = (e - row * PROW) * 4
+            t = ta + row // hkv
+            ok = t < tb
+            src = ((t if ok else ta) * hkv + row % hkv) * D2 + w
+            wr = row // (16 * MT)  # the warp whose m-tile (row // 16) % MT holds the row
+            tile = (wr // 4) * MT + (row // 16) % MT
+            rho = (wr % 4) * 16 + row % 16
+            cp_async16(sk, WQ + tile * 64 * D2 + core_word(rho, w, d_idx), q32, src,
+                       16 if ok else 0)
             e += NTHREADS
 
     @cuda.jit(device=True, inline=True)
@@ -545,7 +601,7 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
             r_b = row_b % hkv
             pos_a[mi] = t_a + shift if t_a < tb else -1
             pos_b[mi] = t_b + shift if t_b < tb else -1
-            for ks in range(KS):
+            for ks in range(0 if WG else KS):
                 w = ks * 8 + tq
                 aq[mi, ks, 0] = q32[t_a, r_a, w] if t_a < tb else uint32(0)
                 aq[mi, ks, 1] = q32[t_b, r_b, w] if t_b < tb else uint32(0)
@@ -569,7 +625,15 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
         # chunk c holds keys [c * KC, (c + 1) * KC) in buffer c % 2; chunk 0 starts here
         if b_last >= 0:
             copy_chunk(sk, k32, k_base, lk, 0, 0, tid)
+            if WG:
+                copy_queries(sk, q32, ta, tb, hkv, tid)
         cp_async_commit()
+        q_desc = uint64(0)
+        k_desc = uint64(0)
+        if WG:  # this warpgroup's two query tiles; key buffer 0 (buffer 1: + WBUF words)
+            q_desc = _wgmma.smem_desc(
+                _wgmma.shared_address(sk, WQ + (warp // 4) * MT * 64 * D2), 128, GROUP_BYTES)
+            k_desc = _wgmma.smem_desc(_wgmma.shared_address(sk, 0), 128, GROUP_BYTES)
 
         for bg in range(0, nb_total, FB):
             if fused and bg > b_last:  # the same for the whole CTA
@@ -585,17 +649,34 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                     j0 = b * block_size + kc0
                     if j0 > p_last:  # past every row's position (the same for the whole CTA)
                         break
-                    cur = ((j0 // KC) & 1) * BUF
+                    cur = ((j0 // KC) & 1) * (WBUF if WG else BUF)
                     # chunk j0 has landed for every thread, and every warp is done with the
                     # other buffer (the previous chunk): start the next chunk there
                     cp_async_wait_all()
+                    if WG:  # copies are generic-proxy writes; wgmma reads by the async proxy
+                        _wgmma.fence_proxy_async()
                     cuda.syncthreads()
                     jn = j0 + KC
                     if jn <= p_last and jn // block_size <= b_last:
-                        copy_chunk(sk, k32, k_base, lk, jn, BUF - cur, tid)
+                        copy_chunk(sk, k32, k_base, lk, jn, (WBUF if WG else BUF) - cur, tid)
                     cp_async_commit()
                     masked = not fused and j0 + KC - 1 > p_first
-                    if MT == 1:  # every n-tile of the chunk at once, k-step by k-step
+                    if WG:  # both m-tiles' scores of the chunk, operands from shared memory
+                        kd = k_desc + uint64(cur >> 2)  # words -> 16-byte units
+                        _wgmma.wgmma_fence()
+                        for ks in range(KS):
+                            wg_ss(acc, q_desc + uint64(16 * ks), kd + uint64(16 * ks),
+                                  int32(ks > 0))
+                        for ks in range(KS):
+                            wg_ss2(acc, q_desc + uint64(16 * ks + 16 * D2), kd + uint64(16 * ks),
+                                   int32(ks > 0))
+                        _wgmma.wgmma_commit()
+                        wg_wait(acc)
+                        for mi in range(MT):
+                            for nt in range(NT):
+                                _fold(acc, mi * NT + nt, m_a, m_b, mi, j0 + nt * 8 + 2 * tq,
+                                      masked, pos_a[mi], pos_b[mi])
+                    elif MT == 1:  # every n-tile of the chunk at once, k-step by k-step
                         for ks in range(KS):
                             for npair in range(NP):
                                 b0, b1, b2, b3 = ldmatrix_x4(sk, cur + lrow + npair * 16 * SK
@@ -693,8 +774,33 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
 # -- launchers ----------------------------------------------------------------------------------
 
 def _tc_mtiles(version) -> int:
-    """16-row m-tiles per warp of a tensor-core version (tc3: 2)."""
-    return 2 if version == "tc3" else 1
+    """16-row m-tiles per warp of a tensor-core version (tc3, tc4: 2)."""
+    return 2 if version in ("tc3", "tc4") else 1
+
+
+def _tc4_smem(d_idx: int, block_size: int) -> int:
+    """Bytes of tc4's dynamic shared memory: two key chunks and the CTA's queries."""
+    return 4 * (d_idx // 2) * (2 * _key_chunk(block_size) + 32 * _TC_WARPS)
+
+
+def _why_not_tc4(tc3_ok, q, d_idx, block_size):
+    """Why tc4 cannot run on these inputs, or None."""
+    if not tc3_ok:
+        return ("it needs what 'tc3' needs (bf16/float16, Didx % 16 == 0, block_size % 16 == 0, "
+                "16-byte aligned k_idx)")
+    if not _wgmma.AVAILABLE:
+        return "the simulator has no wgmma (tc3 computes the same scores)"
+    cc = cuda.get_current_device().compute_capability
+    if cc != (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]} (wgmma is sm_90a's)"
+    if _TC_WARPS != 8:
+        return f"8 warps a CTA (two warpgroups) are needed, not {_TC_WARPS}"
+    if not is_aligned16(q):
+        return "q_idx's data is not 16-byte aligned (cp.async)"
+    if _tc4_smem(d_idx, block_size) > _mma.DYNAMIC_SMEM_LIMIT:
+        return (f"{_tc4_smem(d_idx, block_size)} bytes of shared memory at Didx={d_idx}, more "
+                f"than {_mma.DYNAMIC_SMEM_LIMIT}")
+    return None
 
 
 def _tc2_static_smem(d_idx: int, block_size: int, mtiles: int) -> int:
@@ -771,8 +877,11 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     # tc3: tc2 with 32 rows a warp; its two key buffers and staged maxima are static shared
     # memory (at most 48 KB)
     tc3_ok = tc2_ok and _tc2_static_smem(d_idx, block_size, 2) <= 48 * 1024
+    # tc4: tc3 on wgmma, queries in dynamic shared memory (16-byte aligned q_idx for cp.async)
+    why_not_tc4 = _why_not_tc4(tc3_ok, q, d_idx, block_size)
     if version is None:
-        version = "tc3" if tc3_ok else "tc2" if tc2_ok else "tc" if tc_ok else "v1"
+        version = ("tc4" if why_not_tc4 is None else "tc3" if tc3_ok else "tc2" if tc2_ok
+                   else "tc" if tc_ok else "v1")
     elif version == "tc" and not tc_ok:
         raise ValueError(
             f"version 'tc' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 8 == 0 and "
@@ -788,7 +897,9 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
             f"({_tc2_static_smem(d_idx, block_size, 2)} bytes at Didx={d_idx}, "
             f"block_size={block_size}); got {kind}, Didx={d_idx}, block_size={block_size}, "
             f"Hkv={hkv}, aligned={is_aligned16(k)}")
-    if version in ("tc", "tc2", "tc3"):
+    elif version == "tc4" and why_not_tc4:
+        raise ValueError(f"version 'tc4' cannot run: {why_not_tc4}")
+    if version in ("tc", "tc2", "tc3", "tc4"):
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
     return SimpleNamespace(
@@ -829,10 +940,14 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
                                          p.mean, cap)
     else:
         kernel = _block_scores_kernel_tc2(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
-                                          p.mean, cap, _tc_mtiles(p.version))
+                                          p.mean, cap, _tc_mtiles(p.version), p.version == "tc4")
     tiles_dev = device_constant(tiles)
-    kernel[tiles.shape[0], 32 * _TC_WARPS](p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb,
-                                           p.scale, M, topk, out)
+    args = (p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb, p.scale, M, topk, out)
+    if p.version == "tc4":
+        _mma.launch(kernel, tiles.shape[0], 32 * _TC_WARPS, _tc4_smem(p.d_idx, p.block_size),
+                    *args)
+        return
+    kernel[tiles.shape[0], 32 * _TC_WARPS](*args)
 
 
 def _launch_fused_heap(p, topk: int, cap: int, out):

@@ -56,8 +56,10 @@ heap     one kernel (``msa.cuda.index``'s tensor-core kernel with a top-k epilog
          owned by one thread; M is never written. bf16/fp16 with Didx % 16 == 0, Bk % 8 == 0.
 heap2    the same epilogue on ``msa.cuda.index``'s ``tc2`` kernel (key chunks double-buffered
          by ``cp.async``, B fragments by ``ldmatrix``). Bk % 16 == 0, k_idx 16-byte aligned.
-heap3    the same on ``tc3`` (two m-tiles a warp: half the shared-memory reads per mma); the
-         default where it applies.
+heap3    the same on ``tc3`` (two m-tiles a warp: half the shared-memory reads per mma).
+heap4    the same on ``tc4`` (tc3 on Hopper's wgmma, queries and keys read by the tensor cores
+         from shared memory); the default where it applies (compute capability 9.0), else
+         heap3.
 =======  ====================================================================================
 """
 
@@ -84,9 +86,9 @@ if SIMULATOR:
 
 VERSIONS = ("v1", "warp", "warp2", "warp3")
 DEFAULT_VERSION = "warp3"
-FUSED_VERSIONS = ("chunked", "heap", "heap2", "heap3")
+FUSED_VERSIONS = ("chunked", "heap", "heap2", "heap3", "heap4")
 # msa.cuda.index kernel of each one-kernel version
-_FUSED_KERNEL = {"heap": "tc", "heap2": "tc2", "heap3": "tc3"}
+_FUSED_KERNEL = {"heap": "tc", "heap2": "tc2", "heap3": "tc3", "heap4": "tc4"}
 MAX_TOPK = 64  # heap capacity of the kernels: K - 1 <= 63 entries per lane
 FULL_MASK = 0xFFFFFFFF
 _NO_BLOCK = 0x7FFFFFFF  # id of "no candidate": loses every tie against a real block
@@ -917,7 +919,9 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
             NumPy arrays beside GPU inputs are fine (and spare a device-to-host read).
         topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
-        version: one of ``FUSED_VERSIONS``; default ``"heap3"`` where its kernel applies
+        version: one of ``FUSED_VERSIONS``; default ``"heap4"`` where its kernel applies
+            (``"heap3"``'s conditions, 16-byte aligned ``q_idx`` and compute capability 9.0),
+            else ``"heap3"`` where its kernel applies
             (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``, key
             chunks within 48 KB of static shared memory), else ``"heap2"`` (the same without
             that last condition), else ``"heap"`` where the tensor-core kernel applies
@@ -925,7 +929,8 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
             blocks of a tile of queries through tensor cores and offers each block maximum to
             the row's heap; M is never written. ``"heap2"``: the same on ``msa.cuda.index``'s
             ``tc2`` kernel (key chunks double-buffered by cp.async, ldmatrix fragments);
-            ``"heap3"``: on ``tc3`` (two 16-row m-tiles a warp).
+            ``"heap3"``: on ``tc3`` (two 16-row m-tiles a warp); ``"heap4"``: on ``tc4``
+            (wgmma, operands from shared memory).
             ``"chunked"``: the queries in chunks whose block scores fit ``memory_budget`` bytes
             (default ``FUSED_MEMORY_BUDGET`` = 4 GiB, at least one tile) in one reused buffer:
             ``block_scores``' fastest kernel, then the warp top-k, chunk by chunk.

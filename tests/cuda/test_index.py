@@ -66,7 +66,7 @@ def _versions(dtype, d_idx, block_size):
     if SIMULATOR:
         return ["v1"] + (["tc2"] if tc2 and dtype == "bf16" else ["tc"] if tc and dtype == "bf16"
                          else [])
-    return ["v1"] + (["tc"] if tc else []) + (["tc2", "tc3"] if tc2 else [])
+    return ["v1"] + (["tc"] if tc else []) + (["tc2", "tc3", "tc4"] if tc2 else [])
 
 
 def _all_versions(dtype, d_idx, block_size):
@@ -76,7 +76,7 @@ def _all_versions(dtype, d_idx, block_size):
     # tc3 (tc2 with two m-tiles a warp) on a GPU; the simulator checks it in
     # test_tc3_equals_the_reference_and_tc2
     return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc2 else []) + (
-        ["tc3"] if tc2 and not SIMULATOR else [])
+        ["tc3", "tc4"] if tc2 and not SIMULATOR else [])
 
 
 # Sequences up to 40 tokens under the simulator (still several blocks of 16 and partial ones).
@@ -124,7 +124,7 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=N
 # Error allowed, in units of the float32 reference's error against float64. Tensor cores sum the
 # exact products of an mma in fp32 but align and truncate instead of rounding each addition, so
 # their error may be a few times that of round-to-nearest float32 sums.
-_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0, "tc3": 4.0}
+_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0, "tc3": 4.0, "tc4": 4.0}
 
 
 def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
@@ -274,7 +274,22 @@ BAD = {
     "version-tc-Bk=4": (lambda a: dict(block_size=4, version="tc"), ValueError, "version 'tc'"),
     "version-tc2-Bk=8": (lambda a: dict(version="tc2"), ValueError, "version 'tc2'"),
     "version-tc3-Bk=8": (lambda a: dict(version="tc3"), ValueError, "version 'tc3'"),
+    "version-tc4-Bk=8": (lambda a: dict(version="tc4"), ValueError, "version 'tc4'.*'tc3' needs"),
 }
+
+
+def test_tc4_says_why_it_cannot_run():
+    """tc4 (wgmma) runs on a GPU of compute capability 9.0 only: in the simulator, asking for
+    it is a ValueError naming the simulator; on such a GPU it is the default."""
+    q64, k64, cu_q, cu_k = _problem([20], [40], 2, 16, 16, 0, integer=True)
+    q, k = q64.astype(np.float16), k64.astype(np.float16)
+    if SIMULATOR:
+        with pytest.raises(ValueError, match="version 'tc4'.*simulator"):
+            cuda_index.block_scores(q, k, cu_q, cu_k, 16, version="tc4")
+    else:
+        p = cuda_index._prepare(q, k, cu_q, cu_k, 16, None, "max")
+        assert p.version == ("tc4" if cuda_index._why_not_tc4(True, p.q, 16, 16) is None
+                             else "tc3")
 
 
 @pytest.mark.parametrize("change,error,match", BAD.values(), ids=BAD.keys())
@@ -326,7 +341,7 @@ def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
     # 30 queries x 4 groups = 120 rows: the eighth warp holds a partial tile.
     monkeypatch.setattr(cuda_index, "_TC_WARPS", 8)
     # The simulator runs the default kernels (tc2, heap2) in this geometry; a GPU runs all.
-    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2", "tc3"]
+    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2", "tc3", "tc4"]
     _check_exact([30], [32], 4, 16, 16, "bf16", "max", seed=5, versions=tc_versions)
     import msa.cuda.select as cuda_select
     import msa.reference.select as ref_select
@@ -334,6 +349,6 @@ def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
     q64, k64, cu_q, cu_k = _problem([30], [32], 4, 16, 16, 5, integer=False)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
-    for version in ["heap2"] if SIMULATOR else ["heap", "heap2", "heap3"]:
+    for version in ["heap2"] if SIMULATOR else ["heap", "heap2", "heap3", "heap4"]:
         got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version)
         np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))

@@ -306,8 +306,8 @@ def _fused_versions(dtype, d_idx, block_size):
     # chunked with the default budget (one chunk) and with many chunks; the tensor-core cases
     # only with many, as the float32 case covers the single chunk
     chunked = [("chunked", 1)] if tc else [("chunked", None), ("chunked", 1)]
-    return chunked + ([("heap", None)] if tc else []) + ([("heap2", None), ("heap3", None)]
-                                                           if tc2 else [])
+    heaps = [("heap2", None), ("heap3", None)] + ([] if SIMULATOR else [("heap4", None)])
+    return chunked + ([("heap", None)] if tc else []) + (heaps if tc2 else [])
 
 
 @pytest.mark.parametrize("lq,lk,hkv,d_idx,block_size,topk,dtype", FUSED.values(), ids=FUSED.keys())
@@ -331,7 +331,8 @@ def test_select_blocks_fused_versions_equal_the_two_stages(topk, lq, lk):
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = cuda_index.block_scores(q, k, cu_q, cu_k, 16)
     want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, topk, 16))
-    for version, budget in (("chunked", 1), ("heap", None), ("heap2", None), ("heap3", None)):
+    for version, budget in (("chunked", 1), ("heap", None), ("heap2", None), ("heap3", None))\
+            + ((("heap4", None),) if not SIMULATOR else ()):
         got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, 16, version=version,
                                               memory_budget=budget)
         assert_exact(to_numpy(got), want, name=f"fused[{version}]")
@@ -354,6 +355,9 @@ def test_select_blocks_fused_rejects_bad_input():
     with pytest.raises(ValueError, match="version 'heap3'"):
         cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
                                         2, 8, version="heap3")
+    with pytest.raises(ValueError, match="version 'heap4'"):
+        cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
+                                        2, 8, version="heap4")
     with pytest.raises(ValueError, match="version"):
         cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version="v1")
 
@@ -395,7 +399,7 @@ def test_select_blocks_fused_production_sizes_bf16():
     M32 = ref_index.block_scores(qf, kf, cu_q, cu_k, 128)
     results = {}
     for version, budget in (("chunked", 1 << 20), ("heap", None), ("heap2", None),
-                            ("heap3", None)):
+                            ("heap3", None), ("heap4", None)):
         got = cuda_select.select_blocks_fused(q, k, cq, ck, 16, 128, version=version,
                                               memory_budget=budget)
         _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, 16, 128)
@@ -403,6 +407,7 @@ def test_select_blocks_fused_production_sizes_bf16():
     assert_exact(results["heap"], results["chunked"], name="heap vs chunked")
     assert_exact(results["heap2"], results["chunked"], name="heap2 vs chunked")
     assert_exact(results["heap3"], results["chunked"], name="heap3 vs chunked")
+    assert_exact(results["heap4"], results["chunked"], name="heap4 vs chunked")
 
 
 @pytest.mark.big
