@@ -54,6 +54,10 @@ tc4    ``_block_scores_kernel_tc2``   tc3 on Hopper's wgmma (compute capability 
                                       A fragments in registers. Needs 16-byte aligned
                                       ``q_idx`` too and ~105 KB of dynamic shared memory at
                                       Didx = 128. ``select_blocks_fused(version="heap4")``.
+                                      Not the default: bit for bit tc3's top-k but no faster
+                                      (H200, 128K, paper index: 26.8 ms against tc3's 26.2;
+                                      the chunk's barrier, wait and maxima bound it, not the
+                                      multiplies).
 =====  =============================  ==========================================================
 
 Tensor cores are reached through ``msa.cuda._mma`` (inline PTX ``mma.sync``; under the
@@ -879,9 +883,8 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     tc3_ok = tc2_ok and _tc2_static_smem(d_idx, block_size, 2) <= 48 * 1024
     # tc4: tc3 on wgmma, queries in dynamic shared memory (16-byte aligned q_idx for cp.async)
     why_not_tc4 = _why_not_tc4(tc3_ok, q, d_idx, block_size)
-    if version is None:
-        version = ("tc4" if why_not_tc4 is None else "tc3" if tc3_ok else "tc2" if tc2_ok
-                   else "tc" if tc_ok else "v1")
+    if version is None:  # tc4 only when asked: no faster than tc3 (module docstring)
+        version = "tc3" if tc3_ok else "tc2" if tc2_ok else "tc" if tc_ok else "v1"
     elif version == "tc" and not tc_ok:
         raise ValueError(
             f"version 'tc' needs bf16/float16 inputs, Didx % 16 == 0, block_size % 8 == 0 and "

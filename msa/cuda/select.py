@@ -56,10 +56,10 @@ heap     one kernel (``msa.cuda.index``'s tensor-core kernel with a top-k epilog
          owned by one thread; M is never written. bf16/fp16 with Didx % 16 == 0, Bk % 8 == 0.
 heap2    the same epilogue on ``msa.cuda.index``'s ``tc2`` kernel (key chunks double-buffered
          by ``cp.async``, B fragments by ``ldmatrix``). Bk % 16 == 0, k_idx 16-byte aligned.
-heap3    the same on ``tc3`` (two m-tiles a warp: half the shared-memory reads per mma).
+heap3    the same on ``tc3`` (two m-tiles a warp: half the shared-memory reads per mma); the
+         default where it applies.
 heap4    the same on ``tc4`` (tc3 on Hopper's wgmma, queries and keys read by the tensor cores
-         from shared memory); the default where it applies (compute capability 9.0), else
-         heap3.
+         from shared memory; compute capability 9.0): the same selection, no faster.
 =======  ====================================================================================
 """
 
@@ -919,9 +919,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
             NumPy arrays beside GPU inputs are fine (and spare a device-to-host read).
         topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
-        version: one of ``FUSED_VERSIONS``; default ``"heap4"`` where its kernel applies
-            (``"heap3"``'s conditions, 16-byte aligned ``q_idx`` and compute capability 9.0),
-            else ``"heap3"`` where its kernel applies
+        version: one of ``FUSED_VERSIONS``; default ``"heap3"`` where its kernel applies
             (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``, key
             chunks within 48 KB of static shared memory), else ``"heap2"`` (the same without
             that last condition), else ``"heap"`` where the tensor-core kernel applies

@@ -435,6 +435,19 @@ def test_sparse_with_every_block_equals_dense():
     check_o_lse(o, lse, oracle, baseline, "float32", 1, v)
 
 
+def test_default_partial_bytes_is_an_eighth_of_the_gpu_clamped():
+    """The forward's default partial budget: 4 GiB in the simulator; on a GPU an eighth of its
+    memory, clamped to [4, 16] GiB (the chunks it gives are bitwise invisible, below)."""
+    got = gpu.default_partial_bytes()
+    if SIMULATOR:
+        assert got == gpu.MAX_PARTIAL_BYTES == 4 << 30
+    else:
+        from numba import cuda
+
+        total = cuda.current_context().get_memory_info()[1]
+        assert got == min(max(total // 8, 4 << 30), 16 << 30)
+
+
 def test_query_chunks_and_work_chunks_are_bitwise_invisible():
     """Query chunking (``max_partial_bytes``) and the scheduler's chunk size change the order of
     the work, not one bit of the result; neither do reruns."""
