@@ -44,6 +44,12 @@ def main() -> int:
     report("select_blocks (warp)", np.array_equal(idx.cpu().numpy(), idx_ref))
     fused = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk)
     report("select_blocks_fused", fused.shape == idx_ref.shape)
+    # the wgmma index kernel (compute capability 9.0): the same scores and selection as tc3
+    m_tc4 = C.index._block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, version="tc4")
+    report("block_scores bf16 (tc4)", torch.equal(m_tc4, m_bf))
+    fused4 = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk,
+                                   version="heap4")
+    report("select_blocks_fused (heap4)", torch.equal(fused4, fused))
 
     row_ptr_ref, q_ind_ref, slots_ref = R.build_csr(idx_ref, cq, ck, bk)
     row_ptr, q_ind, slots = C.build_csr(dev(idx_ref), dev(cq), dev(ck), bk)
@@ -71,7 +77,7 @@ def main() -> int:
            and np.array_equal(w[:len(work_ref)], work_ref))
 
     o_ref, lse_ref = R.sparse_attention(p.q, p.k, p.v, idx_ref, cq, ck, bk)
-    for version, cast in ((1, dev), (2, bf), (3, bf)):
+    for version, cast in ((1, dev), (2, bf), (3, bf), (4, bf)):
         op, lp = C.attention_partials(cast(p.q), cast(p.k), cast(p.v), work, q_ind, slots, dev(cq),
                                       dev(ck), bk, k, version=version)
         o, lse = C.combine_partials(op, lp)
