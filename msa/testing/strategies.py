@@ -209,3 +209,13 @@ def chunk_sizes(max_size: int = 64):
     """Scheduler chunk sizes (queries per work item): powers of two and any size, 1 included."""
     powers = [c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c <= max_size]
     return st.one_of(st.sampled_from(powers), st.integers(1, max_size))
+
+
+def fewer_in_simulator(n: int):
+    """A test decorator: at most ``n`` hypothesis examples under Numba's simulator (every
+    simulated CUDA thread is a Python thread), the profile's count on a GPU."""
+    from hypothesis import settings
+
+    from msa.cuda._arrays import SIMULATOR
+
+    return settings(max_examples=n) if SIMULATOR else (lambda test: test)

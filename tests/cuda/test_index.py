@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import msa.cuda.index as cuda_index
@@ -24,7 +24,7 @@ import msa.reference.index as ref_index
 from msa.cuda._arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.testing.backends import to_numpy
-from msa.testing.strategies import KERNEL_SHAPES, problem_shapes
+from msa.testing.strategies import KERNEL_SHAPES, fewer_in_simulator, problem_shapes
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
 DTYPES = ("float32", "float64", "float16", "bf16")
@@ -81,12 +81,6 @@ def _all_versions(dtype, d_idx, block_size):
 
 # Sequences up to 40 tokens under the simulator (still several blocks of 16 and partial ones).
 _FUZZ_SHAPES = dict(KERNEL_SHAPES, max_len=40) if SIMULATOR else KERNEL_SHAPES
-
-
-def _fewer_in_simulator(n):
-    """At most ``n`` hypothesis examples under the simulator (each runs every tensor-core
-    kernel with Python threads); the profile's count on a GPU."""
-    return settings(max_examples=n) if SIMULATOR else (lambda test: test)
 
 
 def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype):
@@ -184,7 +178,7 @@ def _shapes_args(shapes):
             shapes["index_dim"], shapes["block_size"])
 
 
-@_fewer_in_simulator(4)
+@fewer_in_simulator(4)
 @given(shapes=problem_shapes(**_FUZZ_SHAPES), dtype=st.sampled_from(DTYPES))
 @example(shapes=dict(seq_lens_q=[1], seq_lens_k=[1], num_q_heads=1, num_kv_heads=1, head_dim=16,
                      index_dim=16, block_size=16, topk=1, seed=0), dtype="bf16")
@@ -193,7 +187,7 @@ def test_block_scores_exact_fuzz(shapes, dtype):
     _check_exact(*args, dtype, "max", seed=shapes["seed"], versions=_all_versions(dtype, *args[3:]))
 
 
-@_fewer_in_simulator(2)
+@fewer_in_simulator(2)
 @given(shapes=problem_shapes(**_FUZZ_SHAPES), dtype=st.sampled_from(DTYPES))
 def test_block_scores_float_fuzz(shapes, dtype):
     args = _shapes_args(shapes)

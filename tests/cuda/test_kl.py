@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from numba import cuda
 
@@ -30,7 +30,8 @@ from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
 from msa.testing.backends import to_numpy
 from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
-from msa.testing.strategies import block_indices_for, problem_shapes, problems_with_indices
+from msa.testing.strategies import (block_indices_for, fewer_in_simulator, problem_shapes,
+                                    problems_with_indices)
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
 VERSIONS = gpu.VERSIONS
@@ -382,7 +383,7 @@ def kl_cases(draw):
     return p, I
 
 
-@settings(max_examples=8)  # each simulated example launches four kernels; the table covers the rest
+@fewer_in_simulator(4)  # each simulated example launches four kernels; the table covers the rest
 @given(kl_cases(), st.sampled_from([1, 2]))
 @example(problem=(case_problem([1], [1], 1, 1, 4, 4, 4, 1), None), version=1)
 def test_matches_reference_fuzz(problem, version):
@@ -390,7 +391,7 @@ def test_matches_reference_fuzz(problem, version):
     check(p, I, version)
 
 
-@settings(max_examples=4)  # the simulated mma costs seconds per example
+@fewer_in_simulator(2)  # the simulated mma costs seconds per example
 @given(problems_with_indices(max_seqs=2, max_len=32, max_heads=8, max_topk=3, block_sizes=(16,),
                              dims=(16,)),
        st.sampled_from(["float16", "bf16"]), st.sampled_from([3, 4]))

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 
 import msa.cuda.index as cuda_index
 import msa.cuda.select as cuda_select
@@ -24,7 +24,7 @@ from msa.cuda._memops import is_aligned16
 from msa.problems import make_problem
 from msa.reference.blocks import local_blocks, max_blocks
 from msa.testing.backends import to_numpy
-from msa.testing.strategies import select_problems
+from msa.testing.strategies import fewer_in_simulator, select_problems
 from msa.testing.tolerance import assert_exact
 
 VERSIONS = cuda_select.VERSIONS
@@ -33,12 +33,6 @@ if SIMULATOR:
     # Every simulated thread is a Python thread and every barrier or shuffle a hand-over of the
     # GIL: the default 5 ms switch interval makes identical runs 3-10x slower at random.
     sys.setswitchinterval(5e-4)
-
-
-def _fewer_in_simulator(n):
-    """At most ``n`` hypothesis examples under the simulator (32 Python threads a warp, a
-    rendezvous a shuffle); the profile's count on a GPU."""
-    return settings(max_examples=n) if SIMULATOR else (lambda test: test)
 
 
 def _cu(lens):
@@ -193,7 +187,7 @@ _SMALL = dict(max_seqs=2, max_len=20, max_kv_heads=2, block_sizes=(1, 2, 4, 8), 
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@_fewer_in_simulator(3)
+@fewer_in_simulator(3)
 @given(prob=select_problems(ties=False, **_SMALL))
 @example(prob=dict(block_scores=np.array([[[0.5, -0.5, 0.0]]], np.float32), cu_seqlens_q=_cu([1]),
                    cu_seqlens_k=_cu([3]), topk=2, block_size=1))
@@ -203,7 +197,7 @@ def test_select_blocks_distinct_scores_exact(version, prob):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@_fewer_in_simulator(3)
+@fewer_in_simulator(3)
 @given(prob=select_problems(ties=True, **_SMALL))
 def test_select_blocks_ties_exact(version, prob):
     _check(prob["block_scores"], prob["cu_seqlens_q"], prob["cu_seqlens_k"], prob["topk"],
