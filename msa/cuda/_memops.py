@@ -25,7 +25,6 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    ``syncwarp`` for the lanes of its warp), to the others
 ``cp_async_commit()``              closes the group of copies issued so far
 ``cp_async_wait_all()``            waits for every committed group of this thread
-``make_cp_async_wait(n)``          ``cp.async.wait_group n``: all but the ``n`` newest groups
 ``copy16_plain3/2``, ``no_op``     ``cp_async16``'s contract (same arguments) by ordinary
                                    loads and stores, for a [T, H, W] / [T, W] ``src`` whose
                                    data is not 16-byte aligned; ``no_op`` stands in for commit
@@ -121,10 +120,6 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_wait_all():
         pass
-
-    def make_cp_async_wait(pending: int):
-        """Simulator twin: copies are immediate, nothing to wait for."""
-        return cp_async_wait_all
 
     @cuda.jit(device=True)
     def ldmatrix_x4(a, flat):
@@ -278,11 +273,6 @@ else:
 
     cp_async_commit = _asm_statement("cp.async.commit_group;")
     cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
-
-    def make_cp_async_wait(pending: int):
-        """``cp.async.wait_group pending``: wait until at most ``pending`` of this thread's
-        committed groups are still in flight (a compile-time count)."""
-        return _asm_statement(f"cp.async.wait_group {int(pending)};")
 
     def _ldmatrix(ptx):
         """An intrinsic ``(a, flat)`` -> the four words ``ptx`` (an ``ldmatrix ... .x4`` form)

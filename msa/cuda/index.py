@@ -92,7 +92,6 @@ from ._memops import (
     cp_async16,
     cp_async_commit,
     cp_async_wait_all,
-    make_cp_async_wait,
     is_aligned16,
     ldmatrix_x4,
 )
@@ -107,8 +106,6 @@ _THREADS_V1 = 128
 # every thread as a Python thread, so it uses the smallest tile; the kernel body is the same.
 _TC_WARPS = 2 if SIMULATOR else 8
 _TC_FLUSH = 8  # blocks of M staged in shared memory per store (8 floats: one 32-byte sector)
-# Key buffers of tc3 (chunks in flight + 1); above 2 they are dynamic shared memory.
-_TC3_STAGES = 4
 # Two CTAs of 8 warps per SM need <= 128 registers a thread (65536 per SM); ptxas, left alone,
 # takes 130. The simulator's jit has no such option.
 _TC_JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}
@@ -427,8 +424,7 @@ def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool,
 
 @functools.lru_cache(maxsize=None)
 def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool, mean: bool,
-                             cap: int = 0, mtiles: int = 1, wgmma: bool = False,
-                             stages: int = 2):
+                             cap: int = 0, mtiles: int = 1, wgmma: bool = False):
     """``_block_scores_kernel_tc`` with the key chunks double-buffered by ``cp.async`` (the copy
     of chunk ``c + 1`` runs while chunk ``c`` is multiplied; one barrier a chunk), B fragments
     by ``ldmatrix.x4`` (two n-tiles a load) and the quad's partial maxima combined by two
@@ -451,10 +447,7 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     tensor cores from shared memory (``msa.cuda._wgmma``), no ``ldmatrix`` and no A fragments
     in registers. The accumulators have the ``mma.sync`` layout, so the maxima are folded as
     in tc (key order per row), and staged and stored (or offered to the top-k) as in tc2.
-    Needs 16-byte aligned ``q_idx`` too.
-
-    ``stages`` > 2 (not with ``wgmma``): that many key buffers, in dynamic shared memory, with
-    ``stages - 1`` chunks in flight ahead of the one being multiplied instead of one."""
+    Needs 16-byte aligned ``q_idx`` too."""
     from .select import _offer  # here, not at the top: msa.cuda.select imports this module
 
     fused = cap > 0
@@ -472,10 +465,7 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     ACC_TILES = NT if MT == 1 else MT * NT if wgmma else 2 * MT
     SK = D2 + 4  # padded shared row (16-byte multiple): an 8-row ldmatrix phase hits 32 banks
     BUF = KC * SK  # words per key buffer
-    NSTAGE = 2 if wgmma else stages
-    assert NSTAGE >= 2
-    SK_WORDS = NSTAGE * BUF  # key buffers (chunk c in buffer c % NSTAGE)
-    wait_chunk = cp_async_wait_all if NSTAGE == 2 else make_cp_async_wait(NSTAGE - 2)
+    SK_WORDS = 2 * BUF  # two buffers
     PROW = D2 // 4  # 16-byte pieces per key row
     PIECES = KC * PROW
     FB = _TC_FLUSH
@@ -498,7 +488,7 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
         @cuda.jit(device=True)
         def key_buffers():
             return cuda.shared.array(SK_WORDS, uint32)
-    elif WG or NSTAGE > 2:
+    elif WG:
         @cuda.jit(device=True, inline=True)
         def key_buffers():
             """Two key chunks and the queries (dynamic: more than 48 KB), 16-byte aligned."""
@@ -642,11 +632,6 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
             if WG:
                 copy_queries(sk, q32, ta, tb, hkv, tid)
         cp_async_commit()
-        for st in range(1, NSTAGE - 1):  # the chunks ahead (one commit each, even if empty)
-            jn = st * KC
-            if jn <= p_last and jn // block_size <= b_last:
-                copy_chunk(sk, k32, k_base, lk, jn, st * BUF, tid)
-            cp_async_commit()
         q_desc = uint64(0)
         k_desc = uint64(0)
         if WG:  # this warpgroup's two query tiles; key buffer 0 (buffer 1: + WBUF words)
@@ -668,17 +653,16 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                     j0 = b * block_size + kc0
                     if j0 > p_last:  # past every row's position (the same for the whole CTA)
                         break
-                    cur = ((j0 // KC) % NSTAGE) * (WBUF if WG else BUF)
+                    cur = ((j0 // KC) & 1) * (WBUF if WG else BUF)
                     # chunk j0 has landed for every thread, and every warp is done with the
                     # other buffer (the previous chunk): start the next chunk there
-                    wait_chunk()  # every group but the NSTAGE - 2 newest: chunk j0
+                    cp_async_wait_all()
                     if WG:  # copies are generic-proxy writes; wgmma reads by the async proxy
                         _wgmma.fence_proxy_async()
                     cuda.syncthreads()
-                    jn = j0 + (NSTAGE - 1) * KC
+                    jn = j0 + KC
                     if jn <= p_last and jn // block_size <= b_last:
-                        copy_chunk(sk, k32, k_base, lk, jn,
-                                   ((jn // KC) % NSTAGE) * (WBUF if WG else BUF), tid)
+                        copy_chunk(sk, k32, k_base, lk, jn, (WBUF if WG else BUF) - cur, tid)
                     cp_async_commit()
                     masked = not fused and j0 + KC - 1 > p_first
                     if WG:  # both m-tiles' scores of the chunk, operands from shared memory
@@ -958,19 +942,12 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
         kernel = _block_scores_kernel_tc(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
                                          p.mean, cap)
     else:
-        stages = _TC3_STAGES if p.version == "tc3" else 2
         kernel = _block_scores_kernel_tc2(p.d_idx, p.block_size, _TC_WARPS, p.kind == "bf16",
-                                          p.mean, cap, _tc_mtiles(p.version), p.version == "tc4",
-                                          stages)
+                                          p.mean, cap, _tc_mtiles(p.version), p.version == "tc4")
     tiles_dev = device_constant(tiles)
     args = (p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb, p.scale, M, topk, out)
     if p.version == "tc4":
         _mma.launch(kernel, tiles.shape[0], 32 * _TC_WARPS, _tc4_smem(p.d_idx, p.block_size),
-                    *args)
-        return
-    if p.version == "tc3" and stages > 2:  # key buffers in dynamic shared memory
-        kc = _key_chunk(p.block_size)
-        _mma.launch(kernel, tiles.shape[0], 32 * _TC_WARPS, 4 * stages * kc * (p.d_idx // 2 + 4),
                     *args)
         return
     kernel[tiles.shape[0], 32 * _TC_WARPS](*args)
