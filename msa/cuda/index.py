@@ -881,8 +881,6 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
     # tc3: tc2 with 32 rows a warp; its two key buffers and staged maxima are static shared
     # memory (at most 48 KB)
     tc3_ok = tc2_ok and _tc2_static_smem(d_idx, block_size, 2) <= 48 * 1024
-    # tc4: tc3 on wgmma, queries in dynamic shared memory (16-byte aligned q_idx for cp.async)
-    why_not_tc4 = _why_not_tc4(tc3_ok, q, d_idx, block_size)
     if version is None:  # tc4 only when asked: no faster than tc3 (module docstring)
         version = "tc3" if tc3_ok else "tc2" if tc2_ok else "tc" if tc_ok else "v1"
     elif version == "tc" and not tc_ok:
@@ -900,8 +898,10 @@ def _prepare(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool, 
             f"({_tc2_static_smem(d_idx, block_size, 2)} bytes at Didx={d_idx}, "
             f"block_size={block_size}); got {kind}, Didx={d_idx}, block_size={block_size}, "
             f"Hkv={hkv}, aligned={is_aligned16(k)}")
-    elif version == "tc4" and why_not_tc4:
-        raise ValueError(f"version 'tc4' cannot run: {why_not_tc4}")
+    elif version == "tc4":  # tc3 on wgmma, queries in dynamic shared memory
+        why_not_tc4 = _why_not_tc4(tc3_ok, q, d_idx, block_size)
+        if why_not_tc4:
+            raise ValueError(f"version 'tc4' cannot run: {why_not_tc4}")
     if version in ("tc", "tc2", "tc3", "tc4"):
         q = q.view(np.uint32)  # [Tq, Hkv, Didx/2]: two 16-bit values per word
         k = k.view(np.uint32)  # [Tk, Didx/2]
