@@ -30,8 +30,8 @@ layout. The same bytes serve both uses:
 Ordering (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Operation"):
 ``wgmma_fence()`` before the first ``wgmma`` that reads registers written by other
 instructions (A fragments, zeroed accumulators); ``wgmma_commit()`` after the batch;
-``wgmma_wait(acc)`` before the accumulators are read: it also passes them through an empty
-``asm`` so that no read can be scheduled above the wait. Shared memory written through the
+``wgmma_wait(acc)`` before the accumulators are read: the accumulators are in-out operands of
+the wait's ``asm``, so that no read of them can be scheduled above it. Shared memory written through the
 generic proxy (``st.shared``, ``cp.async``) must be followed by ``fence_proxy_async()`` and
 a barrier before a ``wgmma`` reads it.
 
