@@ -331,7 +331,7 @@ def test_sparse_v1_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
                          [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES],
                          ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES])
-@pytest.mark.parametrize("version", [2, 3, V4])
+@pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.sim_heavy), 3, V4])
 def test_sparse_tensor_cores_match_reference(lq, lk, hq, hkv, d, bk, topk, sel, version):
     p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
     run_sparse(p, I, "float16", version)
@@ -608,7 +608,8 @@ def test_backward_half_precision_inputs(kind, bf16_as_uint16):
     run_backward(p, I, kind)
 
 
-@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind", [pytest.param("float16", marks=pytest.mark.sim_heavy),
+                                  "bfloat16"])
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
                          [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES | {"decode-future-blocks"}],
                          ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES | {"decode-future-blocks"}])
@@ -619,17 +620,17 @@ def test_backward_v2_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel, kind, 
     run_backward(p, I, kind, version=2)
 
 
+@pytest.mark.sim_heavy  # ~7 min in the simulator
 def test_backward_v2_two_warps_chunks_and_parts(bf16_as_uint16):
     """Bk = 32 (two warps of keys), D = 32, G = 4, query chunks of 7 (the dQ partials of 7
     queries: ``max_partial_bytes``), hot rows in parts of 2: bitwise the same on a rerun, and
     the same up to the parts' sum order as one chunk of whole rows."""
-    p, I = problem([14, 5], [40, 30], 8, 2, 32, 32, 3, seed=11, hot=(0,))
+    p, I = problem([20, 9], [40, 30], 8, 2, 32, 32, 3, seed=11, hot=(0,))
     budget = 3 * 7 * 8 * 32 * 4  # K x 7 queries x Hq x D float32
     a = run_backward(p, I, "bfloat16", version=2, max_partial_bytes=budget, part_size=2)
-    if not SIMULATOR:  # the rerun: ~2.5 min in the simulator (reruns have their own test)
-        b = run_backward(p, I, "bfloat16", version=2, max_partial_bytes=budget, part_size=2)
-        for x, y in zip(a, b):
-            assert x.tobytes() == y.tobytes()
+    b = run_backward(p, I, "bfloat16", version=2, max_partial_bytes=budget, part_size=2)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
     c = run_backward(p, I, "bfloat16", version=2)
     assert a[0].tobytes() == c[0].tobytes()  # dQ: the same slots, summed in slot order
 
@@ -705,7 +706,8 @@ def test_backward_reruns_are_bitwise_identical_and_empty_supports_give_zero():
     assert (dk[:, 0] == 0).all() and (dv[:, 0] == 0).all() and (dv[:16, 1] == 0).all()
 
 
-@pytest.mark.parametrize("part_size", [1, 3, 7])
+@pytest.mark.parametrize("part_size", [pytest.param(1, marks=pytest.mark.sim_heavy), 3,
+                                       pytest.param(7, marks=pytest.mark.sim_heavy)])
 @pytest.mark.parametrize("case", ["skewed-sink", "many-seqs-empty-Lq<Lk", "G=16"])
 def test_backward_hot_rows_cut_into_parts(case, part_size):
     """Rows longer than ``part_size`` queries are cut into parts (one CTA each) whose dK/dV sums

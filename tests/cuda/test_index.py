@@ -309,7 +309,7 @@ def test_block_scores_production_sizes(dtype):
     assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR["tc"], name=f"M[{dtype}]")
 
 
-@pytest.mark.parametrize("pool", ["max", "mean"])
+@pytest.mark.parametrize("pool", ["max", pytest.param("mean", marks=pytest.mark.sim_heavy)])
 def test_tc3_equals_the_reference_and_tc2(pool):
     """tc3 (two m-tiles a warp, the chunk walked n-tile pair by pair) on the simulator's tile
     of 2 warps = 64 rows: exact against the reference on integer inputs (causal masks inside

@@ -226,7 +226,7 @@ def test_v3_matches_reference(case, version):
     check(p, selection(p, mode), version, dtype)
 
 
-@pytest.mark.parametrize("hq", [16, 8])
+@pytest.mark.parametrize("hq", [16, pytest.param(8, marks=pytest.mark.sim_heavy)])
 def test_v4_head_sum_on_blocks_of_eight_n_tiles(hq):
     """Bk = 64 (8 n-tiles, as many as the lanes sharing a position's row half): v4's head sum
     is the production one, a reduce-scatter over all of g4's bits (Bk = 16 mixes in the
@@ -501,7 +501,8 @@ def test_query_chunks_of_the_ds_buffer(version):
     np.testing.assert_array_equal(chunked[2], whole[2])
 
 
-@pytest.mark.parametrize("version", VERSIONS_V3_ON_GPU)
+@pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.sim_heavy) if v == 2 else v
+                                     for v in VERSIONS_V3_ON_GPU])
 def test_gradient_through_the_kernels_end_to_end(version):
     """The training path (float32; float16 for v3): ``lse`` from
     ``msa.cuda.attention.sparse_attention`` (the kernel, not the reference), selection from

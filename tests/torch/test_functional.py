@@ -271,7 +271,10 @@ def test_sparse_attention_backward_choice():
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("float16", 8), ("float16", 16)])
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8),
+                                              pytest.param("float16", 8,
+                                                           marks=pytest.mark.sim_heavy),
+                                              ("float16", 16)])
 def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
     """The ``backward="cuda"`` branch (``_kernel_backward``) drives msa.cuda's backward kernels
     (here in the simulator, on NumPy copies of the CPU tensors; version 1, and version 2 for
