@@ -18,7 +18,8 @@ v1   one warp per (query, head): every lane reduces the K slot LSEs itself (K br
      no shuffles), then the lanes split ``D`` and accumulate ``w_s * O_s`` slot by slot in
      registers, in slot order (deterministic, no atomics); unused slots (``L_s = -inf``) are
      skipped, so whatever their ``O_s`` holds (NaN, garbage) never reaches the output.
-v2   memory bound done right: one warp per (query, head). The LSE part once per row: lane
+v2   memory bound done right (the default on a GPU; the simulator's default is v1, whose 4
+     lanes a row are 8x fewer Python threads than v2's warp): one warp per (query, head). The LSE part once per row: lane
      ``s`` holds ``L_s`` (and ``L_{s+32}`` for K > 32), max and sum by ``shfl_xor`` butterflies,
      ``w_s = exp(L_s - a) / sum`` broadcast from lane ``s``. The partials move in 16-byte loads
      (``ld.global.nc.v4``: 8 bf16 or 4 float32 values a lane): a slot row of ``D`` values
@@ -51,7 +52,9 @@ from ._mma import bf16_to_f32, f32_to_bf16, pack_bf16x2, pack_f16x2
 from ._warp import FULL_MASK, warp_max, warp_sum
 
 VERSIONS = (1, 2)
-DEFAULT_VERSION = 2
+# The simulator runs v1 by default: v2 needs a warp of 32 Python threads a row there (v1: 4),
+# about 8x slower; tests/cuda/test_combine.py runs both versions explicitly.
+DEFAULT_VERSION = 1 if SIMULATOR else 2
 # Lanes per (query, head) and rows per CTA. The simulator runs every thread as a Python thread,
 # so it gets fewer, wider lanes (the kernel is the same; only the constants change).
 _LANES = 4 if SIMULATOR else 32
