@@ -495,7 +495,7 @@ def _draw_problem(s, *, d=None, bk=None):
                    seed=s["seed"], fill=s["fill"], future=s["future"])
 
 
-@fewer_in_simulator(4)  # ~8 s per example in the simulator (K2: one warp per (query, head))
+@fewer_in_simulator(4)  # seconds per example in the simulator (the whole pipeline, v1 kernels)
 @given(s=shapes)
 @example(s=dict(g=16, hkv=1, d=4, bk=4, topk=3, lens=[(0, 1), (5, 0), (3, 9)], fill=False,
                 future=True, seed=1))
