@@ -20,8 +20,8 @@ sequence of N tokens (Lq = Lk = N).
    baseline's own FLOPs (4 * Hq * D * N(N+1)/2) are reported beside it. Peak torch-allocated
    memory of one call next to each time. The MSA time is also split into CSR + schedule, K1 and
    K2 (CUDA events around each stage, one query chunk).
-2. K1 alone, versions side by side (``--k1-versions``, default 4, 3, 2, 1: wgmma, registers, shared-memory
-   tensor cores, CUDA cores) at N = 32K, ``uniform``: CSR + schedule, K1 and K2 timed by CUDA
+2. K1 alone, versions side by side (``--k1-versions``, default 4, 3, 2, 1: wgmma, registers,
+   shared-memory tensor cores, CUDA cores) at N = 32K, ``uniform``: CSR + schedule, K1 and K2 timed by CUDA
    events on one query chunk (the last 16K queries against every key), each version behind
    its own correctness gate (the chunk's last 512 outputs against the gather implementation);
    K1 TFLOP/s = 4 * Hq * D * S_chunk / K1 time, with ``vs_v2`` = v2 time / this time.

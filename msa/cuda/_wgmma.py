@@ -36,7 +36,8 @@ generic proxy (``st.shared``, ``cp.async``) must be followed by ``fence_proxy_as
 a barrier before a ``wgmma`` reads it.
 
 GPU only (compute capability 9.0, ``sm_90a``): the simulator has no inline PTX and no twin of
-these, so a kernel that uses them is built only off the simulator (``AVAILABLE``).
+these, so a kernel that uses them is built only off the simulator (``AVAILABLE``), and its
+launcher asks ``why_not_available()`` first.
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ from numba import cuda, types
 from ._arrays import SIMULATOR
 
 AVAILABLE = not SIMULATOR
+
+
+def why_not_available():
+    """Why ``wgmma`` cannot run on the current device, or None: it needs a GPU of compute
+    capability 9.0 (the simulator has no twin of it)."""
+    if SIMULATOR:
+        return "the simulator (it has no wgmma)"
+    return _why_not_on(cuda.get_current_device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _why_not_on(device_id: int):
+    cc = cuda.get_current_device().compute_capability
+    if cc != (9, 0):
+        return f"compute capability {cc[0]}.{cc[1]} (wgmma is sm_90a's)"
+    return None
 
 
 @cuda.jit(device=True, inline=True)

@@ -1033,22 +1033,6 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     return _k1_kernel_v3
 
 
-@functools.lru_cache(maxsize=None)
-def _why_not_wgmma_on(device_id: int):
-    cc = cuda.get_current_device().compute_capability
-    if cc != (9, 0):
-        return f"compute capability {cc[0]}.{cc[1]} (wgmma is sm_90a's)"
-    return None
-
-
-def _why_not_wgmma():
-    """Why K1 v4 (``wgmma``) cannot run here, or None: it needs a GPU of compute capability
-    9.0 (the simulator has no twin of wgmma)."""
-    if not _wgmma.AVAILABLE:
-        return "the simulator (wgmma has no twin; version 3 computes the same function)"
-    return _why_not_wgmma_on(cuda.get_current_device().id)
-
-
 def default_partial_bytes() -> int:
     """``sparse_attention``'s default ``max_partial_bytes``: an eighth of the current GPU's
     memory, at least ``MAX_PARTIAL_BYTES`` (4 GiB) and at most ``MAX_FORWARD_PARTIAL_BYTES``
@@ -1133,7 +1117,7 @@ class _K1Plan:
             why_not_v3 = f"block_size={bk} (at most {V3_MAX_BLOCK_SIZE}: S lives in registers)"
         why_not_v4 = why_not_v3
         if why_not_v4 is None:
-            why_not_v4 = _why_not_wgmma()
+            why_not_v4 = _wgmma.why_not_available()
         if why_not_v4 is None and tile_rows not in (None, 64):
             why_not_v4 = f"tile_rows={tile_rows} (a warpgroup's wgmma tile is 64 rows)"
         if version is None:

@@ -19,9 +19,10 @@ v1   one warp per (query, head): every lane reduces the K slot LSEs itself (K br
      registers, in slot order (deterministic, no atomics); unused slots (``L_s = -inf``) are
      skipped, so whatever their ``O_s`` holds (NaN, garbage) never reaches the output.
 v2   memory bound done right (the default on a GPU; the simulator's default is v1, whose 4
-     lanes a row are 8x fewer Python threads than v2's warp): one warp per (query, head). The LSE part once per row: lane
-     ``s`` holds ``L_s`` (and ``L_{s+32}`` for K > 32), max and sum by ``shfl_xor`` butterflies,
-     ``w_s = exp(L_s - a) / sum`` broadcast from lane ``s``. The partials move in 16-byte loads
+     lanes a row are 8x fewer Python threads than v2's warp): one warp per (query, head). The
+     LSE part once per row: lane ``s`` holds ``L_s`` (and ``L_{s+32}`` for K > 32), max and
+     sum by ``shfl_xor`` butterflies, ``w_s = exp(L_s - a) / sum`` broadcast from lane ``s``.
+     The partials move in 16-byte loads
      (``ld.global.nc.v4``: 8 bf16 or 4 float32 values a lane): a slot row of ``D`` values
      takes ``lps = D/8`` (bf16) or ``D/4`` lanes (rounded up to a power of two, at most 32),
      so the warp works on ``32/lps`` slots at once (bf16, D=128: lanes 0-15 take the even

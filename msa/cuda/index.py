@@ -792,11 +792,9 @@ def _why_not_tc4(tc3_ok, q, d_idx, block_size):
     if not tc3_ok:
         return ("it needs what 'tc3' needs (bf16/float16, Didx % 16 == 0, block_size % 16 == 0, "
                 "16-byte aligned k_idx)")
-    if not _wgmma.AVAILABLE:
-        return "the simulator has no wgmma (tc3 computes the same scores)"
-    cc = cuda.get_current_device().compute_capability
-    if cc != (9, 0):
-        return f"compute capability {cc[0]}.{cc[1]} (wgmma is sm_90a's)"
+    why_not = _wgmma.why_not_available()
+    if why_not:
+        return why_not
     if _TC_WARPS != 8:
         return f"8 warps a CTA (two warpgroups) are needed, not {_TC_WARPS}"
     if not is_aligned16(q):

@@ -13,6 +13,7 @@ Large arrays come from a NumPy generator seeded by hypothesis, so examples shrin
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from msa.problems import make_problem
@@ -214,8 +215,6 @@ def chunk_sizes(max_size: int = 64):
 def fewer_in_simulator(n: int):
     """A test decorator: at most ``n`` hypothesis examples under Numba's simulator (every
     simulated CUDA thread is a Python thread), the profile's count on a GPU."""
-    from hypothesis import settings
-
-    from msa.cuda._arrays import SIMULATOR
+    from msa.cuda._arrays import SIMULATOR  # here: the strategies need no CUDA import
 
     return settings(max_examples=n) if SIMULATOR else (lambda test: test)

@@ -263,7 +263,7 @@ def test_k1_v4_says_why_it_cannot_run():
     if SIMULATOR:
         with pytest.raises(ValueError, match="simulator.*version=1 or 2 or 3"):
             gpu._K1Plan(spec, 128, 4, None, None)
-    elif gpu._why_not_wgmma() is None:
+    elif gpu._wgmma.why_not_available() is None:
         assert gpu._K1Plan(spec, 128, 4, None, None).rows == 64
     with pytest.raises(ValueError, match="version=4"):
         gpu._K1Plan(spec, 128, 4, 32, None)
@@ -361,11 +361,8 @@ def test_sparse_partial_dtypes(kind, version, partials, request):
 
 
 # the simulator runs one part of 4 n-tiles and one of 8 (the shapes the other two repeat)
-_GPU_ONLY = pytest.mark.skipif(SIMULATOR, reason="CI time: (32, 1) and (64, 1) cover it")
-
-
-@pytest.mark.parametrize("d,o_parts", [(32, 1), pytest.param(64, 2, marks=_GPU_ONLY), (64, 1),
-                                       pytest.param(128, 2, marks=_GPU_ONLY)])
+@pytest.mark.parametrize("d,o_parts", [(32, 1), pytest.param(64, 2, marks=pytest.mark.sim_heavy),
+                                       (64, 1), pytest.param(128, 2, marks=pytest.mark.sim_heavy)])
 def test_k1_v3_vector_stores_of_bf16_partials(d, o_parts, monkeypatch):
     """With bf16 partials K1 v3 transposes O_s across each quad and stores 16 bytes a lane
     (n-tiles in groups of four: D = 32 in one part, D = 64 in two of 4 n-tiles or, as on the
