@@ -27,8 +27,10 @@ v2   memory bound done right (the default on a GPU; the simulator's default is v
      takes ``lps = D/8`` (bf16) or ``D/4`` lanes (rounded up to a power of two, at most 32),
      so the warp works on ``32/lps`` slots at once (bf16, D=128: lanes 0-15 take the even
      slots, 16-31 the odd ones), each lane issuing the loads of ``UNROLL`` slots before its
-     first FMA. The groups' sums meet in a fixed ``shfl_xor`` butterfly (commutative pairs,
-     so every lane gets the same bits). Deterministic; differs from v1 only in the order of
+     first FMA; the first such batch goes out with the LSE loads, before the weights are known
+     (``_V2_EARLY``: one memory round trip a row, its unused slots read but never summed).
+     The groups' sums meet in a fixed ``shfl_xor`` butterfly (commutative pairs, so every
+     lane gets the same bits). Deterministic; differs from v1 only in the order of
      the float32 sums. Needs ``D * itemsize`` a multiple of 16, 16-byte aligned partials,
      4-byte aligned outputs and ``K <= 64``; otherwise the launcher runs v1.
 ===  =========================================================================================
@@ -63,10 +65,17 @@ _ROWS_PER_CTA = 4
 _NEG_INF = float32(-math.inf)
 # v2: warps (rows) per CTA, slots whose loads a lane issues before using them, most slots
 _V2_WARPS = 2 if SIMULATOR else 4
-# at least 8 CTAs (32 warps) per SM: caps ptxas at 64 registers (72 unbounded, no spill at 64)
-_V2_MIN_CTAS = 8
+# at least 6 CTAs (24 warps) per SM: caps ptxas at 80 registers (8 bytes spilled; at 8 CTAs,
+# 64 registers, the 8-slot batches spill 168 bytes). Measured on the H200 with 16K queries of
+# bf16 partials (benchmarks/results/k2_early_loads_ab_2026-12-01_*.json): 1.46-1.50 ms against
+# 1.72-1.75 ms for 4-slot batches, issued after the weights, at 8 CTAs an SM.
+_V2_MIN_CTAS = 6
 _V2_JIT = {} if SIMULATOR else {"launch_bounds": (32 * _V2_WARPS, _V2_MIN_CTAS)}
-_V2_UNROLL = 4
+_V2_UNROLL = 8
+# Issue the first batch of a row's O_s loads together with its LSE loads, before the weights
+# are known (one memory round trip a row instead of two: with K = 16 bf16 slots of D = 128 the
+# whole row is one batch); the batch's unused slots are read too (in bounds, never summed).
+_V2_EARLY = True
 _V2_MAX_SLOTS = 64
 _UNUSED = float32(-1.0)  # a broadcast weight that marks an unused slot (real ones are >= 0)
 
@@ -195,7 +204,7 @@ def _v2_layout(head_dim: int, bf16_part: bool):
 
 @functools.cache
 def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: bool,
-                        warps_per_cta: int, unroll: int):
+                        warps_per_cta: int, unroll: int, early: bool = False):
     """K2 v2 specialised for ``D``, the partials' and outputs' types and ``K > 32``.
 
     ``o_vec`` is ``o_part`` as uint32 words (bf16) or float32; ``out`` is float32 or, for
@@ -234,6 +243,22 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
         l1 = _NEG_INF
         if two_lse and lane + 32 < num_slots:
             l1 = lse_part[lane + 32, t, h]
+        slot_stride = num_q * num_heads * row_elems
+        base = row * row_elems
+        buf = cuda.local.array(nbuf, buf_t)
+        if early:  # the first batch's loads fly with the LSE loads (see _V2_EARLY)
+            for u in range(unroll):
+                s = g + groups * u
+                if s < num_slots:
+                    for i in range(per_lane):
+                        j = sub + lps * i
+                        if j < nvec:
+                            x0, x1, x2, x3 = load16(o_vec, s * slot_stride + base + j * words)
+                            at = (u * per_lane + i) * words
+                            buf[at] = x0
+                            buf[at + 1] = x1
+                            buf[at + 2] = x2
+                            buf[at + 3] = x3
         a = warp_max(max(l0, l1))
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
@@ -257,9 +282,6 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
             w1 = _UNUSED
             if l1 > _NEG_INF:
                 w1 = e1 * inv_total
-            slot_stride = num_q * num_heads * row_elems
-            base = row * row_elems
-            buf = cuda.local.array(nbuf, buf_t)
             ws = cuda.local.array(unroll, float32)
             rounds = (num_slots + groups - 1) // groups
             for r0 in range(0, rounds, unroll):
@@ -274,7 +296,8 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
                     if s >= num_slots:
                         w = _UNUSED
                     ws[u] = w
-                    if w >= float32(0.0):  # uniform over the slot's lanes; O_s of -inf is never read
+                    # uniform over the slot's lanes; O_s of -inf is never read (early: never summed)
+                    if w >= float32(0.0) and not (early and r0 == 0):
                         for i in range(per_lane):
                             j = sub + lps * i
                             if j < nvec:
@@ -342,7 +365,8 @@ def launch_combine(ctx, o_part_arg, lse_part_arg, out_arg, lse_arg, *, head_dim,
         out_code = ("bf16" if bf16_out else
                     "f16" if np.dtype(out_arg.dtype) == np.float16 else "f32")
         kernel = _combine_kernel_vec(int(head_dim), bool(bf16_part), out_code,
-                                     num_slots > 32, _V2_WARPS, _v2_unroll(head_dim, bf16_part))
+                                     num_slots > 32, _V2_WARPS, _v2_unroll(head_dim, bf16_part),
+                                     _V2_EARLY)
         o_vec = o_part_arg.view(np.uint32) if bf16_part else o_part_arg
         out_vec = out_arg if out_code == "f32" else out_arg.view(np.uint32)
         grid = -(-rows // _V2_WARPS)

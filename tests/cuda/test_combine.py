@@ -284,6 +284,40 @@ def test_combine_v2_vector_path_bf16(num_slots, d, monkeypatch):
     compare_to_reference(o, lse, bf16_bits_to_f32(bits), lse_part, "bfloat16")
 
 
+EARLY_CASES = [
+    # id, K, D, bf16 partials: several batches a row, the LSE split, the production row
+    ("K=17-D=16", 17, 16, False),
+    ("K=40-D=8", 40, 8, False),
+    ("bf16-K=16-D=128", 16, 128, True),
+]
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["late", "early"])
+@pytest.mark.parametrize("unroll", [1, 8])
+@pytest.mark.parametrize("num_slots,d,bf16_part", [c[1:] for c in EARLY_CASES],
+                         ids=[c[0] for c in EARLY_CASES])
+def test_combine_v2_batches_and_early_loads_keep_the_bits(num_slots, d, bf16_part, unroll, early,
+                                                          monkeypatch):
+    """How many slots a lane loads at once (``_V2_UNROLL``) and whether the first batch goes
+    out before the weights are known (``_V2_EARLY``, which also reads the NaN partials of unused
+    slots) change only when bytes move: the results are those of the default configuration bit
+    for bit, and within the reference's tolerance."""
+    o_part, lse_part = partials(num_slots, 3, 2, d, seed=num_slots + d, unused=0.3)
+    if bf16_part:
+        bits = f32_to_bf16_bits(np.nan_to_num(o_part))
+        bits[np.isneginf(lse_part)] = 0x7FC0
+        o_in, o_ref_in, out_kind = aligned(bits), bf16_bits_to_f32(bits), "bfloat16"
+    else:
+        o_in, o_ref_in, out_kind = aligned(o_part), o_part, np.float32
+    forbid(monkeypatch, "_combine_kernel_warp")
+    base_o, base_lse = launch(o_in, lse_part, bf16_part=bf16_part, out_kind=out_kind)
+    monkeypatch.setattr(gpu, "_V2_UNROLL", unroll)
+    monkeypatch.setattr(gpu, "_V2_EARLY", early)
+    o, lse = launch(o_in, lse_part, bf16_part=bf16_part, out_kind=out_kind)
+    assert o.tobytes() == base_o.tobytes() and lse.tobytes() == base_lse.tobytes()
+    compare_to_reference(o, lse, o_ref_in, lse_part, None if out_kind == np.float32 else out_kind)
+
+
 FALLBACKS = [
     # id, K, D, bf16 partials, partials' offset from 16 B, out offset (elements), out kind
     ("D=13", 3, 13, False, 0, 0, np.float32),
