@@ -169,6 +169,22 @@ if not SIMULATOR:
 
         return float32(x), codegen
 
+    @intrinsic
+    def _fmax_ir(typingctx, m, x):
+        """``max.f32``: one instruction (FMNMX) where ``x if x > m else m`` takes two; a NaN
+        operand gives the other one, as that does for a NaN ``x``. (Zeros of either sign count
+        as equal there, and ``max.f32`` may return either: callers that store the result, not
+        only compare it, keep the two-instruction form.)"""
+        if m != types.float32 or x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_F32, [_F32, _F32])
+            asm = ir.InlineAsm(fnty, "max.f32 $0, $1, $2;", "=f,f,f", side_effect=False)
+            return builder.call(asm, args)
+
+        return float32(m, x), codegen
+
     def _make_mma(ab_type):
         @intrinsic
         def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -223,6 +239,7 @@ if not SIMULATOR:
     pack_bf16x2 = _pack_bf16x2_ir
     pack_f16x2 = _pack_f16x2_ir
     exp2 = _exp2_ir
+    fmax_f32 = _fmax_ir
 
 # Simulator twins of the bit-level helpers (NumPy does the bit casts).
 else:
@@ -259,6 +276,10 @@ else:
     def prefetch_l1(arr, i, j, w):
         """A cache hint: nothing to do in the simulator (the index is still bounds-checked)."""
         arr[i, j, w]
+
+    @cuda.jit(device=True)
+    def fmax_f32(m, x):
+        return x if x > m else m
 
     @cuda.jit(device=True)
     def exp2(x):

@@ -109,6 +109,11 @@ _TC_FLUSH = 8  # blocks of M staged in shared memory per store (8 floats: one 32
 # Two CTAs of 8 warps per SM need <= 128 registers a thread (65536 per SM); ptxas, left alone,
 # takes 130. The simulator's jit has no such option.
 _TC_JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}
+# tc2-tc4: each thread's key-chunk copies by a few 32-bit adds from its first piece (instead of
+# a division and 64-bit products a piece), and the fused kernels' maxima by one max.f32
+# (instead of a compare and a select); switches for A/B runs (benchmarks/ab_index.py).
+_TC_STEADY_COPY = True
+_TC_FUSED_FMAX = True
 # Kernel outputs are filled with poison (NaN, -2**31) before a launch under the simulator, or on
 # a GPU when MSA_POISON_OUTPUTS=1, so that an element a kernel forgets to write fails the tests.
 _POISON = SIMULATOR or os.environ.get("MSA_POISON_OUTPUTS", "0") == "1"
@@ -471,6 +476,16 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     FB = _TC_FLUSH
     SMW = FB + 1  # staged maxima per row, padded
     NTHREADS = 32 * warps
+    # copy_chunk: thread tid copies pieces tid + i NTHREADS, i < PPT. When NTHREADS is a
+    # multiple of PROW (and, for tc4's core matrices, of 8 PROW) every piece of a thread has the
+    # same word and rows RSTEP apart, so a chunk's copies cost a few 32-bit adds each instead of
+    # a division and 64-bit products a piece.
+    PPT = -(-PIECES // NTHREADS)
+    RSTEP = NTHREADS // PROW
+    STEADY = _TC_STEADY_COPY and NTHREADS % PROW == 0 and (not wgmma or RSTEP % 8 == 0)
+    DSTEP = (RSTEP // 8) * 4 * d_idx if wgmma else RSTEP * SK
+    # the fused kernel only compares its maxima, so zeros' signs do not matter: one max.f32
+    fmx = _mma.fmax_f32 if fused and _TC_FUSED_FMAX else _fmax
     mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
     HCAP = max(cap, 1)
     # tc4: dynamic shared memory [key buffer 0 | key buffer 1 | queries], core matrices
@@ -500,9 +515,18 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
             return cuda.shared.array(SK_WORDS, uint32, alignment=16)
 
     @cuda.jit(device=True, inline=True)
-    def copy_chunk(sk, k32, k_base, lk, j0, dst0, tid):
+    def copy_chunk(sk, k32, k_base, lk, j0, dst0, tid, c_kr, c_kw, c_dst):
         """Start copying keys ``j0 .. j0 + KC - 1`` of the sequence into the buffer at word
-        ``dst0`` (keys past the sequence read as zeros)."""
+        ``dst0`` (keys past the sequence read as zeros). ``c_kr, c_kw, c_dst``: the row, word
+        and buffer word of the thread's first piece (``STEADY``)."""
+        if STEADY:
+            for i in range(PPT):
+                if (i + 1) * NTHREADS <= PIECES or c_kr + i * RSTEP < KC:
+                    row = int32(j0 + c_kr + i * RSTEP)
+                    ok = row < lk
+                    src = (k_base + (row if ok else int32(0))) * D2 + c_kw
+                    cp_async16(sk, int32(dst0 + c_dst + i * DSTEP), k32, src, 16 if ok else 0)
+            return
         e = tid
         while e < PIECES:
             kr = e // PROW
@@ -560,13 +584,13 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                 m_b[mi] += acc[nt, 3]
         else:
             if not masked or j <= pa:
-                m_a[mi] = _fmax(m_a[mi], acc[nt, 0])
+                m_a[mi] = fmx(m_a[mi], acc[nt, 0])
             if not masked or j + 1 <= pa:
-                m_a[mi] = _fmax(m_a[mi], acc[nt, 1])
+                m_a[mi] = fmx(m_a[mi], acc[nt, 1])
             if not masked or j <= pb:
-                m_b[mi] = _fmax(m_b[mi], acc[nt, 2])
+                m_b[mi] = fmx(m_b[mi], acc[nt, 2])
             if not masked or j + 1 <= pb:
-                m_b[mi] = _fmax(m_b[mi], acc[nt, 3])
+                m_b[mi] = fmx(m_b[mi], acc[nt, 3])
 
     @cuda.jit(**_TC_JIT_OPTIONS)
     def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
@@ -626,9 +650,12 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
         own_t = ta + tid // hkv
         own_loc = (own_t + shift) // block_size
 
+        c_kr = int32(tid // PROW)
+        c_kw = int32((tid - c_kr * PROW) * 4)
+        c_dst = int32(core_word(c_kr, c_kw, d_idx) if WG else c_kr * SK + c_kw)
         # chunk c holds keys [c * KC, (c + 1) * KC) in buffer c % 2; chunk 0 starts here
         if b_last >= 0:
-            copy_chunk(sk, k32, k_base, lk, 0, 0, tid)
+            copy_chunk(sk, k32, k_base, lk, 0, 0, tid, c_kr, c_kw, c_dst)
             if WG:
                 copy_queries(sk, q32, ta, tb, hkv, tid)
         cp_async_commit()
@@ -662,7 +689,8 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
                     cuda.syncthreads()
                     jn = j0 + KC
                     if jn <= p_last and jn // block_size <= b_last:
-                        copy_chunk(sk, k32, k_base, lk, jn, (WBUF if WG else BUF) - cur, tid)
+                        copy_chunk(sk, k32, k_base, lk, jn, (WBUF if WG else BUF) - cur, tid,
+                                   c_kr, c_kw, c_dst)
                     cp_async_commit()
                     masked = not fused and j0 + KC - 1 > p_first
                     if WG:  # both m-tiles' scores of the chunk, operands from shared memory
