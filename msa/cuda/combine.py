@@ -68,7 +68,7 @@ _V2_WARPS = 2 if SIMULATOR else 4
 # at least 6 CTAs (24 warps) per SM: caps ptxas at 80 registers (8 bytes spilled; at 8 CTAs,
 # 64 registers, the 8-slot batches spill 168 bytes). Measured on the H200 with 16K queries of
 # bf16 partials (benchmarks/results/k2_early_loads_ab_2026-12-01_*.json): 1.46-1.50 ms against
-# 1.72-1.75 ms for 4-slot batches, issued after the weights, at 8 CTAs an SM.
+# 1.72-2.00 ms for 4-slot batches, issued after the weights, at 8 CTAs an SM.
 _V2_MIN_CTAS = 6
 _V2_JIT = {} if SIMULATOR else {"launch_bounds": (32 * _V2_WARPS, _V2_MIN_CTAS)}
 _V2_UNROLL = 8
