@@ -70,6 +70,7 @@ def is_aligned16(arr) -> bool:
 
 
 if SIMULATOR:
+    from . import _simwarp
     from ._simwarp import install as _install_simwarp
 
     _install_simwarp()
@@ -123,22 +124,19 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def ldmatrix_x4(a, flat):
-        """Simulator twin: each lane fetches row ``g`` of every matrix from its owner lane."""
+        """Simulator twin: each lane fetches row ``g`` of every matrix from its owner lane
+        (every lane's row address in one warp rendezvous, ``_simwarp.exchange``)."""
         lane = cuda.threadIdx.x & 31
         g = lane >> 2
         t = lane & 3
         f = a.reshape(-1)
-        r0 = cuda.shfl_sync(0xFFFFFFFF, flat, g)
-        r1 = cuda.shfl_sync(0xFFFFFFFF, flat, 8 + g)
-        r2 = cuda.shfl_sync(0xFFFFFFFF, flat, 16 + g)
-        r3 = cuda.shfl_sync(0xFFFFFFFF, flat, 24 + g)
-        return f[r0 + t], f[r1 + t], f[r2 + t], f[r3 + t]
+        rows = _simwarp.exchange(flat)
+        return f[rows[g] + t], f[rows[8 + g] + t], f[rows[16 + g] + t], f[rows[24 + g] + t]
 
-    @cuda.jit(device=True)
-    def _trans_word(f, flat, m, g, t):
+    def _trans_word(f, rows, m, g, t):
         """Elements ``[2t][g]`` and ``[2t+1][g]`` of matrix ``m`` as one word (low, high)."""
-        lo_row = cuda.shfl_sync(0xFFFFFFFF, flat, 8 * m + 2 * t)
-        hi_row = cuda.shfl_sync(0xFFFFFFFF, flat, 8 * m + 2 * t + 1)
+        lo_row = rows[8 * m + 2 * t]
+        hi_row = rows[8 * m + 2 * t + 1]
         shift = 16 * (g & 1)
         lo = (int(f[lo_row + (g >> 1)]) >> shift) & 0xFFFF
         hi = (int(f[hi_row + (g >> 1)]) >> shift) & 0xFFFF
@@ -151,8 +149,9 @@ if SIMULATOR:
         g = lane >> 2
         t = lane & 3
         f = a.reshape(-1)
-        return (_trans_word(f, flat, 0, g, t), _trans_word(f, flat, 1, g, t),
-                _trans_word(f, flat, 2, g, t), _trans_word(f, flat, 3, g, t))
+        rows = _simwarp.exchange(flat)
+        return (_trans_word(f, rows, 0, g, t), _trans_word(f, rows, 1, g, t),
+                _trans_word(f, rows, 2, g, t), _trans_word(f, rows, 3, g, t))
 
 else:
     from llvmlite import ir

@@ -34,11 +34,15 @@ C and D (16 x 8 float32): ``c0, c1 = C[g, 2t], C[g, 2t+1]``; ``c2, c3 = C[g+8, 2
 (tiles stored row-major with a row stride ``ld`` in 32-bit words; B stored as Bᵀ, i.e. ``n``
 rows of ``k`` values), and are the same code for both backends.
 
-The twin ``mma`` needs every lane's registers, so it exchanges them through a small static
-shared array and calls ``cuda.syncthreads()`` twice: a kernel that uses it must be launched
-with a 1D block of at most ``MAX_WARPS`` warps and call it the same number of times in every
-thread (block-uniform control flow), which msa's kernels do anyway (mma.sync needs a converged
-warp).
+The twin ``mma`` needs every lane's registers. In the simulator the warp's lanes meet once
+(``_simwarp.exchange``) and the first lane computes the whole 16 x 8 tile in NumPy for all
+(the simulator runs every device-function call through a costly module swap, so 64 scalar
+conversions a lane were most of a kernel's time). On a GPU (``MSA_MMA=twin``) the lanes exchange
+their registers through a small static shared array and call ``cuda.syncthreads()`` twice: a
+kernel that uses it must be launched with a 1D block of at most ``MAX_WARPS`` warps and call it
+the same number of times in every thread (block-uniform control flow), which msa's kernels do
+anyway (mma.sync needs a converged warp). Both round each product and each sum to float32 in
+k order, so they give the same bits.
 
 ``launch`` wraps the one driver call needed for more than 48 KB of dynamic shared memory.
 """
@@ -296,8 +300,86 @@ def _half_of(word, k):
     return (word >> (16 * (k % 2))) & 0xFFFF
 
 
+# Where each A [16, 16] / B [16, 8] element lives: lane, register (a0-a3 = 0-3, b0/b1 = 4/5) and
+# 16-bit half of the word (see the layout table in the module docstring).
+_K = np.arange(16)
+_A_ROW = np.arange(16)[:, None]
+_A_LANE = 4 * (_A_ROW % 8) + (_K[None, :] % 8) // 2
+_A_REG = np.where(_K[None, :] < 8, 0, 2) + (_A_ROW >= 8)
+_B_LANE = 4 * np.arange(8)[None, :] + (_K[:, None] % 8) // 2
+_B_REG = np.where(_K[:, None] < 8, 4, 5) + 0 * _B_LANE
+_HALF_SHIFT = 16 * (_K % 2)
+
+
+def _warp_mma_numpy(lanes, is_bf16):
+    """The simulator twin's D [16, 8] float32 from the 32 lanes' ``(a0-a3, b0, b1, c0-c3)``:
+    ``D = C + sum_k A[:, k] B[k, :]``, k in order, each product and sum rounded to float32 as the
+    scalar twin rounds them (NumPy does not fuse them)."""
+    regs = np.array([lane[:6] for lane in lanes[:32]], dtype=np.uint32)
+    cs = np.array([lane[6:] for lane in lanes[:32]], dtype=np.float32)  # [32, 4]
+    a_bits = (regs[_A_LANE, _A_REG] >> _HALF_SHIFT[None, :]) & 0xFFFF
+    b_bits = (regs[_B_LANE, _B_REG] >> _HALF_SHIFT[:, None]) & 0xFFFF
+    if is_bf16:
+        a = (a_bits.astype(np.uint32) << 16).view(np.float32)
+        b = (b_bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        a = a_bits.astype(np.uint16).view(np.float16).astype(np.float32)
+        b = b_bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    d = np.empty((16, 8), np.float32)
+    lane_of = 4 * np.arange(8)[:, None] + np.arange(4)[None, :]  # [g, t]
+    d[:8, 0::2] = cs[lane_of, 0]
+    d[:8, 1::2] = cs[lane_of, 1]
+    d[8:, 0::2] = cs[lane_of, 2]
+    d[8:, 1::2] = cs[lane_of, 3]
+    for k in range(16):
+        d = d + a[:, k:k + 1] * b[k:k + 1, :]
+    return d
+
+
 def _make_mma_twin(is_bf16):
     to_f32 = bf16_to_f32 if is_bf16 else f16_bits_to_f32
+
+    @cuda.jit(device=True)
+    def _twin_products(regs, lane, c0, c1, c2, c3):
+        """D = A B + C for this lane from ``regs[l, i]``: lane ``l``'s a0-a3, b0, b1."""
+        g = lane // 4
+        t = lane % 4
+        d0 = float32(c0)
+        d1 = float32(c1)
+        d2 = float32(c2)
+        d3 = float32(c3)
+        for k in range(16):
+            # A[g, k] and A[g+8, k] live in lane 4g + (k % 8) // 2, registers a0/a1 (k < 8) or a2/a3.
+            src = 4 * g + (k % 8) // 2
+            reg = 0 if k < 8 else 2
+            a_top = to_f32(_half_of(regs[src, reg], k))
+            a_bot = to_f32(_half_of(regs[src, reg + 1], k))
+            # B[k, n] lives in lane 4n + (k % 8) // 2, register b0 (k < 8) or b1.
+            breg = 4 if k < 8 else 5
+            b_n0 = to_f32(_half_of(regs[4 * (2 * t) + (k % 8) // 2, breg], k))
+            b_n1 = to_f32(_half_of(regs[4 * (2 * t + 1) + (k % 8) // 2, breg], k))
+            d0 = float32(d0 + a_top * b_n0)
+            d1 = float32(d1 + a_top * b_n1)
+            d2 = float32(d2 + a_bot * b_n0)
+            d3 = float32(d3 + a_bot * b_n1)
+        return d0, d1, d2, d3
+
+    if SIMULATOR:  # one rendezvous of the warp, then the warp's whole D at once in NumPy
+        from . import _simwarp
+
+        @cuda.jit(device=True)
+        def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            lanes = _simwarp.exchange((int(a0), int(a1), int(a2), int(a3), int(b0), int(b1),
+                                       float(c0), float(c1), float(c2), float(c3)))
+            if len(lanes) == 32:  # the first lane here computes D for all (a twin does the same)
+                lanes.append(_warp_mma_numpy(lanes, is_bf16))
+            d = lanes[32]
+            lane = cuda.threadIdx.x % 32
+            g = lane // 4
+            t = lane % 4
+            return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
+
+        return _mma_twin
 
     @cuda.jit(device=True)
     def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -312,26 +394,7 @@ def _make_mma_twin(is_bf16):
         regs[w, lane, 4] = b0
         regs[w, lane, 5] = b1
         cuda.syncthreads()
-        g = lane // 4
-        t = lane % 4
-        d0 = float32(c0)
-        d1 = float32(c1)
-        d2 = float32(c2)
-        d3 = float32(c3)
-        for k in range(16):
-            # A[g, k] and A[g+8, k] live in lane 4g + (k % 8) // 2, registers a0/a1 (k < 8) or a2/a3.
-            src = 4 * g + (k % 8) // 2
-            reg = 0 if k < 8 else 2
-            a_top = to_f32(_half_of(regs[w, src, reg], k))
-            a_bot = to_f32(_half_of(regs[w, src, reg + 1], k))
-            # B[k, n] lives in lane 4n + (k % 8) // 2, register b0 (k < 8) or b1.
-            breg = 4 if k < 8 else 5
-            b_n0 = to_f32(_half_of(regs[w, 4 * (2 * t) + (k % 8) // 2, breg], k))
-            b_n1 = to_f32(_half_of(regs[w, 4 * (2 * t + 1) + (k % 8) // 2, breg], k))
-            d0 = float32(d0 + a_top * b_n0)
-            d1 = float32(d1 + a_top * b_n1)
-            d2 = float32(d2 + a_bot * b_n0)
-            d3 = float32(d3 + a_bot * b_n1)
+        d0, d1, d2, d3 = _twin_products(regs[w], lane, c0, c1, c2, c3)
         cuda.syncthreads()  # nobody overwrites regs before every lane has read them
         return d0, d1, d2, d3
 

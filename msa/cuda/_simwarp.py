@@ -547,6 +547,16 @@ def match_all_sync(mask, value):
     return (_as_int32(group), True) if same == group else (_as_int32(0), False)
 
 
+def exchange(payload):
+    """Every lane's ``payload``: a list of 32 (``None`` for a lane past the end of a partial
+    warp or exited), after one rendezvous of the calling warp's lanes.
+
+    Not a CUDA intrinsic: the simulator twins of warp-wide instructions (``mma.sync``,
+    ``ldmatrix``), which read other lanes' registers, gather them with it in one meeting instead
+    of a shuffle per register or a ``syncthreads`` of the whole block."""
+    return _collective("exchange", "exchange", FULL_MASK, payload)[1]
+
+
 def syncwarp(mask=FULL_MASK):
     """Wait until every non-exited lane named in ``mask`` reaches a ``syncwarp`` with that mask."""
     _collective("sync", "syncwarp", _check_mask("syncwarp", mask), None)

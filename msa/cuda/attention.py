@@ -714,8 +714,9 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     WGMMA = wgmma
     assert not WGMMA or (R == 64 and _wgmma.AVAILABLE)
     CTA_THREADS = NG * NT
-    # The twin mma (simulator, MSA_MMA=twin) runs syncthreads inside: every group then walks
-    # the same number of tiles (a group past the end computes on stale rows and stores nothing).
+    # The twin mma on a GPU (MSA_MMA=twin) runs syncthreads inside: every group then walks the
+    # same number of tiles (a group past the end computes on stale rows and stores nothing); the
+    # simulator's twin, which meets only its warp, does the same so that both twins run one path.
     UNIFORM = _mma.MMA_BACKEND == "twin"
     LD, OFF_V, OFF_Q, _ = _v3_layout(Bk, D, R, NG)
     DW = D // 2  # words per row of Q/K/V

@@ -223,6 +223,19 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
     out_per_elem = 1 if out_code == "f32" else 2
     out_elems = vals // out_per_elem  # elements of out per vector
 
+    @cuda.jit(device=True, inline=True)
+    def load_slot(o_vec, buf, u, start, sub):
+        """This lane's 16-byte loads of the slot row at word ``start`` into batch ``u`` of buf."""
+        for i in range(per_lane):
+            j = sub + lps * i
+            if j < nvec:
+                x0, x1, x2, x3 = load16(o_vec, start + j * words)
+                at = (u * per_lane + i) * words
+                buf[at] = x0
+                buf[at + 1] = x1
+                buf[at + 2] = x2
+                buf[at + 3] = x3
+
     @cuda.jit(**_V2_JIT)
     def _combine_kernel_v2(o_vec, lse_part, out, lse_out):
         num_slots = lse_part.shape[0]
@@ -250,15 +263,7 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
             for u in range(unroll):
                 s = g + groups * u
                 if s < num_slots:
-                    for i in range(per_lane):
-                        j = sub + lps * i
-                        if j < nvec:
-                            x0, x1, x2, x3 = load16(o_vec, s * slot_stride + base + j * words)
-                            at = (u * per_lane + i) * words
-                            buf[at] = x0
-                            buf[at + 1] = x1
-                            buf[at + 2] = x2
-                            buf[at + 3] = x3
+                    load_slot(o_vec, buf, u, s * slot_stride + base, sub)
         a = warp_max(max(l0, l1))
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
@@ -298,15 +303,7 @@ def _combine_kernel_vec(head_dim: int, bf16_part: bool, out_code: str, two_lse: 
                     ws[u] = w
                     # uniform over the slot's lanes; O_s of -inf is never read (early: never summed)
                     if w >= float32(0.0) and not (early and r0 == 0):
-                        for i in range(per_lane):
-                            j = sub + lps * i
-                            if j < nvec:
-                                x0, x1, x2, x3 = load16(o_vec, s * slot_stride + base + j * words)
-                                at = (u * per_lane + i) * words
-                                buf[at] = x0
-                                buf[at + 1] = x1
-                                buf[at + 2] = x2
-                                buf[at + 3] = x3
+                        load_slot(o_vec, buf, u, s * slot_stride + base, sub)
                 # ... then use them, slot by slot in this group's order
                 for u in range(unroll):
                     w = ws[u]
