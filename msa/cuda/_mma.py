@@ -41,8 +41,8 @@ conversions a lane were most of a kernel's time). On a GPU (``MSA_MMA=twin``) th
 their registers through a small static shared array and call ``cuda.syncthreads()`` twice: a
 kernel that uses it must be launched with a 1D block of at most ``MAX_WARPS`` warps and call it
 the same number of times in every thread (block-uniform control flow), which msa's kernels do
-anyway (mma.sync needs a converged warp). Both round each product and each sum to float32 in
-k order, so they give the same bits.
+anyway (mma.sync needs a converged warp). The simulator's twin rounds each product and each
+sum to float32, k in order (the compiled GPU twin may fuse them into FMAs).
 
 ``launch`` wraps the one driver call needed for more than 48 KB of dynamic shared memory.
 """
