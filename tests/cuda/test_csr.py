@@ -134,7 +134,7 @@ def test_scatter_v3_groups_many_rows():
         assert_same_csr(got, want)
 
 
-@pytest.mark.parametrize("threads", [32, 128, 256, 512])
+@pytest.mark.parametrize("threads", [32, 128, pytest.param(256, marks=pytest.mark.sim_heavy), 512])
 def test_scatter_v3_block_sizes(monkeypatch, threads):
     # Scatter v3 at 1 to 16 warps a CTA (the simulator's default is 2; the GPU's 16): the
     # multi-split's ranks then come from a scan over that many warps per key. 300 rows of
