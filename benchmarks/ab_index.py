@@ -13,8 +13,6 @@ also times ``msa_prefill`` with the first and the last variant. JSON to
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 VARIANTS = {  # name: (_TC_STEADY_COPY, _TC_FUSED_FMAX)
     "before (generic copy, compare + select)": (False, False),
@@ -28,7 +26,7 @@ def main(argv=None):
     import torch
 
     from benchmarks import bench_attention as B
-    from benchmarks.common import cuda_time_ms
+    from benchmarks.common import cuda_time_ms, time_rounds, write_out_json
     from msa.cuda import index as ix
     from msa.cuda.attention import msa_prefill
     from msa.cuda.select import select_blocks_fused
@@ -54,44 +52,33 @@ def main(argv=None):
         ix._TC_STEADY_COPY, ix._TC_FUSED_FMAX = VARIANTS[name]
 
     n = args.n
-    g = torch.Generator(device="cuda").manual_seed(2)
-    q_idx = torch.randn((n, B.HKV, B.D_IDX), device="cuda", generator=g, dtype=torch.bfloat16)
-    k_idx = torch.randn((n, B.D_IDX), device="cuda", generator=g, dtype=torch.bfloat16)
+    q_idx, k_idx = B.index_inputs(n)
     cu = B._offsets(n, argparse.Namespace(offsets="host"))
     flops = 2.0 * B.HKV * B.D_IDX * n * (n + 1) / 2  # every causal (query, key) product
-    out = {"n": n, "select_ms": {}, "prefill_ms": {}, "bitwise_equal": {}}
-    ref = None
-    for _ in range(args.rounds):
-        for name in VARIANTS:
-            use(name)
-            sel = select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK, version="heap3")
-            if ref is None:
-                ref = sel.clone()
-            same = bool(torch.equal(sel, ref))
-            out["bitwise_equal"][name] = out["bitwise_equal"].get(name, True) and same
-            ms = cuda_time_ms(lambda: select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK,
-                                                          version="heap3"), warmup=1, reps=5)
-            out["select_ms"].setdefault(name, []).append(ms)
-            print(f"select_blocks_fused {n}: {name:42s} {ms:7.2f} ms "
-                  f"{flops / ms / 1e9:6.1f} TFLOP/s bitwise={same}", flush=True)
+
+    def select():
+        return select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK, version="heap3")
+
+    first = []
+
+    def same_as_first(name):
+        sel = select()
+        if not first:
+            first.append(sel.clone())
+        return torch.equal(sel, first[0])
+
+    out = {"n": n, "flops": flops, "select_ms": {}, "prefill_ms": {}}
+    time_rounds(out["select_ms"], VARIANTS, use, select, rounds=args.rounds,
+                label=f"select_blocks_fused {n}:", check=same_as_first)
     if args.prefill:
         q, k, v = B._qkv(n, seed=1)
         pair = [next(iter(VARIANTS)), list(VARIANTS)[-1]]
-        for _ in range(args.rounds):
-            for name in pair:
-                use(name)
-                ms = cuda_time_ms(lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, B.BK,
-                                                      B.TOPK), warmup=1, reps=3)
-                out["prefill_ms"].setdefault(name, []).append(ms)
-                print(f"msa_prefill {n}: {name:42s} {ms:7.2f} ms", flush=True)
-        ms = cuda_time_ms(lambda: B.dense_sdpa(q, k, v), warmup=1, reps=2)
-        out["dense_sdpa_ms"] = ms
-        print(f"dense SDPA {n}: {ms:.1f} ms", flush=True)
-    out["commit"] = os.environ.get("MSA_COMMIT")
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "ab_index.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+        time_rounds(out["prefill_ms"], pair, use,
+                    lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, B.BK, B.TOPK),
+                    rounds=args.rounds, label=f"msa_prefill {n}:", reps=3)
+        out["dense_sdpa_ms"] = cuda_time_ms(lambda: B.dense_sdpa(q, k, v), warmup=1, reps=2)
+        print(f"dense SDPA {n}: {out['dense_sdpa_ms']:.1f} ms", flush=True)
+    write_out_json("ab_index.json", out)
 
 
 if __name__ == "__main__":

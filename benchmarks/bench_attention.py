@@ -451,6 +451,17 @@ def bench_k1(n, pattern, args):
 
 # -- 3. MSA prefill -------------------------------------------------------------------------------
 
+def index_inputs(n, seed=2):
+    """The index branch's bf16 inputs for one sequence of ``n`` tokens: ``q_idx`` [n, Hkv,
+    Didx] and ``k_idx`` [n, Didx], standard normal."""
+    import torch
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q_idx = torch.randn((n, HKV, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
+    k_idx = torch.randn((n, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
+    return q_idx, k_idx
+
+
 def bench_prefill(n, args):
     import torch
 
@@ -459,9 +470,7 @@ def bench_prefill(n, args):
     case = f"prefill N={n // 1024}K"
     rows = []
     q, k, v = _qkv(n, seed=1)
-    g = torch.Generator(device=DEVICE).manual_seed(2)
-    q_idx = torch.randn((n, HKV, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
-    k_idx = torch.randn((n, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
+    q_idx, k_idx = index_inputs(n)
     cu = _offsets(n, args)
     reps = 1 if n > (256 << 10) else args.reps
     ms_prefill = None

@@ -36,6 +36,34 @@ def cuda_time_ms(fn, *, warmup: int = 2, reps: int = 7) -> float:
     return times[len(times) // 2]
 
 
+def time_rounds(times: dict, names, use, fn, *, rounds: int = 3, label: str = "",
+                check=None, warmup: int = 1, reps: int = 5) -> dict:
+    """An in-process A/B: for each round, for each variant ``name`` in turn, ``use(name)`` then
+    the median of ``fn()`` (``cuda_time_ms``), appended to ``times[name]``. ``check(name)``, if
+    given, runs first and its result (e.g. bitwise equality with the first variant) is printed
+    and kept in ``times["<name> check"]`` as all rounds' conjunction. Returns ``times``."""
+    for _ in range(rounds):
+        for name in names:
+            use(name)
+            ok = None if check is None else bool(check(name))
+            ms = cuda_time_ms(fn, warmup=warmup, reps=reps)
+            times.setdefault(name, []).append(ms)
+            if check is not None:
+                times[f"{name} check"] = times.get(f"{name} check", True) and ok
+            print(f"{label} {name:42s} {ms:8.3f} ms" + ("" if ok is None else f" check={ok}"),
+                  flush=True)
+    return times
+
+
+def write_out_json(name: str, payload: dict) -> str:
+    """``payload`` (with the GPU/library header) as ``$OUT/<name>`` (default ``/tmp``)."""
+    path = os.path.join(os.environ.get("OUT", "/tmp"), name)
+    with open(path, "w") as f:
+        json.dump({"header": header(), **payload}, f, indent=1)
+    print("wrote", path)
+    return path
+
+
 def peak_memory_gib(fn) -> float:
     """Peak torch-allocated GPU memory of one ``fn()`` call, in GiB (CuPy/Numba pools not counted)."""
     import torch

@@ -19,9 +19,7 @@ def main(argv=None):
     from msa.cuda.select import select_blocks_fused
 
     n = int((argv if argv is not None else sys.argv[1:] or ["131072"])[0])
-    g = torch.Generator(device="cuda").manual_seed(2)
-    q_idx = torch.randn((n, B.HKV, B.D_IDX), device="cuda", generator=g, dtype=torch.bfloat16)
-    k_idx = torch.randn((n, B.D_IDX), device="cuda", generator=g, dtype=torch.bfloat16)
+    q_idx, k_idx = B.index_inputs(n)
     cu = B._offsets(n, argparse.Namespace(offsets="host"))
     for _ in range(2):
         sel = select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK)

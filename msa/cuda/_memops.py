@@ -71,9 +71,8 @@ def is_aligned16(arr) -> bool:
 
 if SIMULATOR:
     from . import _simwarp
-    from ._simwarp import install as _install_simwarp
 
-    _install_simwarp()
+    _simwarp.install()
 
     def _flat16(a, flat, name):
         """``a`` flat, once ``flat`` is a multiple of 4 (the 16 bytes it starts are 16-byte

@@ -313,8 +313,8 @@ _HALF_SHIFT = 16 * (_K % 2)
 
 def _warp_mma_numpy(lanes, is_bf16):
     """The simulator twin's D [16, 8] float32 from the 32 lanes' ``(a0-a3, b0, b1, c0-c3)``:
-    ``D = C + sum_k A[:, k] B[k, :]``, k in order, each product and sum rounded to float32 as the
-    scalar twin rounds them (NumPy does not fuse them)."""
+    ``D = C + sum_k A[:, k] B[k, :]``, k in order, each product and each sum rounded to float32
+    (NumPy does not fuse them)."""
     regs = np.array([lane[:6] for lane in lanes[:32]], dtype=np.uint32)
     cs = np.array([lane[6:] for lane in lanes[:32]], dtype=np.float32)  # [32, 4]
     a_bits = (regs[_A_LANE, _A_REG] >> _HALF_SHIFT[None, :]) & 0xFFFF
@@ -337,33 +337,6 @@ def _warp_mma_numpy(lanes, is_bf16):
 
 
 def _make_mma_twin(is_bf16):
-    to_f32 = bf16_to_f32 if is_bf16 else f16_bits_to_f32
-
-    @cuda.jit(device=True)
-    def _twin_products(regs, lane, c0, c1, c2, c3):
-        """D = A B + C for this lane from ``regs[l, i]``: lane ``l``'s a0-a3, b0, b1."""
-        g = lane // 4
-        t = lane % 4
-        d0 = float32(c0)
-        d1 = float32(c1)
-        d2 = float32(c2)
-        d3 = float32(c3)
-        for k in range(16):
-            # A[g, k] and A[g+8, k] live in lane 4g + (k % 8) // 2, registers a0/a1 (k < 8) or a2/a3.
-            src = 4 * g + (k % 8) // 2
-            reg = 0 if k < 8 else 2
-            a_top = to_f32(_half_of(regs[src, reg], k))
-            a_bot = to_f32(_half_of(regs[src, reg + 1], k))
-            # B[k, n] lives in lane 4n + (k % 8) // 2, register b0 (k < 8) or b1.
-            breg = 4 if k < 8 else 5
-            b_n0 = to_f32(_half_of(regs[4 * (2 * t) + (k % 8) // 2, breg], k))
-            b_n1 = to_f32(_half_of(regs[4 * (2 * t + 1) + (k % 8) // 2, breg], k))
-            d0 = float32(d0 + a_top * b_n0)
-            d1 = float32(d1 + a_top * b_n1)
-            d2 = float32(d2 + a_bot * b_n0)
-            d3 = float32(d3 + a_bot * b_n1)
-        return d0, d1, d2, d3
-
     if SIMULATOR:  # one rendezvous of the warp, then the warp's whole D at once in NumPy
         from . import _simwarp
 
@@ -381,6 +354,8 @@ def _make_mma_twin(is_bf16):
 
         return _mma_twin
 
+    to_f32 = bf16_to_f32 if is_bf16 else f16_bits_to_f32
+
     @cuda.jit(device=True)
     def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         regs = cuda.shared.array((MAX_WARPS, 32, 6), uint32)
@@ -394,7 +369,26 @@ def _make_mma_twin(is_bf16):
         regs[w, lane, 4] = b0
         regs[w, lane, 5] = b1
         cuda.syncthreads()
-        d0, d1, d2, d3 = _twin_products(regs[w], lane, c0, c1, c2, c3)
+        g = lane // 4
+        t = lane % 4
+        d0 = float32(c0)
+        d1 = float32(c1)
+        d2 = float32(c2)
+        d3 = float32(c3)
+        for k in range(16):
+            # A[g, k] and A[g+8, k] live in lane 4g + (k % 8) // 2, registers a0/a1 (k < 8) or a2/a3.
+            src = 4 * g + (k % 8) // 2
+            reg = 0 if k < 8 else 2
+            a_top = to_f32(_half_of(regs[w, src, reg], k))
+            a_bot = to_f32(_half_of(regs[w, src, reg + 1], k))
+            # B[k, n] lives in lane 4n + (k % 8) // 2, register b0 (k < 8) or b1.
+            breg = 4 if k < 8 else 5
+            b_n0 = to_f32(_half_of(regs[w, 4 * (2 * t) + (k % 8) // 2, breg], k))
+            b_n1 = to_f32(_half_of(regs[w, 4 * (2 * t + 1) + (k % 8) // 2, breg], k))
+            d0 = float32(d0 + a_top * b_n0)
+            d1 = float32(d1 + a_top * b_n1)
+            d2 = float32(d2 + a_bot * b_n0)
+            d3 = float32(d3 + a_bot * b_n1)
         cuda.syncthreads()  # nobody overwrites regs before every lane has read them
         return d0, d1, d2, d3
 
