@@ -171,7 +171,7 @@ def _wrap_thread_run(orig_run):
 
 
 def _block_manager_run(self, grid_point, *args):
-    """``BlockManager.run`` of Numba's simulator (numba-cuda 0.30), with two changes.
+    """``BlockManager.run`` of Numba's simulator (numba-cuda 0.30), with three changes.
 
     The simulator runs a block as one Python thread per CUDA thread and a manager loop that
     polls them for ``syncthreads`` and exceptions. Its loop never waits, so it holds the GIL for
@@ -184,6 +184,11 @@ def _block_manager_run(self, grid_point, *args):
     thread that fails and ends between the two was only found by the final check, after every
     other thread had ended, which reports whichever failed thread a set yields first (seen in CI:
     a deadlock error replaced by a late lane's failure on poison, 10 s later).
+
+    And it lowers every thread's ``syncthreads_blocked`` flag before it wakes any of them. The
+    original lowers one flag, wakes that thread, then goes to the next: a woken lane that got the
+    GIL first saw siblings still "in syncthreads", so ``activemask()`` left them out and a
+    full-mask operation took them for a deadlock (seen in CI on a loaded machine).
     """
     from numba.cuda.simulator.kernel import BlockThread
 
@@ -212,8 +217,11 @@ def _block_manager_run(self, grid_point, *args):
             elif t.exception:
                 fail(t)
         if len(blocked) == len(live):  # every live thread waits in syncthreads: release them
+            # Every flag goes down before the first thread wakes: a woken thread that reaches a
+            # warp operation must not see a sibling still marked as waiting in this barrier.
             for t in blocked:
                 t.syncthreads_blocked = False
+            for t in blocked:
                 t.syncthreads_event.set()
             blocked = set()
         still = []
@@ -329,8 +337,9 @@ def _try_complete(warp, lane) -> bool:
 def _check_deadlock(t, warp, lane, stuck_since):
     """Raise if a lane this operation needs waits in syncthreads, which cannot finish first.
 
-    The simulator releases a syncthreads barrier one thread at a time, so a sibling can still look
-    blocked for a moment after this lane left the same barrier: only a state that lasts
+    Numba's own block loop releases a syncthreads barrier one thread at a time, so a sibling can
+    still look blocked for a moment after this lane left the same barrier (the loop ``install()``
+    puts in place does not, but it is kept only where it fits): only a state that lasts
     ``_STUCK_GRACE_S`` counts. Returns the time the current stuck state was first seen (or None).
     """
     kind, name, mask, _ = warp.pending[lane]

@@ -606,3 +606,42 @@ def test_first_failure_is_reported_at_once_even_if_its_thread_ends_between_two_p
     with pytest.raises(IndexError, match=rf"tid=\[{early}, 0, 0\]"):
         _two_failures[1, 2](np.zeros(1, np.int32), early)
     assert time.monotonic() - start < 1.5
+
+
+@cuda.jit
+def _activemask_after_barriers(partial, rounds):
+    i = cuda.threadIdx.x
+    for _ in range(rounds):
+        cuda.syncthreads()
+        if cuda.activemask() != FULL:
+            partial[i] += 1
+
+
+@pytest.mark.simulator
+def test_a_barrier_releases_every_thread_before_any_runs_on(monkeypatch):
+    """After ``syncthreads`` the whole warp is converged, so ``activemask()`` is full. The block
+    loop used to clear one thread's "waiting in syncthreads" flag and wake it, then the next: a
+    woken lane that got the GIL first saw siblings still flagged, so ``activemask()`` left them
+    out and a full-mask operation took them for a deadlock (seen in CI on a loaded machine:
+    ``match_any_sync`` in scatter v3 at 512 threads). Here every wake-up hands the GIL over, which
+    makes that window certain; the block loop that ``install()`` puts in place lowers every flag
+    before it wakes anyone."""
+    import time
+
+    from numba.cuda.simulator import kernel
+
+    class HandOverEvent(threading.Event):
+        def set(self):
+            super().set()
+            time.sleep(0.002)  # let the woken thread run before the loop goes on
+
+    real_init = kernel.BlockThread.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.syncthreads_event = HandOverEvent()
+
+    monkeypatch.setattr(kernel.BlockThread, "__init__", init)
+    partial = np.zeros(64, np.int32)
+    _activemask_after_barriers[1, 64](partial, 6)
+    np.testing.assert_array_equal(partial, np.zeros(64, np.int32))
