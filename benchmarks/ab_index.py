@@ -23,12 +23,10 @@ VARIANTS = {  # name: (_TC_STEADY_COPY, _TC_FUSED_FMAX)
 
 
 def main(argv=None):
-    import torch
-
     from benchmarks import bench_attention as B
-    from benchmarks.common import cuda_time_ms, time_rounds, write_out_json
+    from benchmarks.common import (rekey_kernel_factory, same_bits_as_first, time_rounds,
+                                   write_out_json)
     from msa.cuda import index as ix
-    from msa.cuda.attention import msa_prefill
     from msa.cuda.select import select_blocks_fused
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,16 +35,8 @@ def main(argv=None):
     ap.add_argument("--prefill", action="store_true")
     args = ap.parse_args(argv)
 
-    tc2 = ix._block_scores_kernel_tc2.__wrapped__
-    cache = {}
-
-    def factory(*a):
-        key = (a, ix._TC_STEADY_COPY, ix._TC_FUSED_FMAX)
-        if key not in cache:
-            cache[key] = tc2(*a)
-        return cache[key]
-
-    ix._block_scores_kernel_tc2 = factory
+    rekey_kernel_factory(ix, "_block_scores_kernel_tc2",
+                         lambda: (ix._TC_STEADY_COPY, ix._TC_FUSED_FMAX))
 
     def use(name):
         ix._TC_STEADY_COPY, ix._TC_FUSED_FMAX = VARIANTS[name]
@@ -59,25 +49,11 @@ def main(argv=None):
     def select():
         return select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK, version="heap3")
 
-    first = []
-
-    def same_as_first(name):
-        sel = select()
-        if not first:
-            first.append(sel.clone())
-        return torch.equal(sel, first[0])
-
     out = {"n": n, "flops": flops, "select_ms": {}, "prefill_ms": {}}
     time_rounds(out["select_ms"], VARIANTS, use, select, rounds=args.rounds,
-                label=f"select_blocks_fused {n}:", check=same_as_first)
+                label=f"select_blocks_fused {n}:", check=same_bits_as_first(select))
     if args.prefill:
-        q, k, v = B._qkv(n, seed=1)
-        pair = [next(iter(VARIANTS)), list(VARIANTS)[-1]]
-        time_rounds(out["prefill_ms"], pair, use,
-                    lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, B.BK, B.TOPK),
-                    rounds=args.rounds, label=f"msa_prefill {n}:", reps=3)
-        out["dense_sdpa_ms"] = cuda_time_ms(lambda: B.dense_sdpa(q, k, v), warmup=1, reps=2)
-        print(f"dense SDPA {n}: {out['dense_sdpa_ms']:.1f} ms", flush=True)
+        B.prefill_rounds(out, [next(iter(VARIANTS)), list(VARIANTS)[-1]], use, n, args.rounds)
     write_out_json("ab_index.json", out)
 
 

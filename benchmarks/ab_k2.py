@@ -26,29 +26,14 @@ VARIANTS = {  # name: (unroll vectors, early, min CTAs an SM)
 }
 
 
-def _first_bits(fn):
-    """``check(name)`` for ``time_rounds``: ``fn()``'s (o, lse) equal the first variant's."""
-    import torch
-
-    first = []
-
-    def check(name):
-        o, lse = fn()
-        if not first:
-            first.append((o.clone(), lse.clone()))
-        return (torch.equal(o.view(torch.int16), first[0][0].view(torch.int16))
-                and torch.equal(lse, first[0][1]))
-
-    return check
-
-
 def main(argv=None):
     import torch
 
     from benchmarks import bench_attention as B
-    from benchmarks.common import cuda_time_ms, time_rounds, write_out_json
+    from benchmarks.common import (rekey_kernel_factory, same_bits_as_first, time_rounds,
+                                   write_out_json)
     from msa.cuda import combine as C
-    from msa.cuda.attention import msa_prefill, sparse_attention
+    from msa.cuda.attention import sparse_attention
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--queries", type=int, default=16384)
@@ -56,16 +41,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
 
-    orig = C._combine_kernel_vec.__wrapped__
-    cache = {}
-
-    def factory(*a):
-        key = (a, C._V2_JIT.get("launch_bounds"))
-        if key not in cache:
-            cache[key] = orig(*a)
-        return cache[key]
-
-    C._combine_kernel_vec = factory
+    rekey_kernel_factory(C, "_combine_kernel_vec", lambda: C._V2_JIT.get("launch_bounds"))
 
     def use(name):
         u, e, m = VARIANTS[name]
@@ -83,14 +59,13 @@ def main(argv=None):
         return C.combine_partials(o_part, lse, "bfloat16", version=2)
 
     time_rounds(out["k2_ms"], VARIANTS, use, k2, rounds=args.rounds, label="K2",
-                check=_first_bits(k2), warmup=2, reps=9)
+                check=same_bits_as_first(k2), warmup=2, reps=9)
     o_part = lse = None  # free the partials before the end-to-end calls
 
     timed = [name for name in VARIANTS if name in out["k2_ms"]]
     fastest = sorted(timed, key=lambda name: min(out["k2_ms"][name]))[:2]
     pair = [timed[0]] + [name for name in fastest if name != timed[0]][:2]
     n = args.n
-    q_idx, k_idx = B.index_inputs(n)
     q, k, v = B._qkv(n, seed=1)
     sel = B.make_selection("uniform", n)
     cu = B._offsets(n, argparse.Namespace(offsets="host"))
@@ -99,12 +74,9 @@ def main(argv=None):
         return sparse_attention(q, k, v, sel, cu, cu, B.BK, validate=False)
 
     time_rounds(out["attention_ms"], pair, use, attention, rounds=args.rounds,
-                label=f"sparse_attention {n}", check=_first_bits(attention))
-    time_rounds(out["prefill_ms"], pair, use,
-                lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, B.BK, B.TOPK),
-                rounds=args.rounds, label=f"msa_prefill {n}", reps=3)
-    out["dense_sdpa_ms"] = cuda_time_ms(lambda: B.dense_sdpa(q, k, v), warmup=1, reps=2)
-    print(f"dense SDPA: {out['dense_sdpa_ms']:.1f} ms", flush=True)
+                label=f"sparse_attention {n}", check=same_bits_as_first(attention))
+    q = k = v = None  # prefill_rounds makes its own (the same seed)
+    B.prefill_rounds(out, pair, use, n, args.rounds)
     write_out_json("ab_k2.json", out)
 
 

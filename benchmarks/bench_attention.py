@@ -462,6 +462,23 @@ def index_inputs(n, seed=2):
     return q_idx, k_idx
 
 
+def prefill_rounds(out, names, use, n, rounds):
+    """An in-process A/B of ``msa_prefill`` at ``n`` (the benchmark's inputs, one causal
+    sequence): ``time_rounds`` over ``names`` into ``out["prefill_ms"]``, then dense SDPA once
+    into ``out["dense_sdpa_ms"]``."""
+    from benchmarks.common import time_rounds
+    from msa.cuda.attention import msa_prefill
+
+    q, k, v = _qkv(n, seed=1)
+    q_idx, k_idx = index_inputs(n)
+    cu = _offsets(n, argparse.Namespace(offsets="host"))
+    time_rounds(out.setdefault("prefill_ms", {}), names, use,
+                lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, BK, TOPK),
+                rounds=rounds, label=f"msa_prefill {n}", reps=3)
+    out["dense_sdpa_ms"] = cuda_time_ms(lambda: dense_sdpa(q, k, v), warmup=1, reps=2)
+    print(f"dense SDPA {n}: {out['dense_sdpa_ms']:.1f} ms", flush=True)
+
+
 def bench_prefill(n, args):
     import torch
 

@@ -55,6 +55,43 @@ def time_rounds(times: dict, names, use, fn, *, rounds: int = 3, label: str = ""
     return times
 
 
+def same_bits_as_first(fn):
+    """A ``check(name)`` for ``time_rounds``: whether ``fn()``'s tensor (or tuple of tensors)
+    equals, bit for bit, what the first call returned (floats compared as same-width integers,
+    so NaNs in the same places count as equal)."""
+    import torch
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    first = []
+
+    def bits(t):
+        return t.view(ints[t.element_size()]) if t.is_floating_point() else t
+
+    def check(name):
+        got = fn()
+        got = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        if not first:
+            first.extend(t.clone() for t in got)
+        return all(torch.equal(bits(a), bits(b)) for a, b in zip(got, first, strict=True))
+
+    return check
+
+
+def rekey_kernel_factory(module, name: str, settings) -> None:
+    """Make ``module.<name>``, a cached kernel factory, also key its cache on ``settings()``: an
+    A/B that flips module-level code-generation switches then gets one kernel per variant."""
+    build = getattr(module, name).__wrapped__
+    cache = {}
+
+    def factory(*args):
+        key = (args, settings())
+        if key not in cache:
+            cache[key] = build(*args)
+        return cache[key]
+
+    setattr(module, name, factory)
+
+
 def write_out_json(name: str, payload: dict) -> str:
     """``payload`` (with the GPU/library header) as ``$OUT/<name>`` (default ``/tmp``)."""
     path = os.path.join(os.environ.get("OUT", "/tmp"), name)
