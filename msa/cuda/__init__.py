@@ -1,10 +1,10 @@
 """Numba CUDA kernels of MSA: same function names and arguments as ``msa.reference``.
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the kernels run in Numba's simulator on NumPy arrays; the
-warp operations the simulator lacks are supplied by ``msa.cuda._simwarp`` (installed here, once).
+warp operations the simulator lacks are supplied by ``msa.cuda._core.simwarp`` (installed here, once).
 """
 
-from . import _simwarp
+from ._core import simwarp as _simwarp
 
 _simwarp.install()  # warp operations for Numba's simulator; a no-op on a real GPU
 

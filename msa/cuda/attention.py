@@ -23,7 +23,7 @@ v    idea
 1    CUDA cores, fp32 everywhere: K/V/Q tiles converted to fp32 in shared memory, one thread
      per score, then per row (softmax), then per output element. Any dtype (fp32/fp16/bf16),
      any ``D <= 256`` and ``Bk`` that fit shared memory. The tested fallback.
-2    tensor cores: ``mma.sync.m16n8k16`` (bf16/fp16 in, fp32 accumulate, ``msa.cuda._mma``)
+2    tensor cores: ``mma.sync.m16n8k16`` (bf16/fp16 in, fp32 accumulate, ``msa.cuda._core.mma``)
      on 16-row warp tiles: ``R = P*G`` rows (a multiple of 16, at most 128; 8 warps at
      R = 128) x ``Bk`` keys. K row-major and V transposed in shared memory (loaded once per
      item), S (fp32) and P (16-bit, unnormalised ``2**(S - m)``) through shared memory, softmax
@@ -50,7 +50,7 @@ v    idea
      groups of tile warps over one shared K/V block (each group its own Q buffers; 3 groups of
      4 warps: 170 KB, 168 registers under launch bounds, no spills), so that more warps share
      each load of K/V.
-4    version 3 on Hopper's warpgroup MMA (``msa.cuda._wgmma``; compute capability 9.0 only,
+4    version 3 on Hopper's warpgroup MMA (``msa.cuda._core.wgmma``; compute capability 9.0 only,
      no simulator twin): each 4-warp group of a 64-row tile is one warpgroup; ``S = Q Kᵀ`` is
      KS ``wgmma.m64n{Bk}k16`` with Q's A fragments in registers (``ldmatrix``) and K read by
      the tensor cores straight from shared memory, ``O = P V`` is KP ``wgmma.m64n{D/parts}k16``
@@ -89,16 +89,27 @@ from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
-from ._arrays import SIMULATOR, ArrayContext, device_constant, fill, is_bf16
-from . import _mma, _wgmma
-from ._wgmma import core_word
-from ._memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
+from ._core.arrays import SIMULATOR, ArrayContext, device_constant, fill, is_bf16
+from ._core import mma as _mma, wgmma as _wgmma
+from ._core.wgmma import core_word
+from ._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                       is_aligned16, ldmatrix_x4, ldmatrix_x4_trans, no_op,
                       store_u32x4)
-from ._mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag, make_mma_pair,
+from ._core.mma import (_deal, bf16_to_f32, exp2, f32_to_bf16, load_a_frag, load_b_frag, make_mma_pair,
                    mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .combine import launch_combine
-from .csr import MAX_TOPK, _last_le
+from ._core.arrays import INT32_MAX
+from .csr import MAX_TOPK
+from ._core.launch import kernel_array as _kernel_array
+from ._core.launch import launch_smem as _launch_smem
+from ._core.packed import LN2 as _LN2
+from ._core.packed import LOG2E as _LOG2E
+from ._core.packed import check_entry as _check_entry
+from ._core.packed import edge_row as _edge_row
+from ._core.packed import item_fields as _item_fields
+from ._core.packed import last_le as _last_le
+from ._core.packed import load_entry as _load_entry
+from ._core.packed import row_query as _row_query
 
 VERSIONS = (1, 2, 3, 4)
 MAX_HEAD_DIM = 256
@@ -130,96 +141,9 @@ DEFAULT_V3_GROUPS = 1 if SIMULATOR else 3
 _V3_MAX_GROUP_WARPS = 12
 _THREADS_V1 = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 DTYPE_KINDS = ("float32", "float16", "bfloat16")
 
-
-
-@cuda.jit(device=True)
-def _item_fields(work, item, q_indices, cu_k, num_kv_heads, block_size):
-    """Read and range-check work item ``item``; ``q_count = 0`` when it is padding or invalid.
-
-    Returns ``(h, q_begin, q_count, b, j, key0, nk)``: KV head, CSR range, sequence, block, the
-    block's first packed key and its number of keys.
-    """
-    h = int(work[item, 0])
-    q_begin = int(work[item, 2])
-    q_count = int(work[item, 3])
-    b = int(work[item, 4])
-    j = int(work[item, 5])
-    key0 = 0
-    nk = 0
-    ok = q_count > 0 and 0 <= h < num_kv_heads and 0 <= b < cu_k.shape[0] - 1 and j >= 0
-    ok = ok and q_begin >= 0 and q_begin + q_count <= q_indices.shape[1]
-    if ok:
-        lk = int(cu_k[b + 1]) - int(cu_k[b])
-        key0 = int(cu_k[b]) + j * block_size
-        nk = min(block_size, lk - j * block_size)
-        ok = nk > 0
-    if not ok:
-        q_count = 0
-    return h, q_begin, q_count, b, j, key0, nk
-
-
-@cuda.jit(device=True)
-def _row_query(q_indices, slots, cu_q, cu_k, h, b, e, topk):
-    """``(t, slot, pos)`` of CSR entry ``e`` of head ``h``; ``t = -1`` if it is not a valid query
-    of sequence ``b`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
-    t = int(q_indices[h, e])
-    s = int(slots[h, e])
-    q_lo = int(cu_q[b])
-    q_hi = int(cu_q[b + 1])
-    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-        return -1, 0, -1
-    # bottom-right alignment: query i of the sequence sits at key position Lk - Lq + i
-    pos = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
-    return t, s, pos
-
-
-if SIMULATOR:  # NumPy 2 refuses to cast -1 to an unsigned type; the simulator needs no type
-    @cuda.jit(device=True)
-    def _minus_one(a):
-        return -1
-else:
-    @cuda.jit(device=True, inline=True)
-    def _minus_one(a):
-        """-1 in ``a``'s element type (all ones if unsigned: an invalid entry all the same)."""
-        return a.dtype.type(-1)
-
-
-@cuda.jit(device=True)
-def _load_entry(q_indices, slots, h, q_begin, q_count, tile, positions, group, tid, rows):
-    """Raw ``(t, slot)`` of the CSR entry behind row ``tid`` of ``tile`` (past the chunk: -1,
-    all ones for unsigned index arrays; ``_check_entry`` rejects both).
-
-    Only loads: the checks that need the values are in ``_check_entry``, so the loads can be
-    issued early and consumed a tile later. The values stay in the arrays' integer type: a
-    conversion to int64 here (``int(...)``) is an instruction that reads the loaded register,
-    so the warp would wait for the load right away (on the H200 that wait was ~8% of K1's
-    stall samples) instead of a tile later.
-    """
-    p = tid // group
-    t = _minus_one(q_indices)
-    s = _minus_one(slots)
-    if tid < rows and tile * positions + p < q_count:
-        # unsigned indices (h and e are in range here): no negative-index wrap-around code
-        e = uint64(q_begin + tile * positions + p)
-        t = q_indices[uint64(h), e]
-        s = slots[uint64(h), e]
-    return t, s
-
-
-@cuda.jit(device=True)
-def _check_entry(t, s, q_lo, q_hi, pos0, topk):
-    """``(t, slot, pos)`` of a raw entry; ``t = -1`` if it is not a query of the item's sequence
-    ``[q_lo, q_hi)`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
-    t = int64(t)  # from the index arrays' type (unsigned 64-bit: huge values become negative)
-    s = int64(s)
-    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-        return -1, 0, -1
-    return t, s, pos0 + (t - q_lo)
 
 
 # K1 v1: CUDA cores, fp32 tiles
@@ -700,7 +624,7 @@ def _k1_kernel_reg(block_size: int, head_dim: int, group: int, positions: int, b
     with bounds that cap them (168 a thread for 3 groups of 4 warps: 64K registers an SM).
 
     ``wgmma`` (K1 v4, Hopper only, 64-row tiles: a warp group is one warpgroup): ``S = Q Kᵀ``
-    and ``O = P V`` by ``wgmma.mma_async`` (``msa.cuda._wgmma``) with A in registers (Q's
+    and ``O = P V`` by ``wgmma.mma_async`` (``msa.cuda._core.wgmma``) with A in registers (Q's
     fragments by ``ldmatrix``, P as in v3) and B straight from shared memory, where K and V
     are stored as 8 x 8 core matrices (``core_word``) instead of padded rows. The fragment
     layouts are those of ``mma.sync``, so the mask, softmax and stores are v3's."""
@@ -1049,11 +973,6 @@ def _partial_bytes_on(device_id: int) -> int:
     return int(min(max(total // 8, MAX_PARTIAL_BYTES), MAX_FORWARD_PARTIAL_BYTES))
 
 
-def _device_copy(host):
-    """A small host array on the device (the simulator indexes NumPy directly)."""
-    host = np.ascontiguousarray(host)
-    return host if SIMULATOR else cuda.to_device(host)
-
 
 def dtype_kind(x) -> str:
     """``'float32' | 'float16' | 'bfloat16'`` of an array, TypeError for anything else."""
@@ -1198,7 +1117,7 @@ class _K1Plan:
         if self.version == 1:
             kernel = _k1_kernel_simple(self.block_size, spec.d, spec.g, self.positions,
                                        _THREADS_V1, spec.bf16, bf16_partials)
-            _mma.launch(kernel, num_items, _THREADS_V1, self.smem, q, k, v, work, q_indices,
+            _launch_smem(kernel, num_items, _THREADS_V1, self.smem, q, k, v, work, q_indices,
                         slots, cu_q, cu_k, np.float32(scale), o_part, lse_part)
         elif self.version in (3, 4):
             if bf16_partials:
@@ -1213,7 +1132,7 @@ class _K1Plan:
             kernel = _k1_kernel_reg(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
                                     bf16_partials, aligned, _v3_o_parts(spec.d), self.groups,
                                     bf16_partials and is_aligned16(o_part), self.version == 4)
-            _mma.launch(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
+            _launch_smem(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
                         q_indices,
                         slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part)
         else:
@@ -1221,7 +1140,7 @@ class _K1Plan:
                 o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
             kernel = _k1_kernel_mma(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
                                     bf16_partials)
-            _mma.launch(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
+            _launch_smem(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
                         slots, cu_q, cu_k, np.float32(scale * _LOG2E), o_part, lse_part,
                         np.int32(self.block_size), np.int32(spec.d // 2))
 
@@ -1475,17 +1394,6 @@ def _partials_are_bf16(partial_dtype, spec) -> bool:
         pass
     raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
 
-
-def _kernel_array(x):
-    """A kernel argument for an index array made by another msa.cuda launcher.
-
-    Those launchers ran on the default stream, as the next kernel will: no stream sync needed.
-    """
-    if SIMULATOR or hasattr(x, "copy_to_host"):
-        return x
-    if isinstance(x, np.ndarray):
-        return cuda.to_device(x)
-    return cuda.as_cuda_array(x, sync=False)
 
 
 def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, scale=None,
@@ -2158,7 +2066,6 @@ def _bwd_tc_kernel(block_size: int, head_dim: int, group: int, rows: int, bf16_i
 def _bwd_dq_sum_kernel(head_dim: int, group: int):
     """``dq[t, h, :] = scale * sum_s dq_part[s, t, h, :]`` over the slots ``s`` that are CSR
     entries (``csr._edge_row``: the slots the tensor-core kernel wrote), in slot order."""
-    from .csr import _edge_row
 
     D, G = head_dim, group
     NL = (D + 31) // 32  # dims a lane sums: l, l + 32, ...
@@ -2286,7 +2193,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
         D = 256 with Bk = 64, G <= 8).
     """
     from ..reference.blocks import block_row_offsets
-    from .csr import INT32_MAX, build_csr
+    from .csr import build_csr
 
     spec = _Spec(q, k, v)
     tq, hq, d, tk, hkv = spec.tq, spec.hq, spec.d, spec.tk, spec.hkv
@@ -2358,7 +2265,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
                                                    tq * topk)
         dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
         dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
-        _mma.launch(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
+        _launch_smem(k_dkdv, hkv * per_head, nt, smem, qa, ka, va, doa, lse_a, delta_a, d_row_ptr,
                     _kernel_array(q_indices), d_row_offsets, d_cu_q, d_cu_k, np.float32(scale),
                     part_ptr, part_size, dk_a, dv_a, dk_part, dv_part)
         k_sum[hkv * rows, nt](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
@@ -2391,7 +2298,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
             dk_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
             dv_part = ctx.arg(ctx.empty((max(num_split, 1), block_size * d), np.float32))
             dk_c, dv_c = dk_a[k_lo:k_hi], dv_a[k_lo:k_hi]
-            _mma.launch(k_tc, hkv * per_head, 2 * block_size, tc_smem, qw[t0:t1],
+            _launch_smem(k_tc, hkv * per_head, 2 * block_size, tc_smem, qw[t0:t1],
                         kw[k_lo:k_hi], vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1],
                         delta_a[t0:t1], d_row_ptr, _kernel_array(q_indices),
                         _kernel_array(slots), d_row_offsets, d_cu_q, d_cu_k,

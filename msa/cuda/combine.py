@@ -49,10 +49,10 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from .._checks import check_array, dtype_of
-from ._arrays import SIMULATOR, ArrayContext, is_bf16
-from ._memops import data_address, is_aligned16, load_f32x4, load_u32x4
-from ._mma import bf16_to_f32, f32_to_bf16, pack_bf16x2, pack_f16x2
-from ._warp import FULL_MASK, warp_max, warp_sum
+from ._core.arrays import SIMULATOR, ArrayContext, is_bf16
+from ._core.memops import data_address, is_aligned16, load_f32x4, load_u32x4
+from ._core.mma import bf16_to_f32, f32_to_bf16, pack_bf16x2, pack_f16x2
+from ._core.warp import FULL_MASK, warp_max, warp_sum
 
 VERSIONS = (1, 2)
 # The simulator runs v1 by default: v2 needs a warp of 32 Python threads a row there (v1: 4),

@@ -117,10 +117,7 @@ invalid selection (duplicates, holes) is unspecified but memory safe.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import itertools
-import math
 
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
@@ -133,16 +130,23 @@ from .._checks import (
     cu_to_host,
 )
 from ..reference.blocks import block_row_offsets
-from ._arrays import SIMULATOR, ArrayContext, device_constant
-from ._warp import FULL_MASK, warp_sum
-
-INT32_MAX = np.iinfo(np.int32).max
+from ._core.arrays import INT32_MAX, SIMULATOR, ArrayContext
+from ._core.launch import THREADS as _THREADS
+from ._core.launch import grid_size as _grid
+from ._core.launch import host_ints as _host_ints
+from ._core.launch import karg as _karg
+from ._core.launch import kinput as _kinput
+from ._core.launch import launch as _launch
+from ._core.launch import upload_ints as _device_copy
+from ._core.packed import block_row as _block_row
+from ._core.packed import edge_row as _edge_row
+from ._core.packed import last_le as _last_le
+from ._core.scan import launch_scan as _launch_scan
+from ._core.scan import lookback_scan as _lookback_scan
+from ._core.scan import tile_scan_kernel as _csr_kernel_tile_scan
+from ._core.warp import FULL_MASK, warp_sum
 MAX_TOPK = 1024  # one thread per slot of a chunk's query: a CTA holds at most 1024 threads
 
-_THREADS = 128 if SIMULATOR else 256  # 1-D grid-stride kernels
-_MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
-_SCAN_ITEMS = 4  # counts per thread in the block scans
-_SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a power of two)
 _CHUNK_THREADS = 64 if SIMULATOR else 512  # target threads per scatter CTA: C = min(32, this // K)
 # build_csr's scatter: v3 where the output (q_indices + slots) is at least this large, v2 below
 # it (on an H200, v2 is faster at 128K tokens, 64 MiB, and v3 at 1M, 512 MiB: benchmarks/
@@ -157,298 +161,11 @@ _TABLE = 2048  # shared hash table slots (>= 2 * C * K for every K <= 1024)
 _MAX_TILE = 8192  # most queries per scatter tile (fewer, longer CTAs past it)
 
 
-# --- launches ---------------------------------------------------------------------------------
-# At 128K tokens the whole build is a few hundred microseconds of GPU work, so what Numba does in
-# Python per launch matters. A plain ``kernel[grid, block](*args)`` types every argument (for a
-# torch tensor: a DLPack export or a __cuda_array_interface__ dict per argument), looks the
-# overload up, then converts each array again into a strided view to marshal it. Here every array
-# is described once per call (``_Dev``: pointer, shape, strides, Numba type, read straight from
-# the tensor), the compiled kernel of a signature is cached, and ``_launch`` hands both to that
-# kernel's ``launch``, which only packs the pointers. In the simulator ``_launch`` is the plain
-# launch and ``_dev`` returns its argument.
-
 _HIST_WORDS = 11264  # uint32 words of the shared histogram: two 16-bit row counts each (44 KB)
-_LOOKBACK_SHIFT = 34  # status word: epoch << 34 | flag << 32 | value (value < 2**32)
-_EPOCH_LIMIT = 1 << 29  # epochs stay below this, so a status word stays positive
 
-if not SIMULATOR:
-    from numba.cuda import types as _nbtypes
-    from numba.cuda.args import ArgHint as _ArgHint
-    from numba.cuda.errors import normalize_kernel_dimensions as _dims
-    from numba.cuda.np.numpy_support import from_dtype as _from_dtype
-
-    try:
-        from cuda.bindings import driver as _cudrv
-        from cuda.core import LaunchConfig as _LaunchConfig
-        from cuda.core import launch as _core_launch
-    except ImportError:  # an older Numba: its dispatcher launches (_FAST_LAUNCH emptied)
-        _cudrv = _LaunchConfig = _core_launch = None
-else:  # the simulator launches with its own arrays
-    _ArgHint = object
-
-
-class _Layout:
-    """What Numba's argument packing reads of an array's layout (``_prepare_args``)."""
-
-    def __init__(self, strides, c_contiguous):
-        self.strides_in_bytes = strides
-        self.is_contiguous_c = c_contiguous
-        self.is_contiguous_f = False
-        self.is_contiguous_any = c_contiguous
-
-
-class _Dev(_ArgHint):
-    """One device array as a kernel argument, described once (GPU only; see above).
-
-    An ``ArgHint`` whose ``to_device`` is itself: Numba's packing takes ``ptr``, ``shape``,
-    ``size``, ``dtype`` and ``_layout`` from it; ``_numba_type_`` types it without a look at the
-    array. ``value`` keeps the array alive while the launch is queued.
-    """
-
-    def __init__(self, x):
-        self.value = x
-        if type(x).__module__.split(".")[0] == "torch":
-            itemsize = x.element_size()
-            self.ptr = x.data_ptr()
-            shape = tuple(x.shape)
-            strides = tuple(st * itemsize for st in x.stride())
-            dtype = _torch_dtype(x.dtype)
-        elif hasattr(x, "device_ctypes_pointer"):  # a Numba device array
-            self.ptr = x.device_ctypes_pointer.value or 0
-            shape, strides, dtype = tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
-        else:  # CuPy or any __cuda_array_interface__ array
-            cai = x.__cuda_array_interface__
-            dtype = np.dtype(cai["typestr"])
-            self.ptr = cai["data"][0] or 0
-            shape = tuple(cai["shape"])
-            strides = cai.get("strides") or _c_strides(shape, dtype.itemsize)
-            strides = tuple(strides)
-        c_contiguous = strides == _c_strides(shape, dtype.itemsize) or 0 in shape
-        self.shape = shape
-        self.size = math.prod(shape)
-        self.dtype = dtype
-        self.ndim = len(shape)
-        self._layout = _Layout(strides, c_contiguous)
-        self._numba_type_ = _array_type(dtype, len(shape), c_contiguous)
-        # What the kernel's parameter list holds for an array (Numba's ``_prepare_args``):
-        # meminfo, parent, size, itemsize, data, shape..., strides...
-        self.params = (0, 0, self.size, dtype.itemsize, self.ptr) + shape + strides
-
-    def to_device(self, retr, stream=0):
-        return self
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_dtype(torch_dtype):
-    return np.dtype(str(torch_dtype).rsplit(".", 1)[-1])
-
-
-@functools.lru_cache(maxsize=None)
-def _array_type(dtype, ndim, c_contiguous):
-    """The Numba type of a device array (interned by Numba anyway; built once here)."""
-    return _nbtypes.Array(_from_dtype(dtype), ndim, "C" if c_contiguous else "A")
-
-
-def _c_strides(shape, itemsize):
-    strides = []
-    step = itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(int(extent), 1)
-    return tuple(reversed(strides))
-
-
-def _dev(x):
-    """The kernel argument for a device array (``_Dev`` on a GPU, ``x`` in the simulator)."""
-    if SIMULATOR or x is None or isinstance(x, _Dev):
-        return x
-    return _Dev(x)
-
-
-_compiled: dict = {}
-
-
-def _karg(ctx, x):
-    """The kernel argument for an array made by ``ctx.empty`` (``ctx.arg`` in the simulator)."""
-    return ctx.arg(x) if SIMULATOR else _Dev(x)
-
-
-def _kinput(ctx, name, x):
-    """``ctx.input`` as a kernel argument, without the Numba array a tensor would become."""
-    if SIMULATOR or ctx.lib not in ("torch", "cupy"):
-        return _dev(ctx.input(name, x))
-    contiguous = x.is_contiguous() if ctx.lib == "torch" else x.flags.c_contiguous
-    if not contiguous:
-        raise ValueError(f"{name} must be contiguous")
-    return _Dev(x.detach() if ctx.lib == "torch" else x)
-
-
-def _launch(kernel, grid, block, *args):
-    """``kernel[grid, block](*args)`` without Numba's per-launch typing and conversions.
-
-    ``args``: ``_Dev`` arrays and Python ints (typed int64, as Numba types them). The compiled
-    kernel of each signature is kept in ``_compiled``, its CUDA function per device, and the
-    parameter list is packed here from what ``_Dev`` worked out (what Numba's ``launch`` would
-    pack, without its context lookups and per-argument type dispatch).
-    """
-    if SIMULATOR:
-        kernel[grid, block](*args)
-        return
-    params = []
-    types = []
-    for a in args:
-        if isinstance(a, _Dev):
-            types.append(a._numba_type_)
-            params.extend(a.params)
-        elif isinstance(a, (int, np.integer)):
-            types.append(int)
-            params.append(ctypes.c_int64(a))
-        else:
-            raise TypeError(f"_launch takes _Dev arrays and ints, got {type(a).__name__}")
-    types = tuple(types)
-    entry = _compiled.get((kernel, types))
-    if entry is None:
-        sig = tuple(_nbtypes.int64 if t is int else t for t in types)
-        entry = _compiled[(kernel, types)] = _Compiled(kernel.compile(sig))
-    if _FAST_LAUNCH:
-        try:
-            cu_kernel = entry.function()
-            if cu_kernel is not None:
-                _core_launch(_default_stream(), _launch_config(grid, block), cu_kernel, *params)
-                return
-            entry.compiled.launch(args, *_dims(grid, block), _default_stream(), 0)
-            return
-        except (TypeError, AttributeError, ImportError):
-            # A Numba or cuda.core whose internals differ: this fails before anything is
-            # queued; from now on use the dispatcher.
-            _FAST_LAUNCH.clear()
-    kernel[grid, block](*args)
-
-
-_FAST_LAUNCH = [True]  # emptied if Numba's or cuda.core's internals are not the expected ones
-
-
-class _Compiled:
-    """A compiled kernel of one signature and its loaded CUDA function on each device."""
-
-    def __init__(self, compiled):
-        self.compiled = compiled
-        self.functions = {}
-        # Debug and cooperative kernels need what Numba's own launch does around the call.
-        self.plain = not (getattr(compiled, "debug", True) or getattr(compiled, "cooperative",
-                                                                         True))
-
-    def function(self):
-        """The ``cuda.core`` kernel on the current device (None: use Numba's launch)."""
-        if not self.plain:
-            return None
-        device = _current_device()
-        f = self.functions.get(device)
-        if f is None:
-            f = self.functions[device] = self.compiled._codelibrary.get_cufunc().kernel
-        return f
-
-
-def _current_device():
-    """The current context's device ordinal: one driver call (Numba's lookup costs ~10 us)."""
-    err, dev = _cudrv.cuCtxGetDevice()
-    if int(err) != 0:  # no current context yet: let Numba make it
-        return cuda.get_current_device().id
-    return int(dev)
-
-
-_CONFIGS: dict = {}
-
-
-def _launch_config(grid, block):
-    config = _CONFIGS.get((grid, block))
-    if config is None:
-        griddim, blockdim = _dims(grid, block)
-        from numba.cuda._compat import CUDA_CORE_GE_1_0
-
-        coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
-        config = _CONFIGS[(grid, block)] = _LaunchConfig(grid=griddim, block=blockdim,
-                                                         shmem_size=0, **{coop: False})
-    return config
-
-
-_STREAM = []
-
-
-def _default_stream():
-    """The legacy default stream (handle 0) as the ``cuda.core`` stream object that the compiled
-    kernel's ``launch`` wants (what Numba's dispatcher passes: ``driver._to_core_stream(0)``)."""
-    if not _STREAM:
-        from numba.cuda.cudadrv import driver
-
-        _STREAM.append(driver._to_core_stream(0))
-    return _STREAM[0]
-
-
-class _LookbackState:
-    """Status words of the look-back scans, kept between calls (one buffer per device).
-
-    Each launch gets a new epoch, and a block's status counts only with the current epoch, so
-    the buffer never needs clearing between launches.
-    """
-
-    def __init__(self):
-        self.buffers = {}
-        self.epochs = itertools.count(1)
-
-    def get(self, size):
-        """``(status, epoch)``: a zeroed-once int64 buffer of at least ``size`` words."""
-        epoch = next(self.epochs)
-        key = 0 if SIMULATOR else cuda.get_current_device().id
-        buf = self.buffers.get(key)
-        if buf is None or buf[1] < size or epoch >= _EPOCH_LIMIT:
-            if epoch >= _EPOCH_LIMIT:
-                self.epochs = itertools.count(2)
-                epoch = 1
-                self.buffers.clear()  # every device's words would see old epochs come round
-            n = max(size, 4096, 2 * (buf[1] if buf is not None else 0))
-            zeros = np.zeros(n, np.int64)
-            arr = zeros if SIMULATOR else cuda.to_device(zeros)
-            buf = self.buffers[key] = (_dev(arr), n)
-        return buf[0], epoch
-
-
-_lookback = _LookbackState()
 
 
 # --- device helpers ---------------------------------------------------------------------------
-
-@cuda.jit(device=True)
-def _last_le(offsets, x):
-    """The last ``b`` with ``offsets[b] <= x < offsets[b+1]`` (empty segments are skipped)."""
-    lo = 0
-    hi = offsets.shape[0] - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if offsets[mid] <= x:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@cuda.jit(device=True)
-def _block_row(j, cu_q, row_offsets, t):
-    """CSR row of block ``j`` chosen by query ``t``, or -1 for padding and for blocks outside
-    t's sequence."""
-    if j < 0:
-        return int64(-1)
-    b = _last_le(cu_q, t)  # query t's sequence
-    first = int64(row_offsets[b])
-    if j >= row_offsets[b + 1] - first:
-        return int64(-1)  # not a block of this sequence: skipped, never an out-of-bounds row
-    return first + j
-
-
-@cuda.jit(device=True)
-def _edge_row(block_indices, cu_q, row_offsets, t, h, s):
-    """CSR row of edge ``(t, h, s)`` (see ``_block_row``)."""
-    return _block_row(block_indices[t, h, s], cu_q, row_offsets, t)
 
 
 @cuda.jit(device=True)
@@ -501,24 +218,6 @@ def _next_edge(dq, s, step_q, step_s, topk):
     return dq, s
 
 
-@cuda.jit(device=True)
-def _block_inclusive_scan(sh, tid, nt):
-    """In-place inclusive scan of ``sh[0:nt]`` by the ``nt`` threads of a CTA (Hillis-Steele)."""
-    d = 1
-    while d < nt:
-        x = int64(0)
-        if tid >= d:
-            x = sh[tid - d]
-        cuda.syncthreads()
-        sh[tid] += x
-        cuda.syncthreads()
-        d *= 2
-
-
-@cuda.jit(device=True)
-def _clamp_i32(x):
-    return int32(min(x, INT32_MAX))
-
 
 # --- histogram / tile counts -------------------------------------------------------------------
 
@@ -539,41 +238,6 @@ def _csr_kernel_count(block_indices, cu_q, row_offsets, tile_queries, tile_count
                 cuda.atomic.add(tile_counts, (tile, h, r), 1)
         i += stride
 
-
-@cuda.jit
-def _csr_kernel_tile_scan(tile_counts, counts):
-    """Per (h, r): exclusive scan of ``tile_counts[:, h, r]`` in place; the total to counts."""
-    ntiles, hkv, rows = tile_counts.shape
-    n = int64(hkv) * rows
-    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-    stride = int64(cuda.gridDim.x) * cuda.blockDim.x
-    while i < n:
-        h = i // rows
-        r = i % rows
-        acc = int32(0)
-        k = 0
-        # Four loads in flight before their stores: the column walk is latency bound.
-        while k + 4 <= ntiles:
-            c0 = tile_counts[k, h, r]
-            c1 = tile_counts[k + 1, h, r]
-            c2 = tile_counts[k + 2, h, r]
-            c3 = tile_counts[k + 3, h, r]
-            tile_counts[k, h, r] = acc
-            acc += c0
-            tile_counts[k + 1, h, r] = acc
-            acc += c1
-            tile_counts[k + 2, h, r] = acc
-            acc += c2
-            tile_counts[k + 3, h, r] = acc
-            acc += c3
-            k += 4
-        while k < ntiles:
-            c0 = tile_counts[k, h, r]
-            tile_counts[k, h, r] = acc
-            acc += c0
-            k += 1
-        counts[h, r] = acc
-        i += stride
 
 
 @cuda.jit
@@ -619,247 +283,6 @@ def _csr_kernel_count_shared(block_indices, cu_q, row_offsets, tile_queries, til
     for r in range(tid, rows, nt):
         out[r] = int32((hist[r >> 1] >> uint32((r & 1) * 16)) & uint32(0xFFFF))
 
-
-# --- exclusive prefix sum ----------------------------------------------------------------------
-
-@cuda.jit
-def _scan_kernel_serial(src, dst, flag):
-    """v1: thread s walks segment s: ``dst[s, i+1] = dst[s, i] + src[s, i]``."""
-    s = cuda.grid(1)
-    if s < src.shape[0]:
-        acc = int64(0)
-        for i in range(src.shape[1]):
-            v = int64(src[s, i])
-            if v < 0:
-                cuda.atomic.or_(flag, 0, 1)
-            dst[s, i] = _clamp_i32(acc)
-            acc += v
-        if acc > INT32_MAX:
-            cuda.atomic.or_(flag, 0, 2)
-        dst[s, src.shape[1]] = _clamp_i32(acc)
-
-
-@cuda.jit
-def _scan_kernel_reduce(src, block_sums, flag):
-    """v2 step 1: CTA (b, s) sums ``src[s, b*tile : (b+1)*tile]`` into ``block_sums[s, b]``."""
-    sh = cuda.shared.array(1024, int64)
-    b = cuda.blockIdx.x
-    s = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    n = src.shape[1]
-    first = int64(b) * nt * _SCAN_ITEMS + tid * _SCAN_ITEMS
-    acc = int64(0)
-    for k in range(_SCAN_ITEMS):
-        i = first + k
-        if i < n:
-            v = int64(src[s, i])
-            if v < 0:
-                cuda.atomic.or_(flag, 0, 1)
-            acc += v
-    sh[tid] = acc
-    cuda.syncthreads()
-    half = nt // 2
-    while half > 0:
-        if tid < half:
-            sh[tid] += sh[tid + half]
-        cuda.syncthreads()
-        half //= 2
-    if tid == 0:
-        block_sums[s, b] = sh[0]
-
-
-@cuda.jit
-def _scan_kernel_block_sums(block_sums, block_offsets, dst, flag):
-    """v2 step 2: CTA s scans ``block_sums[s]`` (exclusive); the total goes to ``dst[s, -1]``."""
-    sh = cuda.shared.array(1024, int64)
-    s = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    nb = block_sums.shape[1]
-    carry = int64(0)
-    for start in range(0, nb, nt):
-        i = start + tid
-        v = int64(0)
-        if i < nb:
-            v = block_sums[s, i]
-        sh[tid] = v
-        cuda.syncthreads()
-        _block_inclusive_scan(sh, tid, nt)
-        if i < nb:
-            block_offsets[s, i] = carry + sh[tid] - v
-        carry += sh[nt - 1]
-        cuda.syncthreads()  # everyone has read sh[nt-1] before the next round overwrites it
-    if tid == 0:
-        if carry > INT32_MAX:
-            cuda.atomic.or_(flag, 0, 2)
-        dst[s, dst.shape[1] - 1] = _clamp_i32(carry)
-
-
-@cuda.jit
-def _scan_kernel_add_back(src, block_offsets, dst):
-    """v2 step 3: CTA (b, s) scans its tile again, adds ``block_offsets[s, b]``, writes ``dst``."""
-    sh = cuda.shared.array(1024, int64)
-    b = cuda.blockIdx.x
-    s = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    n = src.shape[1]
-    first = int64(b) * nt * _SCAN_ITEMS + tid * _SCAN_ITEMS
-    mine = int64(0)
-    for k in range(_SCAN_ITEMS):
-        if first + k < n:
-            mine += src[s, first + k]
-    sh[tid] = mine
-    cuda.syncthreads()
-    _block_inclusive_scan(sh, tid, nt)
-    run = block_offsets[s, b] + sh[tid] - mine  # exclusive prefix of this thread's first item
-    for k in range(_SCAN_ITEMS):
-        i = first + k
-        if i < n:
-            dst[s, i] = _clamp_i32(run)
-            run += src[s, i]
-
-
-@cuda.jit(device=True)
-def _pack_status(epoch, flag, value):
-    return (int64(epoch) << _LOOKBACK_SHIFT) | (int64(flag) << 32) | min(max(value, int64(0)),
-                                                                          int64(0xFFFFFFFF))
-
-
-@cuda.jit
-def _scan_kernel_lookback(tile_counts, in_place, status, epoch, dst):
-    """v3: tile scan and prefix sum in one launch (decoupled look-back), for counts >= 0.
-
-    ``tile_counts`` int32 [ntiles, S, n]; CTA (b, s) owns entries ``[b*nt, (b+1)*nt)`` of
-    segment s, one per thread. A thread sums its column over the tiles (and, if ``in_place``,
-    rewrites it as an exclusive scan: each tile's start inside the row); the CTA scans the
-    column totals; then it learns the total of all earlier CTAs of its segment from their
-    status words (``status[1 + s*nb + b]``: flag 1 = own total, 2 = inclusive prefix, tagged with
-    this launch's ``epoch``), waiting only on CTAs that started before it; it writes
-    ``dst[s, i] = prefix + local exclusive`` and the last CTA ``dst[s, n]``. Sums saturate at
-    ``2**32-1`` in a status word and are clamped to int32 in ``dst``.
-    """
-    sh = cuda.shared.array(1024, int64)
-    prefix_sh = cuda.shared.array(1, int64)
-    nb = cuda.gridDim.x
-    tid = cuda.threadIdx.x
-    if tid == 0:
-        # Draw this CTA's place (word 0 of ``status``: epoch << 34 | tickets drawn so far).
-        ticket = int64(0)
-        drawn = False
-        while not drawn:
-            old = cuda.atomic.or_(status, 0, 0)
-            new = old + 1
-            ticket = old & 0xFFFFFFFF
-            if (old >> _LOOKBACK_SHIFT) != epoch:
-                new = _pack_status(epoch, 0, 1)
-                ticket = int64(0)
-            drawn = cuda.atomic.cas(status, 0, old, new) == old
-        prefix_sh[0] = ticket
-    cuda.syncthreads()
-    b = int32(prefix_sh[0] % nb)
-    s = int32(prefix_sh[0] // nb)
-    cuda.syncthreads()  # everyone has read the ticket before prefix_sh is reused
-    if s >= cuda.gridDim.y:
-        return  # only if launches overlapped on the status buffer (see the module docstring)
-    nt = cuda.blockDim.x
-    ntiles = tile_counts.shape[0]
-    n = tile_counts.shape[2]
-    i = int64(b) * nt + tid
-    total = int64(0)
-    if i < n:
-        col = tile_counts[:, s, i]
-        k = 0
-        if in_place:
-            while k + 4 <= ntiles:  # four loads in flight before their stores
-                c0 = col[k]
-                c1 = col[k + 1]
-                c2 = col[k + 2]
-                c3 = col[k + 3]
-                col[k] = _clamp_i32(total)
-                total += max(c0, 0)
-                col[k + 1] = _clamp_i32(total)
-                total += max(c1, 0)
-                col[k + 2] = _clamp_i32(total)
-                total += max(c2, 0)
-                col[k + 3] = _clamp_i32(total)
-                total += max(c3, 0)
-                k += 4
-            while k < ntiles:
-                c0 = col[k]
-                col[k] = _clamp_i32(total)
-                total += max(c0, 0)
-                k += 1
-        else:
-            while k < ntiles:
-                total += max(col[k], 0)
-                k += 1
-    sh[tid] = total
-    cuda.syncthreads()
-    _block_inclusive_scan(sh, tid, nt)
-    if tid == 0:
-        aggregate = sh[nt - 1]
-        me = 1 + int64(s) * nb + b  # word 0 is the ticket counter
-        prefix = int64(0)
-        if b == 0:
-            cuda.atomic.exch(status, me, _pack_status(epoch, 2, aggregate))
-        else:
-            cuda.atomic.exch(status, me, _pack_status(epoch, 1, aggregate))
-            j = int64(b) - 1
-            while j >= 0:
-                word = cuda.atomic.or_(status, me - b + j, 0)  # an L2 read, never a stale copy
-                if (word >> _LOOKBACK_SHIFT) == epoch:
-                    prefix += word & 0xFFFFFFFF
-                    if ((word >> 32) & 3) == 2:
-                        j = -1
-                    else:
-                        j -= 1
-            cuda.atomic.exch(status, me, _pack_status(epoch, 2, prefix + aggregate))
-        prefix_sh[0] = prefix
-    cuda.syncthreads()
-    prefix = prefix_sh[0]
-    if i < n:
-        dst[s, i] = _clamp_i32(prefix + sh[tid] - total)
-    if b == nb - 1 and tid == nt - 1:
-        dst[s, n] = _clamp_i32(prefix + sh[tid])
-
-
-def _lookback_scan(tile_counts, dst, in_place=True, threads=None):
-    """Launch ``_scan_kernel_lookback`` on kernel arguments ``tile_counts [ntiles, S, n]`` and
-    ``dst [S, n+1]`` (``_dev`` arrays)."""
-    _, segments, n = tile_counts.shape
-    if segments == 0:
-        return
-    nt = threads or _SCAN_THREADS
-    nb = max(1, -(-n // nt))
-    status, epoch = _lookback.get(1 + segments * nb)
-    _launch(_scan_kernel_lookback, (nb, segments), nt, tile_counts, int(bool(in_place)), status,
-            epoch, dst)
-
-
-def _launch_scan(ctx, src, dst, flag, version, threads=None):
-    """Exclusive scan of every row of ``src [S, n]`` into ``dst [S, n+1]`` (kernel arguments).
-
-    ``flag[0]`` gets bit 1 for a negative entry and bit 2 for a total above int32.
-    """
-    segments, n = src.shape
-    if segments == 0:
-        return
-    if version == 1:
-        _launch(_scan_kernel_serial, (segments + _THREADS - 1) // _THREADS, _THREADS, src, dst,
-                flag)
-        return
-    nt = threads or _SCAN_THREADS
-    nb = -(-n // (nt * _SCAN_ITEMS))
-    block_sums = ctx.empty((segments, max(nb, 1)), np.int64)
-    block_offsets = ctx.empty((segments, max(nb, 1)), np.int64)
-    if nb:
-        _launch(_scan_kernel_reduce, (nb, segments), nt, src, _karg(ctx, block_sums), flag)
-    _launch(_scan_kernel_block_sums, segments, nt, _karg(ctx, block_sums[:, :nb]),
-            _karg(ctx, block_offsets), dst, flag)
-    if nb:
-        _launch(_scan_kernel_add_back, (nb, segments), nt, src, _karg(ctx, block_offsets), dst)
 
 
 # --- scatter ---------------------------------------------------------------------------------
@@ -1239,27 +662,6 @@ def _csr_kernel_fill_tail(row_ptr, q_indices, slots):
 
 # --- launchers ---------------------------------------------------------------------------------
 
-def _grid(n: int) -> int:
-    return max(1, min(_MAX_GRID, -(-n // _THREADS)))
-
-
-def _device_copy(host):
-    """A small int32 host array as a kernel argument (the simulator indexes NumPy directly).
-
-    Memoised by content (and device): launchers are called again and again with the same
-    ``cu_seqlens``, and each fresh upload would be a synchronous copy that stalls the host.
-    """
-    host = np.ascontiguousarray(host, dtype=np.int32)
-    if SIMULATOR:
-        return host
-    return _cached_upload(host.tobytes(), cuda.get_current_device().id)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_upload(data: bytes, device_id: int):
-    """The ``_Dev`` of ``device_constant``'s (memoised) upload: one upload cache for msa."""
-    return _Dev(device_constant(np.frombuffer(data, dtype=np.int32)))
-
 
 @functools.lru_cache(maxsize=64)
 def _host_metadata(cu_q_bytes, cu_k_bytes, block_size, tq):
@@ -1274,11 +676,6 @@ def _host_metadata(cu_q_bytes, cu_k_bytes, block_size, tq):
     row_offsets.setflags(write=False)
     return cu_q, cu_k, row_offsets
 
-
-def _host_ints(name, x):
-    """A host int64 copy of small metadata, after the same rank/dtype checks as before."""
-    check_array(name, x, ndim=1, dtypes=("int",))
-    return np.ascontiguousarray(cu_to_host(x), dtype=np.int64)
 
 
 class _Plan:

@@ -50,7 +50,7 @@ tc4    ``_block_scores_kernel_tc2``   tc3 on Hopper's wgmma (compute capability 
        (``wgmma=True``)               simulator twin): the CTA's queries are copied once into
                                       shared memory as wgmma tiles, and each key chunk's scores
                                       are ``wgmma.m64n{KC}k16`` with both operands read from
-                                      shared memory (``msa.cuda._wgmma``): no ``ldmatrix``, no
+                                      shared memory (``msa.cuda._core.wgmma``): no ``ldmatrix``, no
                                       A fragments in registers. Needs 16-byte aligned
                                       ``q_idx`` too and ~105 KB of dynamic shared memory at
                                       Didx = 128. ``select_blocks_fused(version="heap4")``.
@@ -60,9 +60,9 @@ tc4    ``_block_scores_kernel_tc2``   tc3 on Hopper's wgmma (compute capability 
                                       multiplies).
 =====  =============================  ==========================================================
 
-Tensor cores are reached through ``msa.cuda._mma`` (inline PTX ``mma.sync``; under the
+Tensor cores are reached through ``msa.cuda._core.mma`` (inline PTX ``mma.sync``; under the
 simulator, or with ``MSA_MMA=twin``, its pure-Numba twin with the same per-lane contract);
-``cp.async`` and ``ldmatrix`` through ``msa.cuda._memops`` (simulator twins alike).
+``cp.async`` and ``ldmatrix`` through ``msa.cuda._core.memops`` (simulator twins alike).
 
 Sequence positions follow ``msa.reference.blocks``: query ``t`` of sequence ``s`` sits at key
 position ``Lk - Lq + (t - cu_seqlens_q[s])`` and sees the keys ``0..pos`` of its sequence.
@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -87,17 +86,21 @@ from .._checks import (
     dtype_of,
 )
 from ..reference.blocks import max_blocks
-from ._arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
-from ._memops import (
+from ._core.arrays import POISON as _POISON
+from ._core.arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
+from ._core.heap import offer as _offer
+from ._core.launch import launch_smem as _launch_smem
+from ._core.packed import query_position as _query_position
+from ._core.memops import (
     cp_async16,
     cp_async_commit,
     cp_async_wait_all,
     is_aligned16,
     ldmatrix_x4,
 )
-from . import _mma, _wgmma
-from ._mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
-from ._wgmma import core_word
+from ._core import mma as _mma, wgmma as _wgmma
+from ._core.mma import bf16_to_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
+from ._core.wgmma import core_word
 
 VERSIONS = ("v1", "tc", "tc2", "tc3", "tc4")
 POOLS = ("max", "mean")
@@ -114,29 +117,9 @@ _TC_JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}
 # (instead of a compare and a select); switches for A/B runs (benchmarks/ab_index.py).
 _TC_STEADY_COPY = True
 _TC_FUSED_FMAX = True
-# Kernel outputs are filled with poison (NaN, -2**31) before a launch under the simulator, or on
-# a GPU when MSA_POISON_OUTPUTS=1, so that an element a kernel forgets to write fails the tests.
-_POISON = SIMULATOR or os.environ.get("MSA_POISON_OUTPUTS", "0") == "1"
 
 
 # -- positions ----------------------------------------------------------------------------------
-
-@cuda.jit(device=True, inline=True)
-def _query_position(cu_q, cu_k, t):
-    """``(sequence, pos)`` of packed query ``t``: binary search of ``cu_q`` (empty sequences
-    repeat an offset; the last ``s`` with ``cu_q[s] <= t`` is the one that holds ``t``)."""
-    lo = 0
-    hi = cu_q.shape[0] - 1  # invariant: cu_q[lo] <= t < cu_q[hi]
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if cu_q[mid] <= t:
-            lo = mid
-        else:
-            hi = mid
-    lq = cu_q[lo + 1] - cu_q[lo]
-    lk = cu_k[lo + 1] - cu_k[lo]
-    return lo, lk - lq + (t - cu_q[lo])
-
 
 # -- element loads: bf16 bits, fp16, fp32, fp64 -> the compute type -----------------------------
 
@@ -235,7 +218,6 @@ def _block_scores_kernel_tc(d_idx: int, block_size: int, warps: int, bf16: bool,
     blocks before the tile's last local block are scored and no key needs a causal mask: every
     key of a block ``b < L`` is visible to the row. M is never written.
     """
-    from .select import _offer  # here, not at the top: msa.cuda.select imports this module
 
     fused = cap > 0
     D2 = d_idx // 2  # uint32 words per row (two 16-bit values each)
@@ -449,11 +431,10 @@ def _block_scores_kernel_tc2(d_idx: int, block_size: int, warps: int, bf16: bool
     64-row wgmma tile per (warpgroup, m-tile) (warp ``w``'s m-tile ``mi`` is rows
     ``16 (w % 4) ..`` of tile ``(w // 4, mi)``), and the key chunks are stored the same way;
     each chunk's scores are ``2 KS`` ``wgmma.m64n{KC}k16`` with both operands read by the
-    tensor cores from shared memory (``msa.cuda._wgmma``), no ``ldmatrix`` and no A fragments
+    tensor cores from shared memory (``msa.cuda._core.wgmma``), no ``ldmatrix`` and no A fragments
     in registers. The accumulators have the ``mma.sync`` layout, so the maxima are folded as
     in tc (key order per row), and staged and stored (or offered to the top-k) as in tc2.
     Needs 16-byte aligned ``q_idx`` too."""
-    from .select import _offer  # here, not at the top: msa.cuda.select imports this module
 
     fused = cap > 0
     D2 = d_idx // 2  # uint32 words per row (two 16-bit values each)
@@ -973,7 +954,7 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
     tiles_dev = device_constant(tiles)
     args = (p.q, p.k, p.cu_q, p.cu_k, tiles_dev, t0, p.nb, p.scale, M, topk, out)
     if p.version == "tc4":
-        _mma.launch(kernel, tiles.shape[0], 32 * _TC_WARPS, _tc4_smem(p.d_idx, p.block_size),
+        _launch_smem(kernel, tiles.shape[0], 32 * _TC_WARPS, _tc4_smem(p.d_idx, p.block_size),
                     *args)
         return
     kernel[tiles.shape[0], 32 * _TC_WARPS](*args)

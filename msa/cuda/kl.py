@@ -77,7 +77,7 @@ v    idea
      queries in tiles of ``P = ceil(128/G)`` positions x ``G`` heads (rows copied by 16-byte
      ``cp.async``, all in flight at once; plain loads for inputs not 16-byte aligned):
      ``S = Q Kᵀ`` and ``S^idx = Q_idx K_idxᵀ`` by ``mma.sync.m16n8k16`` (fp32 accumulate,
-     ``msa.cuda._mma``), each head's ``exp(S - LSE)`` and the student logits in shared
+     ``msa.cuda._core.mma``), each head's ``exp(S - LSE)`` and the student logits in shared
      memory, then per position (``2G`` lanes) the slot's state ``(m, l, C, K)`` (forward),
      ``(m, l)`` (``LSE^idx``) or ``dS``, the slot's ``dq_idx`` partial and KL term
      (backward), into per-slot buffers that a Q-outer pass merges in slot order. ``dk_idx``
@@ -127,14 +127,20 @@ from numba import cuda, float32, int32, uint32
 
 from .._checks import (GQA_GROUP_SIZES, check_array, check_cu_seqlens, check_gqa,
                        check_positive_int, check_scale, cu_to_host, dtype_of)
-from . import _mma
-from ._arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
-from .attention import (_LN2, _LOG2E, _check_entry, _device_copy, _item_fields, _load_entry,
-                        _row_query)
-from ._memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
+from ._core import mma as _mma
+from ._core.arrays import SIMULATOR, ArrayContext, device_constant, is_bf16
+from ._core.launch import device_copy as _device_copy
+from ._core.launch import launch_smem as _launch_smem
+from ._core.packed import LN2 as _LN2
+from ._core.packed import LOG2E as _LOG2E
+from ._core.packed import check_entry as _check_entry
+from ._core.packed import item_fields as _item_fields
+from ._core.packed import load_entry as _load_entry
+from ._core.packed import row_query as _row_query
+from ._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                       cp_async_wait_all, is_aligned16, ldmatrix_x4, ldmatrix_x4_trans,
                       load_f32x4, no_op)
-from ._mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
+from ._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, load_a_frag, load_b_frag,
                    make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 
 VERSIONS = (1, 2, 3, 4)
@@ -2434,7 +2440,7 @@ class _Plan:
         pad = -(-self.positions // 16) * 16
         smem = _v3_layout(self.block_size, self.d, self.d_idx, self.rows, pad,
                           mode != "student")[2]
-        _mma.launch(kernel, num_items, 2 * self.rows, smem, *words, lse[t0:t1],
+        _launch_smem(kernel, num_items, 2 * self.rows, smem, *words, lse[t0:t1],
                     lse_idx[t0:t1], work, q_indices, slots, *d_cu, np.float32(self.scale),
                     np.float32(self.index_scale), coef, part, ds, dq_part)
 
@@ -2453,13 +2459,13 @@ class _Plan:
         if mode == "student":
             kernel = _kl_kernel_student_reg(bf16, self.block_size, self.d_idx,
                                             _STUDENT_WARPS_V4, aligned)
-            _mma.launch(kernel, num_items, 32 * _STUDENT_WARPS_V4, self.smem_student_v4,
+            _launch_smem(kernel, num_items, 32 * _STUDENT_WARPS_V4, self.smem_student_v4,
                         words[2], words[3], work, q_indices, slots, *d_cu,
                         np.float32(self.index_scale * _LOG2E), part)
             return
         kernel = _kl_kernel_grad_reg(bf16, self.block_size, self.d, self.d_idx, self.group,
                                      self.positions_v4, aligned, mode == "grad")
-        _mma.launch(kernel, num_items, 2 * self.rows_v4, self.smem_v4, *words, lse[t0:t1],
+        _launch_smem(kernel, num_items, 2 * self.rows_v4, self.smem_v4, *words, lse[t0:t1],
                     lse_idx[t0:t1], work, q_indices, slots, *d_cu,
                     np.float32(self.scale * _LOG2E), np.float32(self.index_scale),
                     coef, part, ds, dq_part)
@@ -2737,7 +2743,7 @@ def _kl_backward_v3(p, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
             qi_words = p.q_idx[t0:t1].view(np.uint32)
             kernel = _kl_kernel_keys_mma(p.block_size, p.d_idx, is_aligned16(qi_words))
             _, _, _, smem, dims = _keys_v4_layout(p.block_size, p.d_idx)
-            _mma.launch(kernel, int(row_offsets[-1]) * (p.d_idx // dims),
+            _launch_smem(kernel, int(row_offsets[-1]) * (p.d_idx // dims),
                         2 * p.block_size, smem, qi_words, ds, row_ptr, q_indices, slots,
                         d_cu[1], d_rows, np.float32(p.index_scale), dk[k_lo:k_hi])
             continue

@@ -51,21 +51,19 @@ from numba import cuda, int32, int64
 from .._checks import check_array, check_offsets, check_positive_int, cu_to_host
 from ..reference.blocks import block_row_offsets
 from ..reference.schedule import WORK_COLUMNS
-from ._arrays import SIMULATOR, ArrayContext
-from .csr import (
-    _THREADS,
-    INT32_MAX,
-    _csr_kernel_tile_scan,
-    _device_copy,
-    _grid,
-    _host_ints,
-    _karg,
-    _kinput,
-    _last_le,
-    _launch,
-    _launch_scan,
-    _lookback_scan,
-)
+from ._core.arrays import SIMULATOR, ArrayContext
+from ._core.arrays import INT32_MAX
+from ._core.launch import THREADS as _THREADS
+from ._core.launch import grid_size as _grid
+from ._core.launch import host_ints as _host_ints
+from ._core.launch import karg as _karg
+from ._core.launch import kinput as _kinput
+from ._core.launch import launch as _launch
+from ._core.launch import upload_ints as _device_copy
+from ._core.packed import last_le as _last_le
+from ._core.scan import launch_scan as _launch_scan
+from ._core.scan import lookback_scan as _lookback_scan
+from ._core.scan import tile_scan_kernel as _csr_kernel_tile_scan
 
 _ITEM_TILE = 64 if SIMULATOR else 512  # rows per CTA of the write kernel (<= 1024)
 

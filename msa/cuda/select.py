@@ -74,13 +74,17 @@ from numba import cuda, float32, float64, int32
 from .._checks import check_array, check_cu_seqlens, check_positive_int, cu_to_host, dtype_of
 from ..reference.blocks import max_blocks
 from . import index as _index
-from ._arrays import SIMULATOR, ArrayContext
-from ._memops import is_aligned16, load_f32x4
-from ._warp import warp_sort_desc
-from .index import _POISON, _query_position
+from ._core.arrays import SIMULATOR, ArrayContext
+from ._core.memops import is_aligned16, load_f32x4
+from ._core.warp import warp_sort_desc
+from ._core.arrays import POISON as _POISON
+from ._core.heap import better as _better
+from ._core.heap import heap_sort_best_first as _heap_sort_best_first
+from ._core.heap import offer as _offer
+from ._core.packed import query_position as _query_position
 
 if SIMULATOR:
-    from ._simwarp import install as _install_simwarp
+    from ._core.simwarp import install as _install_simwarp
 
     _install_simwarp()
 
@@ -96,91 +100,6 @@ _WARPS_PER_CTA = 4
 _THREADS_V1 = 128
 # Default memory for one chunk's block scores in select_blocks_fused (bytes).
 FUSED_MEMORY_BUDGET = 4 << 30
-
-
-# -- (score, -block id) order and the min-heap on it --------------------------------------------
-
-@cuda.jit(device=True, inline=True)
-def _better(s1, i1, s2, i2):
-    """``(s1, -i1) > (s2, -i2)``: a higher score first, equal scores to the smaller block id."""
-    return s1 > s2 or (s1 == s2 and i1 < i2)
-
-
-@cuda.jit(device=True, inline=True)
-def _sift_down(hs, hi, n, pos):
-    """Restore the min-heap ``hs/hi[0:n]`` below ``pos`` (each parent worse than its children)."""
-    s = hs[pos]
-    i = hi[pos]
-    while True:
-        c = 2 * pos + 1
-        if c >= n:
-            break
-        # descend towards the worse child, so that it can rise above the other
-        if c + 1 < n and _better(hs[c], hi[c], hs[c + 1], hi[c + 1]):
-            c += 1
-        if _better(s, i, hs[c], hi[c]):
-            hs[pos] = hs[c]
-            hi[pos] = hi[c]
-            pos = c
-        else:
-            break
-    hs[pos] = s
-    hi[pos] = i
-
-
-@cuda.jit(device=True, inline=True)
-def _sift_up(hs, hi, pos):
-    """Restore the min-heap after an entry was written at ``pos`` (the end of the heap)."""
-    s = hs[pos]
-    i = hi[pos]
-    while pos > 0:
-        p = (pos - 1) >> 1
-        if _better(hs[p], hi[p], s, i):
-            hs[pos] = hs[p]
-            hi[pos] = hi[p]
-            pos = p
-        else:
-            break
-    hs[pos] = s
-    hi[pos] = i
-
-
-@cuda.jit(device=True, inline=True)
-def _offer(hs, hi, n, kmax, rs, ri, s, b):
-    """Offer candidate ``(s, b)`` to a heap of at most ``kmax >= 1`` entries whose root (its worst
-    entry) is cached in ``(rs, ri)``; returns the new ``(n, rs, ri)``. ``-inf`` and NaN are never
-    kept: before the heap is full ``s > -inf`` is asked, after it every kept score is > -inf."""
-    if n == kmax:
-        if _better(s, b, rs, ri):
-            hs[0] = s
-            hi[0] = b
-            _sift_down(hs, hi, n, 0)
-            rs = hs[0]
-            ri = hi[0]
-    elif s > -math.inf:
-        hs[n] = s
-        hi[n] = b
-        _sift_up(hs, hi, n)
-        n += 1
-        rs = hs[0]
-        ri = hi[0]
-    return n, rs, ri
-
-
-@cuda.jit(device=True, inline=True)
-def _heap_sort_best_first(hs, hi, n):
-    """Heapsort a min-heap in place into ``hs/hi[0:n]`` best first (repeatedly move the root,
-    the worst remaining entry, to the end)."""
-    m = n
-    while m > 1:
-        m -= 1
-        s = hs[0]
-        i = hi[0]
-        hs[0] = hs[m]
-        hi[0] = hi[m]
-        hs[m] = s
-        hi[m] = i
-        _sift_down(hs, hi, m, 0)
 
 
 # -- kernels ------------------------------------------------------------------------------------

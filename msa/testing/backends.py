@@ -136,6 +136,6 @@ def poison(x):
         else:
             x.fill_(int(np.iinfo(str(x.dtype).split(".")[-1]).min))
         return x
-    from msa.cuda._arrays import fill
+    from msa.cuda._core.arrays import fill
 
     return fill(x, poison_value(x.dtype))

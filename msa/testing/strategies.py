@@ -63,7 +63,8 @@ KERNEL_SHAPES = dict(max_seqs=2, max_len=64, max_heads=4, max_topk=4, block_size
                      dims=(16,))
 
 
-def _cu(lengths) -> np.ndarray:
+def offsets(lengths) -> np.ndarray:
+    """``cu_seqlens`` int32 [B+1] of sequence lengths: ``[0, l0, l0 + l1, ...]``."""
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
 
 
@@ -71,7 +72,7 @@ def _cu(lengths) -> np.ndarray:
 def packed_batches(draw, *, max_seqs: int = 3, max_len: int = 96, allow_empty: bool = True):
     """``(cu_seqlens_q, cu_seqlens_k)``, int32 [B+1] each, from ``seq_lens``."""
     lq, lk = draw(seq_lens(max_seqs=max_seqs, max_len=max_len, allow_empty=allow_empty))
-    return _cu(lq), _cu(lk)
+    return offsets(lq), offsets(lk)
 
 
 def _local_blocks(cu_seqlens_q, cu_seqlens_k, block_size):
@@ -215,6 +216,6 @@ def chunk_sizes(max_size: int = 64):
 def fewer_in_simulator(n: int):
     """A test decorator: at most ``n`` hypothesis examples under Numba's simulator (every
     simulated CUDA thread is a Python thread), the profile's count on a GPU."""
-    from msa.cuda._arrays import SIMULATOR  # here: the strategies need no CUDA import
+    from msa.cuda._core.arrays import SIMULATOR  # here: the strategies need no CUDA import
 
     return settings(max_examples=n) if SIMULATOR else (lambda test: test)

@@ -1,7 +1,7 @@
 """Kernel tests: under Numba's simulator in CI, on a real GPU through the device tool.
 
 Without either, every test here is skipped with the reason. Under the simulator the warp
-operations of ``msa.cuda._simwarp`` are installed (``msa.cuda`` installs them too; it is
+operations of ``msa.cuda._core.simwarp`` are installed (``msa.cuda`` installs them too; it is
 idempotent).
 """
 
@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from msa.cuda._arrays import ArrayContext
-from msa.cuda._simwarp import install
+from msa.cuda._core.arrays import ArrayContext
+from msa.cuda._core.simwarp import install
 from msa.testing.backends import cuda_runnable, poison
 
 install()

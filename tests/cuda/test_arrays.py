@@ -1,4 +1,4 @@
-"""msa.cuda._arrays.device_constant: the launchers' memoised uploads of read-only offsets.
+"""msa.cuda._core.arrays.device_constant: the launchers' memoised uploads of read-only offsets.
 
 A repeated call must upload nothing (same content: the same device array), while any
 difference in content, dtype or shape must give an array of its own; the device copy keeps the
@@ -7,7 +7,7 @@ values it was made from.
 
 import numpy as np
 
-from msa.cuda._arrays import SIMULATOR, device_constant
+from msa.cuda._core.arrays import SIMULATOR, device_constant
 from msa.testing.backends import to_numpy
 
 

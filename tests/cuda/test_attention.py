@@ -10,7 +10,7 @@ bound allows for explicitly (``p_floor``). Outputs the launchers allocate start 
 
 The ``mma`` shim is tested on its own against NumPy (``test_mma_*``): under the simulator that
 checks the twin, on a GPU the inline PTX, with the same fragment-loading code; likewise
-``ldmatrix_x4``/``ldmatrix_x4_trans`` (``msa.cuda._memops``), which feed version 3's fragments.
+``ldmatrix_x4``/``ldmatrix_x4_trans`` (``msa.cuda._core.memops``), which feed version 3's fragments.
 
 ``big`` tests (GPU only) run the paper configuration (Hq=64, Hkv=4, D=128, Bk=128, K=16) at 8K
 tokens against the reference.
@@ -26,9 +26,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from numba import cuda, float32, uint32
 
-from msa.cuda import _mma
+from msa.cuda._core import mma as _mma
 from msa.cuda import attention as gpu
-from msa.cuda._arrays import SIMULATOR
+from msa.cuda._core.arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.reference import attention as ref
 from msa.reference.attention import _supports
@@ -39,6 +39,7 @@ from msa.testing.backends import to_numpy
 from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
 from msa.testing.strategies import fewer_in_simulator
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
+from msa.testing.strategies import offsets as cu
 
 U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of P in versions 2, 3
 
@@ -53,8 +54,6 @@ def bf16_as_uint16(monkeypatch):
 
 # --- problems ---------------------------------------------------------------------------------
 
-def cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def selection(cu_q, cu_k, hkv, topk, bk, seed, *, hot=(), fill=True, future=False):
@@ -406,7 +405,7 @@ def test_quad_transpose():
 def test_simulated_16_byte_store_checks_alignment(flat, ok):
     """The simulator's ``store_u32x4`` refuses what ``st.global.v4`` would fault on, so a wrong
     offset fails in the simulator too; an aligned store writes its four words."""
-    from msa.cuda._memops import store_u32x4
+    from msa.cuda._core.memops import store_u32x4
 
     @cuda.jit
     def kernel(a, flat):
@@ -1049,7 +1048,7 @@ def test_bit_helpers_match_numpy():
 
 @functools.lru_cache(maxsize=None)
 def _ldmatrix_kernel(trans):
-    from msa.cuda._memops import ldmatrix_x4, ldmatrix_x4_trans
+    from msa.cuda._core.memops import ldmatrix_x4, ldmatrix_x4_trans
 
     load = ldmatrix_x4_trans if trans else ldmatrix_x4
 

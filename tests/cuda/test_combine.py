@@ -18,8 +18,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from msa.cuda import combine as gpu
-from msa.cuda._arrays import SIMULATOR, ArrayContext
-from msa.cuda._memops import is_aligned16
+from msa.cuda._core.arrays import SIMULATOR, ArrayContext
+from msa.cuda._core.memops import is_aligned16
 from msa.reference import combine as ref
 from msa.testing.backends import to_numpy
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline

@@ -14,11 +14,14 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from msa.cuda import csr as gpu
-from msa.cuda._arrays import SIMULATOR, ArrayContext
+from msa.cuda._core import launch as _launch
+from msa.cuda._core import scan as _scan
+from msa.cuda._core.arrays import SIMULATOR, ArrayContext
 from msa.reference import csr as ref
 from msa.reference.blocks import block_row_offsets, query_positions
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import seq_lens
+from msa.testing.strategies import offsets as cu
 
 
 def on_device(x):
@@ -27,8 +30,6 @@ def on_device(x):
     return x if SIMULATOR else cuda.to_device(x)
 
 
-def cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 
@@ -190,7 +191,7 @@ def test_free_bytes_from_numba_and_its_memory_managers(monkeypatch):
     # manager may not know (NotImplementedError), and then v3 is not ruled out.
     from collections import namedtuple
 
-    from msa.cuda import _arrays
+    from msa.cuda._core import arrays as _arrays
 
     class Ctx:
         def __init__(self, free):
@@ -308,7 +309,7 @@ def test_lookback_scan_equals_numpy(ntiles, segments, n, threads, in_place):
     for _ in range(2):  # the second launch reuses the status words under a new epoch
         tile_counts = on_device(counts.copy())
         dst = on_device(np.full((segments, n + 1), np.iinfo(np.int32).min, np.int32))
-        gpu._lookback_scan(gpu._dev(tile_counts), gpu._dev(dst), in_place=in_place,
+        _scan.lookback_scan(_launch.dev(tile_counts), _launch.dev(dst), in_place=in_place,
                            threads=threads)
         np.testing.assert_array_equal(to_numpy(dst), want)
         np.testing.assert_array_equal(to_numpy(tile_counts), want_tiles)
@@ -318,7 +319,7 @@ def test_lookback_scan_clamps_past_int32():
     # Outside build_csr's contract (Tq*K < 2**31), but bounded: offsets clamp to int32.
     counts = on_device(np.full((1, 1, 6), 2**30, np.int32))
     dst = on_device(np.zeros((1, 7), np.int32))
-    gpu._lookback_scan(gpu._dev(counts), gpu._dev(dst), in_place=False, threads=2)
+    _scan.lookback_scan(_launch.dev(counts), _launch.dev(dst), in_place=False, threads=2)
     np.testing.assert_array_equal(to_numpy(dst)[0], [0, 2**30, 2**31 - 1, 2**31 - 1, 2**31 - 1,
                                            2**31 - 1, 2**31 - 1])
 
@@ -594,8 +595,8 @@ def test_fast_launch_equals_numbas_launch():
         cuda.to_device(I), cuda.to_device(plan.cu_q.astype(np.int32)),
         cuda.to_device(plan.row_offsets.astype(np.int32)), 8, plain)
     np.testing.assert_array_equal(to_numpy(fast), plain.copy_to_host())
-    assert gpu._FAST_LAUNCH, "the direct launch failed and fell back to Numba's dispatcher"
-    view = gpu._Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
+    assert _launch.FAST_LAUNCH, "the direct launch failed and fell back to Numba's dispatcher"
+    view = _launch.Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
     assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
     assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())
 
@@ -634,6 +635,8 @@ def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
         "_csr_kernel_split_rows": (i32_2, i32_3, i64[:, ::1], i64[:, ::1]),
         "_csr_kernel_unpack": (i32_2, i64[:, ::1], i32_2, i32_2),
     }
-    ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
+    source = _scan if kernel.startswith("_scan") or kernel == "_csr_kernel_tile_scan" else gpu
+    fn = _scan.tile_scan_kernel if kernel == "_csr_kernel_tile_scan" else getattr(source, kernel)
+    ptx, _ = cuda.compile_ptx(fn.py_func, sigs[kernel], cc=(9, 0))
     assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
     assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"

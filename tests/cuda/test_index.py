@@ -21,11 +21,12 @@ from hypothesis import strategies as st
 
 import msa.cuda.index as cuda_index
 import msa.reference.index as ref_index
-from msa.cuda._arrays import SIMULATOR
+from msa.cuda._core.arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import KERNEL_SHAPES, fewer_in_simulator, problem_shapes
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
+from msa.testing.strategies import offsets as _cu
 
 DTYPES = ("float32", "float64", "float16", "bf16")
 
@@ -35,8 +36,6 @@ if SIMULATOR:
     sys.setswitchinterval(5e-4)
 
 
-def _cu(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _bf16_round(x):

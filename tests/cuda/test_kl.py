@@ -22,7 +22,7 @@ from numba import cuda
 
 import msa.cuda.kl as gpu
 import msa.reference.kl as ref
-from msa.cuda._arrays import SIMULATOR
+from msa.cuda._core.arrays import SIMULATOR
 from msa.problems import make_problem
 from msa.reference.attention import dense_attention, sparse_attention
 from msa.reference.blocks import local_blocks, max_blocks, query_positions

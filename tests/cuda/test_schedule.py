@@ -17,17 +17,16 @@ from hypothesis import strategies as st
 
 from msa.cuda import csr as gpu_csr
 from msa.cuda import schedule as gpu
-from msa.cuda._arrays import SIMULATOR
+from msa.cuda._core.arrays import SIMULATOR
 from msa.reference.blocks import block_row_offsets
 from msa.reference.csr import build_csr
 from msa.reference.schedule import build_schedule
 from msa.reference.select import fixed_blocks
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import seq_lens
+from msa.testing.strategies import offsets as cu
 
 
-def cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 

@@ -19,13 +19,14 @@ import msa.cuda.index as cuda_index
 import msa.cuda.select as cuda_select
 import msa.reference.index as ref_index
 import msa.reference.select as ref_select
-from msa.cuda._arrays import SIMULATOR
-from msa.cuda._memops import is_aligned16
+from msa.cuda._core.arrays import SIMULATOR
+from msa.cuda._core.memops import is_aligned16
 from msa.problems import make_problem
 from msa.reference.blocks import local_blocks, max_blocks
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import fewer_in_simulator, select_problems
 from msa.testing.tolerance import assert_exact
+from msa.testing.strategies import offsets as _cu
 
 VERSIONS = cuda_select.VERSIONS
 
@@ -35,8 +36,6 @@ if SIMULATOR:
     sys.setswitchinterval(5e-4)
 
 
-def _cu(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):

@@ -1,4 +1,4 @@
-"""Warp operations: the same kernels on a real GPU and under the simulator (``msa.cuda._simwarp``).
+"""Warp operations: the same kernels on a real GPU and under the simulator (``msa.cuda._core.simwarp``).
 
 Every kernel here is valid CUDA and is compared exactly with a NumPy model of the CUDA semantics
 (integers, or floats holding small integers). Tests marked ``simulator`` check the add-on's own
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from numba import cuda, int32
 
-from msa.cuda import _simwarp
-from msa.cuda._warp import warp_inclusive_sum, warp_max, warp_min, warp_sort_desc, warp_sum
+from msa.cuda._core import simwarp as _simwarp
+from msa.cuda._core.warp import warp_inclusive_sum, warp_max, warp_min, warp_sort_desc, warp_sum
 
 FULL = 0xFFFFFFFF
 LANES = np.arange(32)

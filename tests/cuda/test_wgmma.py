@@ -1,4 +1,4 @@
-"""``msa.cuda._wgmma``'s host-checkable pieces: the core-matrix layout and the matrix descriptor.
+"""``msa.cuda._core.wgmma``'s host-checkable pieces: the core-matrix layout and the matrix descriptor.
 
 The ``wgmma`` instructions themselves run only on a GPU of compute capability 9.0 (no simulator
 twin); the kernels that use them (K1 v4, the index kernel ``tc4``) are tested against the
@@ -9,7 +9,7 @@ tested here, in the simulator too, through the device functions' Python bodies.
 import numpy as np
 import pytest
 
-from msa.cuda import _wgmma
+from msa.cuda._core import wgmma as _wgmma
 
 core_word = _wgmma.core_word.py_func
 smem_desc = _wgmma.smem_desc.py_func

@@ -6,10 +6,9 @@ from hypothesis import given
 
 from msa.reference import blocks
 from msa.testing.strategies import seq_lens
+from msa.testing.strategies import offsets as _cu
 
 
-def _cu(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def test_gqa_group_maps_adjacent_heads_to_one_kv_head():

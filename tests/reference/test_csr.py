@@ -17,10 +17,9 @@ from msa.reference.csr import build_csr, csr_histogram, csr_scatter, exclusive_p
 from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
 from msa.testing.strategies import problem_shapes, problems
+from msa.testing.strategies import offsets as cu
 
 
-def cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def random_block_indices(seq_lens_q, seq_lens_k, num_kv_heads, topk, block_size, seed, *,

@@ -18,10 +18,9 @@ from msa.reference.blocks import local_blocks, max_blocks, query_positions
 from msa.reference.index import block_scores, index_projections, index_scores
 from msa.reference.select import select_blocks
 from msa.testing.strategies import problem_shapes
+from msa.testing.strategies import offsets as _cu
 
 
-def _cu(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _integer_problem(seq_lens_k, seq_lens_q=None, *, num_kv_heads=2, index_dim=8, seed=0, **kw):

@@ -19,10 +19,9 @@ from msa.reference.schedule import build_schedule, schedule_stats
 from msa.reference.index import block_scores
 from msa.reference.select import fixed_blocks, select_blocks
 from msa.testing.strategies import problems, seq_lens
+from msa.testing.strategies import offsets as cu
 
 
-def cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def random_row_ptr(seq_lens_k, block_size, num_kv_heads, seed, *, hot_rows=0, max_count=12):

@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from msa.reference.blocks import local_blocks, max_blocks, query_positions
 from msa.reference.select import check_block_indices, fixed_blocks, select_blocks
 from msa.testing.strategies import seq_lens
+from msa.testing.strategies import offsets as _cu
 
 
-def _cu(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def _slow_select(M, cu_q, cu_k, topk, block_size):

@@ -175,8 +175,8 @@ def test_backend_finds_reference_functions_and_skips_missing_cuda_ones():
                        match="msa.cuda.no_such_stage is not implemented yet"):
         Backend("cuda").no_such_stage
     with pytest.raises(pytest.skip.Exception,
-                       match=r"msa.cuda._arrays.no_such_fn is not implemented"):
-        Backend("cuda").stage("_arrays").no_such_fn
+                       match=r"msa.cuda.csr.no_such_fn is not implemented"):
+        Backend("cuda").stage("csr").no_such_fn
     with pytest.raises(ModuleNotFoundError):
         Backend("reference").no_such_stage
     with pytest.raises(AttributeError):

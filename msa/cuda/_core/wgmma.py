@@ -11,7 +11,7 @@ softmax), ``make_wgmma_ss`` from shared memory too (the index kernel's queries, 
 
 Register layouts (PTX ISA, "Register Fragments", ``wgmma.mma_async.m64nNk16``): warp ``w`` of
 the warpgroup holds rows ``16w .. 16w + 15``; inside a warp A is exactly the A fragment of
-``mma.sync.m16n8k16`` (``msa.cuda._mma``'s table, four uint32 registers), and the ``N/2``
+``mma.sync.m16n8k16`` (``msa.cuda._core.mma``'s table, four uint32 registers), and the ``N/2``
 fp32 accumulators are the m16n8 C fragments of the ``N/8`` n-tiles one after the other
 (``d[4i .. 4i+3]``: n-tile ``i``, rows ``g`` and ``g + 8``, columns ``8i + 2t``, ``+1``).
 So a kernel written for ``mma.sync`` keeps its fragment bookkeeping.
@@ -46,7 +46,7 @@ import functools
 
 from numba import cuda, types
 
-from ._arrays import SIMULATOR
+from .arrays import SIMULATOR
 
 AVAILABLE = not SIMULATOR
 

@@ -3,7 +3,7 @@
 Each helper is called by all 32 lanes of a warp together (full mask), so launch blocks whose size
 is a multiple of 32 or give the idle lanes neutral values; ``warp_inclusive_sum`` also takes a
 mask whose lanes are ``0..n-1`` (e.g. ``cuda.activemask()`` in a partial last warp). Under
-``NUMBA_ENABLE_CUDASIM=1`` the shuffles come from ``msa.cuda._simwarp``. Numba widens int32
+``NUMBA_ENABLE_CUDASIM=1`` the shuffles come from ``msa.cuda._core.simwarp``. Numba widens int32
 arithmetic to int64, so the sums of int32 values are int64 (two shuffles per step) on the GPU;
 float32 stays float32 (checked offline: no f64 and no local memory in the PTX at cc 9.0).
 

@@ -25,6 +25,10 @@ import numpy as np
 from numba import cuda
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+INT32_MAX = np.iinfo(np.int32).max
+# Kernel outputs are filled with poison (NaN, -2**31) before a launch under the simulator, or on
+# a GPU when MSA_POISON_OUTPUTS=1, so that an element a kernel forgets to write fails the tests.
+POISON = SIMULATOR or os.environ.get("MSA_POISON_OUTPUTS", "0") == "1"
 
 
 def library_of(x) -> str:

@@ -56,7 +56,7 @@ import os
 import numpy as np
 from numba import cuda, float32, types, uint16, uint32
 
-from ._arrays import SIMULATOR
+from .arrays import SIMULATOR
 
 MAX_WARPS = 16
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -338,7 +338,7 @@ def _warp_mma_numpy(lanes, is_bf16):
 
 def _make_mma_twin(is_bf16):
     if SIMULATOR:  # one rendezvous of the warp, then the warp's whole D at once in NumPy
-        from . import _simwarp
+        from . import simwarp as _simwarp
 
         @cuda.jit(device=True)
         def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -467,55 +467,3 @@ def _deal(warp, it, nw, total, per_row):
     if not real:
         item = 0
     return real, item // per_row, item % per_row
-
-
-# Launch with more than 48 KB of dynamic shared memory.
-_raised: dict = {}
-
-
-def launch(kernel, grid, block, smem_bytes, *args):
-    """``kernel[grid, block, 0, smem_bytes](*args)``, raising the kernel's shared-memory limit first.
-
-    Above 48 KB, a launch fails with CUDA_ERROR_INVALID_VALUE until the kernel's
-    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` is raised; that needs the compiled
-    ``CUkernel``, so the dispatcher is first specialised for the argument types. The attribute
-    call goes through Numba's driver wrapper (the one ``set_shared_memory_carveout`` uses).
-    Raises ValueError beyond ``DEVICE_SMEM_LIMIT``.
-    """
-    smem_bytes = int(smem_bytes)
-    if smem_bytes > DEVICE_SMEM_LIMIT:
-        raise ValueError(
-            f"kernel {getattr(kernel, '__name__', kernel)} needs {smem_bytes} bytes of shared "
-            f"memory, more than the {DEVICE_SMEM_LIMIT} a block may have")
-    # The 48 KB default limit counts the kernel's static shared arrays too, so a launch whose
-    # dynamic part alone is under 48 KB can still need the raised limit; only a launch whose
-    # static reserve cannot push it over skips the attribute call.
-    if SIMULATOR or smem_bytes + STATIC_RESERVE <= STATIC_SMEM_LIMIT:
-        kernel[grid, block, 0, smem_bytes](*args)
-        return
-    spec = kernel.specialize(*args)
-    compiled = next(iter(spec.overloads.values()))
-    cufunc = compiled._codelibrary.get_cufunc()
-    # Keyed by the compiled function, which the entry keeps alive: an id() of a specialised
-    # dispatcher can be reused by a later one once the first is collected, and then the new
-    # kernel would launch without its raised limit.
-    key = (id(cufunc), cufunc.device.id)
-    if _raised.get(key, (0,))[0] < smem_bytes:
-        _set_max_dynamic_smem(cufunc, smem_bytes)
-        _raised[key] = (smem_bytes, cufunc)
-    spec[grid, block, 0, smem_bytes](*args)
-
-
-def _set_max_dynamic_smem(cufunc, smem_bytes):
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    attr = binding.CUfunction_attribute
-    try:
-        driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    smem_bytes, cufunc.handle, cufunc.device.id)
-        driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    100, cufunc.handle, cufunc.device.id)
-    except Exception as exc:  # a private API: say exactly what failed
-        raise RuntimeError(
-            f"raising the dynamic shared memory limit of {cufunc!r} to {smem_bytes} bytes "
-            f"failed ({type(exc).__name__}: {exc}); see msa/cuda/_mma.py::launch") from exc

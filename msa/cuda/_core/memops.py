@@ -2,7 +2,7 @@
 
 Numba has no vector loads, no ``cp.async`` and no ``ldmatrix``. The few the kernels need
 are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_CUDASIM=1``
-(tensor-core helpers shared with other stages live in ``msa.cuda._mma``):
+(tensor-core helpers shared with other stages live in ``msa.cuda._core.mma``):
 
 =================================  =============================================================
 ``load_f32x4(a, flat)``            the four float32 ``a.flat[flat:flat+4]`` of a C-contiguous
@@ -43,7 +43,7 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
 =================================  =============================================================
 
 Under the simulator ``cp_async16`` copies at once and ``ldmatrix_x4``/``ldmatrix_x4_trans``
-gather the row addresses with ``shfl_sync`` (``msa.cuda._simwarp``).
+gather the row addresses with ``shfl_sync`` (``msa.cuda._core.simwarp``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from ._arrays import SIMULATOR
+from .arrays import SIMULATOR
 
 
 def data_address(arr) -> int:
@@ -70,7 +70,7 @@ def is_aligned16(arr) -> bool:
 
 
 if SIMULATOR:
-    from . import _simwarp
+    from . import simwarp as _simwarp
 
     _simwarp.install()
 

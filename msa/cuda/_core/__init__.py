@@ -1,0 +1,16 @@
+"""Device building blocks shared by msa.cuda's stages; imports nothing above it.
+
+=============  =============================================================================
+``arrays``     arrays in and out of launchers, whatever library the caller uses; constants
+``launch``     kernel launches without Numba's per-launch typing; dynamic shared memory; uploads
+``mma``        tensor-core ``mma.sync`` shims, bf16/fp16 conversions, ``exp2`` (inline PTX, and
+               their pure-Numba twins for the simulator)
+``wgmma``      Hopper ``wgmma`` shims (compute capability 9.0; no simulator twin)
+``memops``     vector loads and stores, ``cp.async``, ``ldmatrix`` (and twins)
+``warp``       warp reductions, scans and the warp-wide sort
+``simwarp``    the warp operations Numba's simulator lacks (installed by ``msa.cuda``)
+``scan``       prefix sums: serial, reduce-then-scan, decoupled look-back
+``heap``       the per-thread min-heap of the top-k (paper §4.1)
+``packed``     device functions over the packed batch: positions, CSR entries, work items
+=============  =============================================================================
+"""

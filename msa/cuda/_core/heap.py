@@ -1,0 +1,95 @@
+"""Paper §4.1: the per-thread min-heap of a top-k, on ``(score, -block id)``.
+
+A heap ``hs/hi[0:n]`` (scores, block ids) keeps the ``n <= kmax`` best candidates seen so far
+with the worst at the root, so a new candidate costs one comparison against the root unless it
+enters. ``better`` is the order everywhere in msa's selection: a higher score first, equal
+scores to the smaller block id; ``offer`` never keeps ``-inf`` or NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda
+
+@cuda.jit(device=True, inline=True)
+def better(s1, i1, s2, i2):
+    """``(s1, -i1) > (s2, -i2)``: a higher score first, equal scores to the smaller block id."""
+    return s1 > s2 or (s1 == s2 and i1 < i2)
+
+
+@cuda.jit(device=True, inline=True)
+def sift_down(hs, hi, n, pos):
+    """Restore the min-heap ``hs/hi[0:n]`` below ``pos`` (each parent worse than its children)."""
+    s = hs[pos]
+    i = hi[pos]
+    while True:
+        c = 2 * pos + 1
+        if c >= n:
+            break
+        # descend towards the worse child, so that it can rise above the other
+        if c + 1 < n and better(hs[c], hi[c], hs[c + 1], hi[c + 1]):
+            c += 1
+        if better(s, i, hs[c], hi[c]):
+            hs[pos] = hs[c]
+            hi[pos] = hi[c]
+            pos = c
+        else:
+            break
+    hs[pos] = s
+    hi[pos] = i
+
+
+@cuda.jit(device=True, inline=True)
+def sift_up(hs, hi, pos):
+    """Restore the min-heap after an entry was written at ``pos`` (the end of the heap)."""
+    s = hs[pos]
+    i = hi[pos]
+    while pos > 0:
+        p = (pos - 1) >> 1
+        if better(hs[p], hi[p], s, i):
+            hs[pos] = hs[p]
+            hi[pos] = hi[p]
+            pos = p
+        else:
+            break
+    hs[pos] = s
+    hi[pos] = i
+
+
+@cuda.jit(device=True, inline=True)
+def offer(hs, hi, n, kmax, rs, ri, s, b):
+    """Offer candidate ``(s, b)`` to a heap of at most ``kmax >= 1`` entries whose root (its worst
+    entry) is cached in ``(rs, ri)``; returns the new ``(n, rs, ri)``. ``-inf`` and NaN are never
+    kept: before the heap is full ``s > -inf`` is asked, after it every kept score is > -inf."""
+    if n == kmax:
+        if better(s, b, rs, ri):
+            hs[0] = s
+            hi[0] = b
+            sift_down(hs, hi, n, 0)
+            rs = hs[0]
+            ri = hi[0]
+    elif s > -math.inf:
+        hs[n] = s
+        hi[n] = b
+        sift_up(hs, hi, n)
+        n += 1
+        rs = hs[0]
+        ri = hi[0]
+    return n, rs, ri
+
+
+@cuda.jit(device=True, inline=True)
+def heap_sort_best_first(hs, hi, n):
+    """Heapsort a min-heap in place into ``hs/hi[0:n]`` best first (repeatedly move the root,
+    the worst remaining entry, to the end)."""
+    m = n
+    while m > 1:
+        m -= 1
+        s = hs[0]
+        i = hi[0]
+        hs[0] = hs[m]
+        hi[0] = hi[m]
+        hs[m] = s
+        hi[m] = i
+        sift_down(hs, hi, m, 0)

@@ -1,0 +1,151 @@
+"""Device functions over the packed batch's metadata, shared by the stages' kernels.
+
+Offsets ``cu_q, cu_k`` (int32 ``[B+1]``), CSR rows (``row_offsets [B+1]``: sequence b's blocks
+are rows ``row_offsets[b] ..``), work items ``[kv_head, row, q_begin, q_count, batch,
+kv_block]`` and k2q CSR entries ``(q_indices, slots)``. Every function checks what it reads, so a
+bad entry is skipped by its caller, never read or written out of bounds. Positions are
+bottom-right aligned: query ``t`` of sequence ``b`` sits at key position ``Lk - Lq + (t -
+cu_q[b])``.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, int64, uint64
+
+from .arrays import SIMULATOR
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@cuda.jit(device=True)
+def last_le(offsets, x):
+    """The last ``b`` with ``offsets[b] <= x < offsets[b+1]`` (empty segments are skipped)."""
+    lo = 0
+    hi = offsets.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if offsets[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True)
+def block_row(j, cu_q, row_offsets, t):
+    """CSR row of block ``j`` chosen by query ``t``, or -1 for padding and for blocks outside
+    t's sequence."""
+    if j < 0:
+        return int64(-1)
+    b = last_le(cu_q, t)  # query t's sequence
+    first = int64(row_offsets[b])
+    if j >= row_offsets[b + 1] - first:
+        return int64(-1)  # not a block of this sequence: skipped, never an out-of-bounds row
+    return first + j
+
+
+@cuda.jit(device=True)
+def edge_row(block_indices, cu_q, row_offsets, t, h, s):
+    """CSR row of edge ``(t, h, s)`` (see ``block_row``)."""
+    return block_row(block_indices[t, h, s], cu_q, row_offsets, t)
+
+@cuda.jit(device=True, inline=True)
+def query_position(cu_q, cu_k, t):
+    """``(sequence, pos)`` of packed query ``t``: binary search of ``cu_q`` (empty sequences
+    repeat an offset; the last ``s`` with ``cu_q[s] <= t`` is the one that holds ``t``)."""
+    lo = 0
+    hi = cu_q.shape[0] - 1  # invariant: cu_q[lo] <= t < cu_q[hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if cu_q[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    lq = cu_q[lo + 1] - cu_q[lo]
+    lk = cu_k[lo + 1] - cu_k[lo]
+    return lo, lk - lq + (t - cu_q[lo])
+
+@cuda.jit(device=True)
+def item_fields(work, item, q_indices, cu_k, num_kv_heads, block_size):
+    """Read and range-check work item ``item``; ``q_count = 0`` when it is padding or invalid.
+
+    Returns ``(h, q_begin, q_count, b, j, key0, nk)``: KV head, CSR range, sequence, block, the
+    block's first packed key and its number of keys.
+    """
+    h = int(work[item, 0])
+    q_begin = int(work[item, 2])
+    q_count = int(work[item, 3])
+    b = int(work[item, 4])
+    j = int(work[item, 5])
+    key0 = 0
+    nk = 0
+    ok = q_count > 0 and 0 <= h < num_kv_heads and 0 <= b < cu_k.shape[0] - 1 and j >= 0
+    ok = ok and q_begin >= 0 and q_begin + q_count <= q_indices.shape[1]
+    if ok:
+        lk = int(cu_k[b + 1]) - int(cu_k[b])
+        key0 = int(cu_k[b]) + j * block_size
+        nk = min(block_size, lk - j * block_size)
+        ok = nk > 0
+    if not ok:
+        q_count = 0
+    return h, q_begin, q_count, b, j, key0, nk
+
+
+@cuda.jit(device=True)
+def row_query(q_indices, slots, cu_q, cu_k, h, b, e, topk):
+    """``(t, slot, pos)`` of CSR entry ``e`` of head ``h``; ``t = -1`` if it is not a valid query
+    of sequence ``b`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
+    t = int(q_indices[h, e])
+    s = int(slots[h, e])
+    q_lo = int(cu_q[b])
+    q_hi = int(cu_q[b + 1])
+    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+        return -1, 0, -1
+    # bottom-right alignment: query i of the sequence sits at key position Lk - Lq + i
+    pos = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo) + (t - q_lo)
+    return t, s, pos
+
+
+if SIMULATOR:  # NumPy 2 refuses to cast -1 to an unsigned type; the simulator needs no type
+    @cuda.jit(device=True)
+    def minus_one(a):
+        return -1
+else:
+    @cuda.jit(device=True, inline=True)
+    def minus_one(a):
+        """-1 in ``a``'s element type (all ones if unsigned: an invalid entry all the same)."""
+        return a.dtype.type(-1)
+
+
+@cuda.jit(device=True)
+def load_entry(q_indices, slots, h, q_begin, q_count, tile, positions, group, tid, rows):
+    """Raw ``(t, slot)`` of the CSR entry behind row ``tid`` of ``tile`` (past the chunk: -1,
+    all ones for unsigned index arrays; ``check_entry`` rejects both).
+
+    Only loads: the checks that need the values are in ``check_entry``, so the loads can be
+    issued early and consumed a tile later. The values stay in the arrays' integer type: a
+    conversion to int64 here (``int(...)``) is an instruction that reads the loaded register,
+    so the warp would wait for the load right away (on the H200 that wait was ~8% of K1's
+    stall samples) instead of a tile later.
+    """
+    p = tid // group
+    t = minus_one(q_indices)
+    s = minus_one(slots)
+    if tid < rows and tile * positions + p < q_count:
+        # unsigned indices (h and e are in range here): no negative-index wrap-around code
+        e = uint64(q_begin + tile * positions + p)
+        t = q_indices[uint64(h), e]
+        s = slots[uint64(h), e]
+    return t, s
+
+
+@cuda.jit(device=True)
+def check_entry(t, s, q_lo, q_hi, pos0, topk):
+    """``(t, slot, pos)`` of a raw entry; ``t = -1`` if it is not a query of the item's sequence
+    ``[q_lo, q_hi)`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""
+    t = int64(t)  # from the index arrays' type (unsigned 64-bit: huge values become negative)
+    s = int64(s)
+    if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+        return -1, 0, -1
+    return t, s, pos0 + (t - q_lo)
