@@ -320,7 +320,7 @@ def launch_smem(kernel, grid, block, smem_bytes, *args):
     if SIMULATOR or smem_bytes + STATIC_RESERVE <= STATIC_SMEM_LIMIT:
         kernel[grid, block, 0, smem_bytes](*args)
         return
-    spec = kernel.specialize(*args)
+    spec = _specialized(kernel, args)
     compiled = next(iter(spec.overloads.values()))
     cufunc = compiled._codelibrary.get_cufunc()
     # Keyed by the compiled function, which the entry keeps alive: an id() of a specialised
@@ -346,3 +346,24 @@ def _set_max_dynamic_smem(cufunc, smem_bytes):
         raise RuntimeError(
             f"raising the dynamic shared memory limit of {cufunc!r} to {smem_bytes} bytes "
             f"failed ({type(exc).__name__}: {exc}); see msa/cuda/_core/launch.py::launch_smem") from exc
+
+
+_specializations: dict = {}
+
+
+def _specialized(kernel, args):
+    """``kernel.specialize(*args)`` that keeps the kernel's disk cache (Numba's own
+    specialisation is a fresh dispatcher without one, so it would compile in every process)."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    key = (kernel, cuda.get_current_device().compute_capability, argtypes)
+    spec = _specializations.get(key)
+    if spec is None:
+        spec = CUDADispatcher(kernel.py_func, targetoptions=kernel.targetoptions)
+        spec._cache = kernel._cache
+        spec.compile(argtypes)
+        spec.disable_compile()
+        spec._specialized = True
+        _specializations[key] = spec
+    return spec
