@@ -1,7 +1,10 @@
 """Where the GPU waits during one ``sparse_attention`` call: host enqueue time against GPU time,
 and the idle gaps between consecutive kernels (torch.profiler), largest first.
 
-``python3 -m benchmarks.idle_gaps --out FILE [--n 131072]`` (paper configuration, uniform).
+``python3 -m benchmarks.dev.idle_gaps --out FILE [--n 131072] [--host-cu]`` (paper configuration,
+uniform). It found the host stalls that the memoised offset uploads removed (docs/performance.md);
+last run on an H200 before the stage layout (426fbbf), through ``sparse_attention`` and
+``benchmarks.bench_attention``'s ``_qkv`` / ``make_selection``.
 """
 
 from __future__ import annotations

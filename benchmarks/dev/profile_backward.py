@@ -1,11 +1,12 @@
 """GPU kernel times of one ``msa.cuda.sparse_attention_backward`` call (torch.profiler, CUDA).
 
-    source .gpu/env.sh && python3 -m benchmarks.profile_backward [N ...]
+    source .gpu/env.sh && python3 -m benchmarks.dev.profile_backward [N ...]
 
 Paper configuration (``bench_attention``'s Hq, Hkv, D, Bk, K), bf16, one causal sequence of N
-tokens (default 32K and 128K) with the ``uniform`` selection; the default version (2 where it
-applies). Prints the wall time of one call and the per-kernel CUDA time table, which splits
-the backward into its kernels (the tensor-core kernel, the dQ partials' sum, D, the CSR).
+tokens (default 32K and 128K) with the ``uniform`` selection; the default kernels. Prints the
+wall time of one call and the per-kernel CUDA time table, which splits the backward into its
+kernels (the tensor-core kernel, the dQ partials' sum, D, the CSR). Last run on an H200 before
+the stage layout (426fbbf); public launchers only.
 """
 
 from __future__ import annotations

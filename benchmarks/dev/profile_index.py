@@ -1,9 +1,10 @@
 """Two calls of the fused index + top-k (``select_blocks_fused``, default kernel) for a profiler.
 
-    ncu --set full --kernel-name regex:^kernel --launch-count 1 python3 -m benchmarks.profile_index 131072
+    ncu --set full --kernel-name regex:^kernel --launch-count 1 python3 -m benchmarks.dev.profile_index 131072
 
 One causal sequence of N tokens (default 131072), bf16, the benchmark's Hkv = 4, Didx = 128,
-Bk = 128, K = 16 (``benchmarks.bench_attention``'s constants).
+Bk = 128, K = 16 (``benchmarks.bench_attention``'s constants). Last run on an H200 before the
+stage layout (426fbbf); public launchers only.
 """
 
 from __future__ import annotations
