@@ -1,1 +1,1 @@
-"""GPU benchmarks of msa against the baselines a user would otherwise pick (DESIGN §6)."""
+"""GPU benchmarks of msa against the baselines a user would otherwise pick (docs/design.md §6)."""

@@ -3,7 +3,8 @@
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh [tests|bench|all] [test paths...]
 # Runs the same test suite as CI on the real GPU(s) (big shapes included; by default the files
 # that touch the GPU: tests/cuda, tests/torch and the notebooks, as tests/reference is NumPy only),
-# then every benchmark, writing logs and JSON under $OUT (default /tmp/msa_out).
+# then every benchmark (benchmarks/bench_<stage>.py), writing logs and JSON under $OUT (default
+# /tmp/msa_out); copy a JSON to benchmarks/results/ to make it the stage's latest.
 # Tests: with pytest-xdist, MSA_TEST_WORKERS workers (default: CPU count - 2) spread over every
 # visible GPU (benchmarks/pytest_gpu_split.py) with work stealing; one line per finished test,
 # timestamped, in tests.log. MSA_TEST_TIMEOUT (seconds, default 540) interrupts pytest, which
@@ -40,7 +41,8 @@ if [[ $what == tests || $what == all ]]; then
   grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | grep -v " \[gw" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  for b in select csr attention attention_backward kl; do
+  # One bench_<stage>.py per stage, in pipeline order; a stage without one is passed over.
+  for b in index select csr schedule attention attention_backward combine kl decode layer; do
     [[ -f benchmarks/bench_$b.py ]] || continue
     echo "=== bench_$b"
     timeout 300 python3 -m benchmarks.bench_$b --out "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1

@@ -1,57 +1,90 @@
-"""Plot benchmark JSON from benchmarks/results/ into docs/figures/ (runs anywhere, no GPU).
+"""The figure of a benchmark's results JSON, beside it (runs anywhere, no GPU).
 
-    python -m benchmarks.plot [bench_attention JSON]
+    python -m benchmarks.plot [benchmarks/results/bench_<stage>.json ...]
 
-Default: ``benchmarks/results/bench_attention.json``. Every implementation timed on the sparse
-cases gets a bar per case, in the order the run timed them.
+Default: every ``benchmarks/results/bench_*.json``. Each JSON gets ``bench_<stage>.png`` next to
+it: one group of bars per case, one bar per implementation timed on it (in the order the run
+timed them), ms on a log scale, the value on each bar, and the run's GPU and commit in the title.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIG = os.path.join(HERE, "..", "docs", "figures")
+RESULTS = os.path.join(HERE, "results")
+
+TITLES = {
+    "bench_attention": "Sparse attention forward and MSA prefill",
+    "bench_attention_backward": "Main branch backward (dQ, dK, dV)",
+    "bench_csr": "k2q CSR + hot-row schedule",
+    "bench_kl": "Sparse KL loss and backward",
+    "bench_select": "Index branch + top-k",
+}
+CONFIG = "Hq=64, Hkv=4, D=Didx=128, Bk=128, k=16, bf16"
 
 
-def attention(path=os.path.join(HERE, "results", "bench_attention.json")):
+def rows_of(payload: dict) -> list[dict]:
+    """``(case, impl, ms)`` rows: ``results`` as written, or ``bench_csr``'s per-case fields."""
+    if "results" in payload:
+        return [r for r in payload["results"] if r.get("ms")]
+    rows = []
+    for c in payload["cases"]:
+        case = f"N={c['n'] // 1024}K {c['pattern']}"
+        rows.append(dict(case=case, impl="msa CSR + schedule", ms=c["msa_csr_schedule_ms"]))
+        rows.append(dict(case=case, impl="PyTorch CSR + schedule", ms=c["torch_csr_schedule_ms"]))
+    return rows
+
+
+def plot(path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     with open(path) as f:
-        rows = json.load(f)["results"]
-    cases = [c for c in dict.fromkeys(r["case"] for r in rows) if c.startswith("sparse")]
-    impls = list(dict.fromkeys(r["impl"] for r in rows
-                               if r["case"] in cases and r.get("ms")))
-    fig, ax = plt.subplots(figsize=(10, 4))
+        payload = json.load(f)
+    rows = rows_of(payload)
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases) * max(1, len(impls)) ** 0.5 + 3), 4))
     width = 0.8 / max(1, len(impls))
     for j, impl in enumerate(impls):
         xs, ys = [], []
         for i, case in enumerate(cases):
             for r in rows:
-                if r["case"] == case and r["impl"] == impl and r.get("ms"):
+                if r["case"] == case and r["impl"] == impl:
                     xs.append(i + (j - (len(impls) - 1) / 2) * width)
                     ys.append(r["ms"])
         bars = ax.bar(xs, ys, width, label=impl)
-        ax.bar_label(bars, labels=[f"{y:,.0f}" if y >= 100 else f"{y:.1f}" for y in ys], fontsize=7)
+        ax.bar_label(bars, labels=[f"{y:,.0f}" if y >= 100 else f"{y:.2g}" if y < 1 else f"{y:.1f}"
+                                   for y in ys], fontsize=6)
     ax.set_yscale("log")
-    lows = [r["ms"] for r in rows if r["case"] in cases and r.get("ms")]
-    ax.set_ylim(bottom=min(lows) / 4, top=max(lows) * 3)
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ms = [r["ms"] for r in rows]
+    ax.set_ylim(bottom=min(ms) / 4, top=max(ms) * 4)
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([c.replace("sparse ", "") for c in cases], rotation=15, fontsize=8)
+    ax.set_xticklabels(cases, rotation=15, fontsize=8)
     ax.set_ylabel("ms (log scale, lower is better)")
-    ax.set_title("Sparse attention forward on an H200: Hq=64, Hkv=4, D=128, Bk=128, k=16, bf16")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(FIG, exist_ok=True)
-    out = os.path.join(FIG, "perf_attention.png")
-    fig.savefig(out, dpi=110)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    head = payload.get("header", {})
+    ax.set_title(f"{TITLES.get(stem, stem)} on an {head.get('gpu', '?')}\n{CONFIG}, "
+                 f"run at commit {str(head.get('commit', '?'))[:7]}", fontsize=9)
+    ax.legend(fontsize=7, ncol=min(len(impls), 4), loc="upper center",
+              bbox_to_anchor=(0.5, -0.2), frameon=False)
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
     print("wrote", out)
+    return out
 
 
 if __name__ == "__main__":
     import sys
 
-    attention(*sys.argv[1:2])
+    for p in sys.argv[1:] or sorted(glob.glob(os.path.join(RESULTS, "bench_*.json"))):
+        plot(p)

@@ -14,9 +14,16 @@
   A CUDA stage or function that does not exist yet skips with a reason naming it, as does the
   CUDA run where neither a GPU nor the simulator is available. Restrict one test with
   ``@pytest.mark.parametrize("backend", ["cuda"], indirect=True)``.
+* The summary ends with the skipped tests counted by reason (``-rs`` lists them one by one);
+  a test or file skipped because an optional library is missing (``pytest.importorskip``) says
+  which one is not installed and which extra brings it.
+
+Where the project's contract lives (layout, data contracts, test rules): docs/design.md.
 """
 
 import os
+import re
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -68,3 +75,63 @@ def backend(request) -> Backend:
         if not ok:
             pytest.skip(why)
     return b
+
+
+# What brings each optional library: a skip for want of one names the extra to install.
+EXTRAS = {"torch": "torch", "cupy": "cupy", "matplotlib": "notebooks", "jupytext": "notebooks",
+          "nbformat": "notebooks", "nbclient": "notebooks"}
+_NOT_INSTALLED = re.compile(r"could not import '([\w.]+)': No module named '([\w.]+)'")
+
+
+def _not_installed(reason: str) -> str:
+    """``importorskip``'s "could not import 'torch': No module named 'torch'" as "torch not
+    installed (pip install -e '.[torch]')"; any other reason as it is."""
+    match = _NOT_INSTALLED.search(reason)
+    if not match or match.group(2).split(".")[0] == "msa":
+        return reason
+    name = match.group(2).split(".")[0]
+    extra = EXTRAS.get(name)
+    return f"{name} not installed" + (f" (pip install -e '.[{extra}]')" if extra else "")
+
+
+def _reworded(report):
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        path, line, reason = report.longrepr
+        report.longrepr = (path, line, _not_installed(reason))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    return _reworded((yield))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    return _reworded((yield))
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    three = isinstance(longrepr, (tuple, list)) and len(longrepr) == 3
+    reason = longrepr[2] if three else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skipped tests counted by reason, a line each (a whole file skipped counts as a file)."""
+    reports = terminalreporter.stats.get("skipped", [])
+    if not reports:
+        return
+    tests = Counter(_skip_reason(r) for r in reports if not isinstance(r, pytest.CollectReport))
+    files = Counter(_skip_reason(r) for r in reports if isinstance(r, pytest.CollectReport))
+    terminalreporter.write_sep("-", "skipped, by reason")
+    lines = [(n, f"{n} skipped: {why}") for why, n in tests.items()]
+    lines += [(n, f"{n} file{'s' if n > 1 else ''} skipped: {why}") for why, n in files.items()]
+    lines.sort(key=lambda line: -line[0])
+    for _, line in lines[:12]:
+        terminalreporter.write_line(line)
+    if len(lines) > 12:
+        rest = sum(n for n, _ in lines[12:])
+        terminalreporter.write_line(f"{rest} more skipped for {len(lines) - 12} other reasons "
+                                    "(pytest -rs lists every one)")

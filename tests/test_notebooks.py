@@ -30,7 +30,8 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_runs(source):
-    pytest.importorskip("matplotlib", reason="the notebooks need the 'notebooks' extra")
+    pytest.importorskip("matplotlib",
+                        reason="matplotlib not installed (pip install -e '.[notebooks]')")
     env = dict(os.environ, MPLBACKEND="Agg", MSA_EXPORT_FIGURES="0")
     run = subprocess.run([sys.executable, source.name], cwd=NOTEBOOKS, env=env, capture_output=True,
                          text=True, timeout=900)
@@ -46,8 +47,9 @@ def _cells(nb):
 
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_ipynb_matches_its_source_and_was_executed(source):
-    jupytext = pytest.importorskip("jupytext", reason="the sync check needs the 'notebooks' extra")
-    nbformat = pytest.importorskip("nbformat", reason="the sync check needs the 'notebooks' extra")
+    why = "not installed: the .ipynb sync check needs the 'notebooks' extra"
+    jupytext = pytest.importorskip("jupytext", reason=f"jupytext {why}")
+    nbformat = pytest.importorskip("nbformat", reason=f"nbformat {why}")
     target = source.with_suffix(".ipynb")
     assert target.exists(), f"{target.name} is missing: run python notebooks/build.py {source.stem[:2]}"
     committed = nbformat.read(target, as_version=4)
