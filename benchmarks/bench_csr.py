@@ -13,9 +13,9 @@ query that sees them, the sink pattern), it
 3. reports effective GB/s with ``bytes = 12 * Tq * Hkv * K`` (read I once, 4 B per entry, write
    q_indices and slots once, 4 B each: the traffic any CSR build must do), the ratio
    PyTorch / msa, the peak GPU memory of each, and the schedule size;
-4. times msa's phases one by one (plan, tile histogram v2 and v1, look-back scan v3 and the
-   older tile scan + 3-launch prefix sum, scatter, schedule with scan v3 and v2) and prints
-   them in a second table, so that a change can be traced to its phase.
+4. times msa's phases one by one (checks + plan, tile histogram v2 and v1, look-back scan,
+   scatter v2 and v3, schedule, and the Python per call) and prints them in a second table, so
+   that a change can be traced to its phase.
 
     python benchmarks/bench_csr.py --out benchmarks/results/csr.json
 
@@ -140,6 +140,8 @@ def run_case(n, pattern, reps):
 
     from msa.cuda import csr as gpu_csr
     from msa.cuda import schedule as gpu_schedule
+    from msa.cuda._core.launch import karg
+    from msa.cuda.csr import _plan
 
     case = dict(n=n, pattern=pattern, hkv=HKV, topk=TOPK, block_size=BK)
     chunk_size = 2 * TOPK * BK  # the paper's chunk, about 2*K*Bk queries
@@ -175,7 +177,9 @@ def run_case(n, pattern, reps):
         (work[w:] == -1).all())
     again = msa_csr()
     case["reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
-    case["default_scatter"] = gpu_csr._Plan(I, cu, cu, BK, False).auto_scatter()
+    batch, ctx, dI = gpu_csr._selection(I, cu, cu, BK, False)
+    plan = _plan.Plan(batch, dI, ctx)
+    case["default_scatter"] = plan.scatter_version()
 
     def msa_csr_scatter(version):
         return gpu_csr._build_csr(I, cu, cu, BK, validate=False, scatter_version=version)
@@ -209,60 +213,49 @@ def run_case(n, pattern, reps):
     # 3. msa's phases, each launched on its own (with its allocations). The sum can exceed the
     # whole build, where host launch work overlaps GPU work.
     try:
-        plan = gpu_csr._Plan(I, cu, cu, BK, False)
         tile = plan.tile_queries()
         case["tile_queries"] = tile
-        case["count_version"] = 2 if plan.shared_count_fits(tile) else 1
+        case["count_version"] = 2 if _plan.shared_count_fits(plan.rows, plan.tq, tile) else 1
         cursors = plan.count(tile)
         pristine = cursors.clone()
-        ctx = plan.ctx
         rp = plan.scan(cursors)
-        q = ctx.empty((HKV, n * TOPK), np.int32)
-        s = ctx.empty((HKV, n * TOPK), np.int32)
+        scanned = cursors.clone()
+        q, s = (karg(ctx, ctx.empty((HKV, n * TOPK), np.int32)) for _ in range(2))
+        ntiles = cursors.shape[0]
 
-        def scan_v3():
+        def scan():
             cursors.copy_(pristine)
             return plan.scan(cursors)
 
-        def scan_v2():
-            cursors.copy_(pristine)
-            return plan.scan(cursors, version=2)
-
-        scan_v3()
-        scanned = cursors.clone()
-
         def scatter():  # the scatter advances the cursors: start from the scanned ones
             cursors.copy_(scanned)
-            plan._scatter_tiled(gpu_csr._karg(ctx, rp), cursors, tile, gpu_csr._karg(ctx, q),
-                                gpu_csr._karg(ctx, s))
+            plan._scatter_tiled(karg(ctx, rp), karg(ctx, cursors), ntiles, tile, q, s)
 
         def scatter_v3():  # reads the scanned cursors, never changes them
-            plan._scatter_split(gpu_csr._karg(ctx, rp), scanned, tile, gpu_csr._karg(ctx, q),
-                                gpu_csr._karg(ctx, s))
+            plan._scatter_split(karg(ctx, rp), karg(ctx, scanned), ntiles, tile, q, s,
+                                _plan.SPLIT_THREADS)
+
+        def checks_and_plan():
+            b, c, d = gpu_csr._selection(I, cu, cu, BK, False)
+            return _plan.Plan(b, d, c)
 
         phases = {
-            "plan_ms (host checks + metadata)": time_ms(
-                lambda: gpu_csr._Plan(I, cu, cu, BK, False), reps),
+            "plan_ms (host checks + metadata)": time_ms(checks_and_plan, reps),
             "count_ms (tile histogram)": time_ms(lambda: plan.count(tile), reps),
             "count_v1_ms (zero + global atomics)": time_ms(
                 lambda: plan.count(tile, version=1), reps),
             "copy_ms (subtract from the scans)": time_ms(lambda: cursors.copy_(pristine), reps),
-            "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan_v3, reps),
-            "scan_v2_ms (tile scan + 3-launch prefix sum)": time_ms(scan_v2, reps),
+            "scan_ms (tile scan + prefix sum, look-back)": time_ms(scan, reps),
             "scatter_v2_ms (+ copy)": time_ms(scatter, reps),
-            "scatter_v3_ms (two multi-splits + unpack)": time_ms(scatter_v3, reps) if plan.split_fits()
-            else None,
+            "scatter_v3_ms (two multi-splits + unpack)": time_ms(scatter_v3, reps)
+            if _plan.split_fits(plan.rows) else None,
             "schedule_ms": t["msa_schedule_ms"],
             "host_csr_ms (Python per build_csr)": host_ms(msa_csr, reps),
             "host_schedule_ms (Python per build_schedule)": host_ms(
                 lambda: msa_schedule(row_ptr), reps),
-            "schedule_scan_v2_ms": time_ms(lambda: gpu_schedule._build_schedule(
-                row_ptr, cu, BK, chunk_size, max_edges=n * TOPK, validate=False,
-                scan_version=2), reps),
         }
         case["msa_csr_phases"] = phases
-        case["launches"] = dict(csr="3 (scatter v2) or 5 (v3)", schedule="5 (one torch fill_)", csr_before=7,
-                                schedule_before=10)
+        case["launches"] = dict(csr="3 (scatter v2) or 5 (v3)", schedule="5 (one torch fill_)")
     except Exception as e:  # the breakdown is a bonus; keep the case
         case["msa_csr_phases_error"] = f"{type(e).__name__}: {e}"
 
@@ -270,7 +263,7 @@ def run_case(n, pattern, reps):
     if n <= 32 * 1024:
         try:
             case["msa_csr_v1_ms"] = time_ms(lambda: gpu_csr._build_csr(
-                I, cu, cu, BK, validate=False, scatter_version=1, scan_version=1), 3, warmup=1)
+                I, cu, cu, BK, validate=False, scatter_version=1), 3, warmup=1)
         except Exception as e:
             case["msa_csr_v1_error"] = f"{type(e).__name__}: {e}"
     return case

@@ -11,27 +11,17 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from numba import cuda
 
+from msa._batch import Batch
 from msa.cuda import csr as gpu
 from msa.cuda._core import launch as _launch
-from msa.cuda._core import scan as _scan
-from msa.cuda._core.arrays import SIMULATOR, ArrayContext
+from msa.cuda._core.arrays import ArrayContext
+from msa.cuda.csr import _plan, v2_tiled, v3_multisplit
 from msa.reference import csr as ref
 from msa.reference.blocks import block_row_offsets, query_positions
 from msa.testing.backends import to_numpy
-from msa.testing.strategies import seq_lens
 from msa.testing.strategies import offsets as cu
-
-
-def on_device(x):
-    """``x`` where the scan kernels read and write it: itself in the simulator, else a copy on
-    the GPU (read back with ``to_numpy``)."""
-    return x if SIMULATOR else cuda.to_device(x)
-
-
-
-
+from msa.testing.strategies import seq_lens
 
 
 def selection(lq, lk, hkv, topk, bk, seed, *, hot=(), fill=True, future=False, shuffle=False):
@@ -65,9 +55,9 @@ def assert_same_csr(got, want):
 # --- hostile shapes ---------------------------------------------------------------------------
 
 # Each row also picks the kernel path: "default" (build_csr as shipped), "tiles" (one chunk of
-# queries per tile, look-back scan blocks of 2 threads: many tiles, many scan blocks), "v2"
-# (count v1 into a zeroed array, tile scan + reduce-then-scan prefix sum), "v1" (row-wise
-# scatter, serial scan).
+# queries per tile, look-back scan blocks of 2 threads: many tiles, many scan blocks),
+# "count-v1" (those tiles counted by count v1, global atomics into a zeroed array: the fallback
+# past 22528 rows), "v1" (row-wise scatter).
 SHAPES = [
     # id, seq_lens_q, seq_lens_k, Hkv, K, Bk, selection kwargs, path
     ("T=1", [1], [1], 2, 3, 4, {}, "default"),
@@ -90,9 +80,8 @@ SHAPES = [
     ("32-queries-per-chunk", [70], [70], 1, 2, 4, dict(hot=(0,)), "default"),
     ("varlen-v1", [3, 0, 6], [11, 4, 6], 2, 3, 4, dict(hot=(0,), fill=False), "v1"),
     ("skewed-v1", [20], [20], 1, 3, 4, dict(hot=(0, 1), shuffle=True), "v1"),
-    ("varlen-count-v1-scan-v2", [5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False),
-     "v2"),
-    ("skewed-count-v1-scan-v2", [40, 25], [40, 31], 2, 3, 4, dict(hot=(0,)), "v2"),
+    ("varlen-count-v1", [5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False), "count-v1"),
+    ("skewed-count-v1", [40, 25], [40, 31], 2, 3, 4, dict(hot=(0,)), "count-v1"),
 ]
 
 
@@ -101,15 +90,11 @@ def run_path(path, I, cu_q, cu_k, bk, scatter):
         if scatter == 2:
             return gpu.build_csr(I, cu_q, cu_k, bk)
         return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=scatter)
-    if path == "tiles":
-        chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
-        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2,
+    if path in ("tiles", "count-v1"):
+        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=_plan.chunk_queries(I.shape[2]),
+                              scan_threads=2, count_version=1 if path == "count-v1" else 2,
                               scatter_version=scatter)
-    if path == "v2":
-        chunk = max(1, min(32, gpu._CHUNK_THREADS // I.shape[2]))
-        return gpu._build_csr(I, cu_q, cu_k, bk, tile_queries=chunk, scan_threads=2,
-                              count_version=1, scan_version=2, scatter_version=scatter)
-    return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=1, scan_version=1)
+    return gpu._build_csr(I, cu_q, cu_k, bk, scatter_version=1)
 
 
 # Every path but v1 with both tiled scatters: v2 (hash table of rows per chunk) and v3 (two
@@ -136,54 +121,39 @@ def test_scatter_v3_groups_many_rows():
 
 
 @pytest.mark.parametrize("threads", [32, 128, pytest.param(256, marks=pytest.mark.sim_heavy), 512])
-def test_scatter_v3_block_sizes(monkeypatch, threads):
+def test_scatter_v3_block_sizes(threads):
     # Scatter v3 at 1 to 16 warps a CTA (the simulator's default is 2; the GPU's 16): the
     # multi-split's ranks then come from a scan over that many warps per key. 300 rows of
     # Bk = 1 (three row groups) and hot rows put most keys of a group in every chunk.
-    monkeypatch.setattr(gpu, "_SPLIT_THREADS", threads)
     I = selection([300], [300], 1, 5, 1, seed=threads, hot=(0, 129), shuffle=True)
-    got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=150)
+    got = gpu._build_csr(I, cu([300]), cu([300]), 1, scatter_version=3, tile_queries=150,
+                         split_threads=threads)
     assert_same_csr(got, ref.build_csr(I, cu([300]), cu([300]), 1))
 
 
-def test_build_csr_picks_scatter_v3_for_large_outputs(monkeypatch):
+def test_scatter_choice():
+    # build_csr's scatter: v3 for outputs (q_indices + slots, 8 * Hkv * Tq*K bytes) of at least
+    # 192 MiB where its scratch (two int64 arrays like the output, allocated after the choice
+    # with the output) fits in free memory with SPLIT_HEADROOM to spare, and where there are at
+    # most 128 groups of 128 rows; else v2. An explicit version runs, but 3 becomes 2 past 128
+    # groups. Free memory is asked for only when v3 is in question.
+    out, rows, big = 8 * 2 * 65 * 3, 20, v3_multisplit.MAX_SPLIT_ROWS + 1
+    need = 3 * out + _plan.SPLIT_HEADROOM
+
+    def never():
+        raise AssertionError("free memory asked for")
+
+    assert _plan.pick_scatter(None, rows, out, never) == 2  # far below 192 MiB
+    assert _plan.pick_scatter(None, rows, _plan.SPLIT_MIN_BYTES, lambda: float("inf")) == 3
+    assert _plan.pick_scatter(None, rows, out, lambda: need - 1, min_bytes=out) == 2
+    assert _plan.pick_scatter(None, rows, out, lambda: need, min_bytes=out) == 3
+    assert _plan.pick_scatter(None, big, out, never, min_bytes=out) == 2
+    assert [_plan.pick_scatter(v, rows, out, never) for v in (1, 2, 3)] == [1, 2, 3]
+    assert _plan.pick_scatter(3, big, out, never) == 2
+    assert _plan.split_fits(big - 1) and not _plan.split_fits(big)
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=5, hot=(0,))
-    want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
-    plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
-    assert plan.auto_scatter() == 2  # 8 * Hkv * Tq*K bytes: far below the threshold
-    ran = []
-    split = gpu._Plan._scatter_split
-    monkeypatch.setattr(gpu._Plan, "_scatter_split",
-                        lambda self, *a: ran.append(3) or split(self, *a))
-    monkeypatch.setattr(gpu, "_SPLIT_MIN_BYTES", 8 * 2 * 65 * 3)  # exactly this output
-    assert plan.auto_scatter() == 3
-    assert_same_csr(gpu.build_csr(I, cu([40, 25]), cu([40, 31]), 4), want)
-    for g, w in zip(gpu.csr_scatter(I, want[0], cu([40, 25]), cu([40, 31]), 4), want[1:]):
-        np.testing.assert_array_equal(to_numpy(g), w)
-    assert ran == [3, 3]
-
-
-def test_build_csr_runs_scatter_v2_where_v3_scratch_does_not_fit(monkeypatch):
-    # v3 needs two int64 scratch arrays as large as the output (8 * Hkv * Tq*K bytes), which is
-    # allocated after the choice too, plus _SPLIT_HEADROOM free; with less free device memory
-    # build_csr runs v2, with the same result.
-    I = selection([40, 25], [40, 31], 2, 3, 4, seed=7, hot=(0,))
-    want = ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4)
-    out_bytes = 8 * 2 * 65 * 3
-    monkeypatch.setattr(gpu, "_SPLIT_MIN_BYTES", out_bytes)
-    ran = []
-    for version in (2, 3):
-        name = {2: "_scatter_tiled", 3: "_scatter_split"}[version]
-        orig = getattr(gpu._Plan, name)
-        monkeypatch.setattr(gpu._Plan, name,
-                            lambda self, *a, v=version, f=orig: ran.append(v) or f(self, *a))
-    need = 3 * out_bytes + gpu._SPLIT_HEADROOM
-    for free, version in ((need - 1, 2), (need, 3)):
-        monkeypatch.setattr(gpu.ArrayContext, "free_bytes", lambda self, f=free: float(f))
-        assert gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False).auto_scatter() == version
-        ran.clear()
-        assert_same_csr(gpu.build_csr(I, cu([40, 25]), cu([40, 31]), 4), want)
-        assert ran == [version]
+    batch = Batch.of(cu([40, 25]), cu([40, 31]), 4, total_q=65)
+    assert _plan.Plan(batch, I, ArrayContext(I)).scatter_version() == 2
 
 
 def test_free_bytes_from_numba_and_its_memory_managers(monkeypatch):
@@ -220,24 +190,6 @@ def test_scatter_v3_groups_varlen_padded():
     assert_same_csr(got, want)
 
 
-def test_scatter_v3_falls_back_past_128_groups(monkeypatch):
-    # More rows than 128 groups of 128 hold: v2 runs instead (here with the limit lowered).
-    monkeypatch.setattr(gpu, "_MAX_SPLIT_ROWS", 8)
-    ran = []
-    for name in ("_scatter_split", "_scatter_tiled"):
-        method = getattr(gpu._Plan, name)
-        monkeypatch.setattr(gpu._Plan, name, lambda self, *a, _m=method, _n=name: (
-            ran.append(_n), _m(self, *a))[1])
-    I = selection([40, 25], [40, 31], 2, 3, 4, seed=2, hot=(0,))
-    plan = gpu._Plan(I, cu([40, 25]), cu([40, 31]), 4, False)
-    assert plan.rows > 8 and not plan.split_fits()
-    got = gpu._build_csr(I, cu([40, 25]), cu([40, 31]), 4, scatter_version=3)
-    assert_same_csr(got, ref.build_csr(I, cu([40, 25]), cu([40, 31]), 4))
-    assert ran == ["_scatter_tiled"]
-    with pytest.raises(ValueError, match="scatter v3"):
-        plan._scatter_split(None, None, 8, None, None)
-
-
 @pytest.mark.parametrize("lq, lk, hkv, topk, bk, kwargs", [
     pytest.param([5, 0, 21], [9, 3, 30], 2, 3, 4, dict(hot=(0,), fill=False), id="varlen-skewed"),
     pytest.param([1], [1], 1, 2, 4, {}, id="T=1"),
@@ -248,7 +200,7 @@ def test_three_steps_equal_reference(lq, lk, hkv, topk, bk, kwargs, version):
     cu_q, cu_k = cu(lq), cu(lk)
     counts = gpu.csr_histogram(I, cu_q, cu_k, bk)
     np.testing.assert_array_equal(counts, ref.csr_histogram(I, cu_q, cu_k, bk))
-    row_ptr = gpu.exclusive_prefix_sum(counts, version=version)
+    row_ptr = gpu.exclusive_prefix_sum(counts, version=min(version, 2))
     np.testing.assert_array_equal(row_ptr, ref.exclusive_prefix_sum(counts))
     want = ref.csr_scatter(I, row_ptr, cu_q, cu_k, bk)
     for g, w in zip(gpu.csr_scatter(I, row_ptr, cu_q, cu_k, bk, version=version), want):
@@ -280,82 +232,26 @@ def test_reruns_are_bitwise_identical():
         assert a.tobytes() == b.tobytes()
 
 
-def test_prefix_sum_multi_block_and_overflow_guard():
-    rng = np.random.default_rng(0)
-    counts = rng.integers(0, 50, size=(3, 77)).astype(np.int32)
-    want = ref.exclusive_prefix_sum(counts)
-    # Two threads x 4 counts per block: 10 blocks per head and a two-round block-sum scan.
-    ctx = ArrayContext(counts)
-    got = gpu._prefix_sum(ctx, gpu._kinput(ctx, "counts", counts), 2, True, counts, threads=2)
-    np.testing.assert_array_equal(to_numpy(got), want)
-    np.testing.assert_array_equal(gpu.exclusive_prefix_sum(counts, version=1), want)
-    fits = np.array([[2**30, 2**30 - 1], [1, 2]], np.int32)
-    np.testing.assert_array_equal(gpu.exclusive_prefix_sum(fits)[:, -1], [2**31 - 1, 3])
-    np.testing.assert_array_equal(gpu.exclusive_prefix_sum(np.zeros((2, 0), np.int32)),
-                                  np.zeros((2, 1), np.int32))
-
-
-@pytest.mark.parametrize("ntiles, segments, n, threads", [
-    (1, 1, 1, 2), (3, 2, 11, 2), (5, 3, 17, 4), (2, 1, 0, 2), (4, 2, 40, None),
-], ids=["one-entry", "six-blocks-per-segment", "odd-tiles", "empty-segment", "default-threads"])
-@pytest.mark.parametrize("in_place", [True, False])
-def test_lookback_scan_equals_numpy(ntiles, segments, n, threads, in_place):
-    rng = np.random.default_rng(ntiles * 100 + n)
-    counts = rng.integers(0, 9, size=(ntiles, segments, n)).astype(np.int32)  # [ntiles, S, n]
-    totals = counts.astype(np.int64).sum(axis=0)  # [S, n]
-    want = np.zeros((segments, n + 1), np.int64)  # [S, n+1]
-    want[:, 1:] = np.cumsum(totals, axis=1)
-    want_tiles = np.cumsum(counts, axis=0) - counts if in_place else counts  # [ntiles, S, n]
-    for _ in range(2):  # the second launch reuses the status words under a new epoch
-        tile_counts = on_device(counts.copy())
-        dst = on_device(np.full((segments, n + 1), np.iinfo(np.int32).min, np.int32))
-        _scan.lookback_scan(_launch.dev(tile_counts), _launch.dev(dst), in_place=in_place,
-                           threads=threads)
-        np.testing.assert_array_equal(to_numpy(dst), want)
-        np.testing.assert_array_equal(to_numpy(tile_counts), want_tiles)
-
-
-def test_lookback_scan_clamps_past_int32():
-    # Outside build_csr's contract (Tq*K < 2**31), but bounded: offsets clamp to int32.
-    counts = on_device(np.full((1, 1, 6), 2**30, np.int32))
-    dst = on_device(np.zeros((1, 7), np.int32))
-    _scan.lookback_scan(_launch.dev(counts), _launch.dev(dst), in_place=False, threads=2)
-    np.testing.assert_array_equal(to_numpy(dst)[0], [0, 2**30, 2**31 - 1, 2**31 - 1, 2**31 - 1,
-                                           2**31 - 1, 2**31 - 1])
-
-
 def test_shared_count_bounds():
-    I = selection([9], [9], 1, 2, 4, seed=2)
-    plan = gpu._Plan(I, cu([9]), cu([9]), 4, True)
-    assert plan.shared_count_fits(4)
-    plan.rows = 2 * gpu._HIST_WORDS + 1  # one row more than the shared histogram holds
-    assert not plan.shared_count_fits(4)
-    plan.rows, plan.tq = 3, 1 << 16  # a tile count could reach 2**16: no 16-bit field
-    assert not plan.shared_count_fits(1 << 16) and plan.shared_count_fits((1 << 16) - 1)
+    # Count v2 holds two 16-bit counts a word: at most 2 * HIST_WORDS rows, tiles of fewer than
+    # 2**16 queries (a tile longer than Tq is Tq queries); else count v1 runs.
+    rows = 2 * v2_tiled.HIST_WORDS
+    assert _plan.shared_count_fits(rows, 9, 4) and not _plan.shared_count_fits(rows + 1, 9, 4)
+    assert not _plan.shared_count_fits(3, 1 << 16, 1 << 16)
+    assert _plan.shared_count_fits(3, 1 << 16, (1 << 16) - 1)
+    assert _plan.shared_count_fits(3, (1 << 16) - 1, 1 << 20)
 
 
-def test_too_many_rows_for_shared_count_falls_back_to_atomics(monkeypatch):
-    # A 4-word (8-row) histogram against 10 rows: build_csr must take count v1 and still be exact.
-    monkeypatch.setattr(gpu, "_HIST_WORDS", 4)
-    I = selection([40], [40], 2, 3, 4, seed=4, hot=(0,))
-    assert not gpu._Plan(I, cu([40]), cu([40]), 4, False).shared_count_fits(8)
-    assert_same_csr(gpu._build_csr(I, cu([40]), cu([40]), 4, tile_queries=8),
-                    ref.build_csr(I, cu([40]), cu([40]), 4))
-
-
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("counts", [
-    pytest.param(np.array([[2**30, 2**30]], np.int32), id="nnz-past-int32"),
-    pytest.param(np.array([[3, -1]], np.int32), id="negative"),
-])
-def test_prefix_sum_rejects(counts, version):
-    with pytest.raises(ValueError, match="counts"):
-        gpu.exclusive_prefix_sum(counts, version=version)
-    # Without validation nothing is read back and nothing is out of bounds; past int32 the
-    # offsets are clamped.
-    row_ptr = gpu.exclusive_prefix_sum(counts, validate=False, version=version)
-    if counts.min() >= 0:
-        assert row_ptr[0, -1] == 2**31 - 1
+def test_launch_build_csr_on_query_chunks():
+    # What other stages call: the unchecked build on a validated batch, here on the query
+    # chunks of one (Batch.chunks), each chunk's selection a slice of the whole.
+    lq, lk = [30, 0, 21], [40, 9, 21]
+    I = selection(lq, lk, 2, 3, 4, seed=8, hot=(0,), fill=False)
+    ctx = ArrayContext(I)
+    dI = ctx.input("block_indices", I)  # on the device, as the callers hold it
+    for t0, t1, _, _, sub in Batch.of(cu(lq), cu(lk), 4).chunks(16):
+        got = gpu.launch_build_csr(sub, dI[t0:t1], ctx)
+        assert_same_csr(got, ref.build_csr(I[t0:t1], sub.cu_q, sub.cu_k, 4))
 
 
 # --- hypothesis -------------------------------------------------------------------------------
@@ -571,8 +467,8 @@ def test_largest_configuration_equals_torch():
     n, hkv, topk, bk = 1 << 20, 16, 64, 128
     dI = gpu_selection(n, hkv, topk, bk, hot=2, seed=5)
     cu_q = cu_k = cu([n])
-    plan = gpu._Plan(dI, cu_q, cu_k, bk, False)
-    assert plan.auto_scatter() == 3 and plan.tile_queries() == 1024
+    assert _plan.default_tile(n // bk, topk) == 1024
+    assert _plan.pick_scatter(None, n // bk, 8 * hkv * n * topk, ArrayContext(dI).free_bytes) == 3
     got = gpu.build_csr(dI, cu_q, cu_k, bk, validate=False)
     for h in range(hkv):
         want = torch_csr(dI[:, h:h + 1].contiguous(), n // bk)
@@ -583,60 +479,21 @@ def test_largest_configuration_equals_torch():
 
 @pytest.mark.gpu
 def test_fast_launch_equals_numbas_launch():
-    # _launch packs the arrays itself (_Dev); Numba's own launch must give the same counts.
+    # _core.launch packs the arrays itself (Dev); Numba's own launch must give the same counts.
     import torch
     from numba import cuda
 
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=6, hot=(0,))
-    plan = gpu._Plan(torch.from_numpy(I).cuda(), cu([40, 25]), cu([40, 31]), 4, False)
+    dI = torch.from_numpy(I).cuda()
+    batch = Batch.of(cu([40, 25]), cu([40, 31]), 4, total_q=65)
+    plan = _plan.Plan(batch, dI, ArrayContext(dI))
     fast = plan.count(8)
     plain = cuda.to_device(np.full(tuple(fast.shape), -7, np.int32))
-    gpu._csr_kernel_count_shared[(fast.shape[0], plan.hkv), 64](
-        cuda.to_device(I), cuda.to_device(plan.cu_q.astype(np.int32)),
-        cuda.to_device(plan.row_offsets.astype(np.int32)), 8, plain)
+    v2_tiled.count_kernel[(fast.shape[0], plan.hkv), 64](
+        cuda.to_device(I), cuda.to_device(batch.cu_q.astype(np.int32)),
+        cuda.to_device(batch.row_offsets.astype(np.int32)), 8, plain)
     np.testing.assert_array_equal(to_numpy(fast), plain.copy_to_host())
     assert _launch.FAST_LAUNCH, "the direct launch failed and fell back to Numba's dispatcher"
     view = _launch.Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
     assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
     assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())
-
-
-# --- offline compile check (a GPU or NVVM; not the simulator) ---------------------------------
-
-@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
-@pytest.mark.parametrize("kernel", ["_csr_kernel_count", "_csr_kernel_count_shared",
-                                    "_scan_kernel_lookback", "_csr_kernel_tile_scan",
-                                    "_scan_kernel_serial", "_scan_kernel_reduce",
-                                    "_scan_kernel_block_sums", "_scan_kernel_add_back",
-                                    "_csr_kernel_scatter_tiled", "_csr_kernel_scatter_rowwise",
-                                    "_csr_kernel_fill_tail", "_csr_kernel_split_groups",
-                                    "_csr_kernel_split_rows", "_csr_kernel_unpack"])
-def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
-    import re
-
-    from numba import cuda, types
-
-    i32, i64 = types.int32, types.int64
-    i32_1, i32_2, i32_3 = i32[::1], i32[:, ::1], i32[:, :, ::1]
-    sigs = {
-        "_csr_kernel_count": (i32_3, i32_1, i32_1, i64, i32_3),
-        "_csr_kernel_count_shared": (i32_3, i32_1, i32_1, i64, i32_3),
-        "_scan_kernel_lookback": (i32_3, i64, i64[::1], i64, i32_2),
-        "_csr_kernel_tile_scan": (i32_3, i32_2),
-        "_scan_kernel_serial": (i32_2, i32_2, i32_1),
-        "_scan_kernel_reduce": (i32_2, i64[:, ::1], i32_1),
-        "_scan_kernel_block_sums": (i64[:, :], i64[:, ::1], i32_2, i32_1),
-        "_scan_kernel_add_back": (i32_2, i64[:, ::1], i32_2),
-        "_csr_kernel_scatter_tiled": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i64, i64, i32_2,
-                                      i32_2),
-        "_csr_kernel_scatter_rowwise": (i32_3, i32_1, i32_1, i32_2, i32_2, i32_2),
-        "_csr_kernel_fill_tail": (i32_2, i32_2, i32_2),
-        "_csr_kernel_split_groups": (i32_3, i32_1, i32_1, i32_2, i32_3, i64, i64[:, ::1]),
-        "_csr_kernel_split_rows": (i32_2, i32_3, i64[:, ::1], i64[:, ::1]),
-        "_csr_kernel_unpack": (i32_2, i64[:, ::1], i32_2, i32_2),
-    }
-    source = _scan if kernel.startswith("_scan") or kernel == "_csr_kernel_tile_scan" else gpu
-    fn = _scan.tile_scan_kernel if kernel == "_csr_kernel_tile_scan" else getattr(source, kernel)
-    ptx, _ = cuda.compile_ptx(fn.py_func, sigs[kernel], cc=(9, 0))
-    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
-    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"

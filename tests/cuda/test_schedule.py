@@ -15,20 +15,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from msa._batch import Batch
 from msa.cuda import csr as gpu_csr
 from msa.cuda import schedule as gpu
-from msa.cuda._core.arrays import SIMULATOR
+from msa.cuda._core.arrays import ArrayContext
 from msa.reference.blocks import block_row_offsets
 from msa.reference.csr import build_csr
 from msa.reference.schedule import build_schedule
 from msa.reference.select import fixed_blocks
 from msa.testing.backends import to_numpy
-from msa.testing.strategies import seq_lens
 from msa.testing.strategies import offsets as cu
-
-
-
-
+from msa.testing.strategies import seq_lens
 
 
 def random_row_ptr(lk, bk, hkv, seed, *, hot_rows=0):
@@ -60,8 +57,7 @@ def assert_same_schedule(got, want):
 # --- hostile shapes ---------------------------------------------------------------------------
 
 # Each row also picks a path: "default" (as shipped), "tiles" (two rows per tile, look-back scan
-# blocks of two threads), "v1" (serial scans), "v2" (reduce-then-scan prefix sums, small tiles),
-# "max_edges" (the tight capacity).
+# blocks of two threads), "max_edges" (the tight capacity).
 SHAPES = [
     # id, seq_lens_k, Bk, Hkv, hot rows per head, path
     ("one-row", [3], 4, 1, 0, "default"),
@@ -70,11 +66,11 @@ SHAPES = [
     ("empty-sequences", [0, 9, 0, 5, 0], 4, 2, 1, "tiles"),
     ("many-sequences", [7, 30, 12, 19, 9, 4], 4, 3, 2, "default"),
     ("every-row-hot", [32], 8, 2, 4, "tiles"),
-    ("Hkv=4", [40], 8, 4, 1, "v1"),
+    ("Hkv=4", [40], 8, 4, 1, "default"),
     ("no-keys", [0], 4, 2, 0, "default"),
     ("keys-of-empty-rows", [0, 9], 4, 1, 0, "max_edges"),
-    ("many-sequences-scan-v2", [7, 30, 12, 19, 9, 4], 4, 3, 2, "v2"),
-    ("every-row-hot-scan-v2", [32], 8, 2, 4, "v2"),
+    ("many-sequences-tiles", [7, 30, 12, 19, 9, 4], 4, 3, 2, "tiles"),
+    ("every-row-hot-default", [32], 8, 2, 4, "default"),
 ]
 
 
@@ -83,11 +79,6 @@ def run_path(path, row_ptr, cu_k, bk, chunk_size):
         return gpu.build_schedule(row_ptr, cu_k, bk, chunk_size)
     if path == "tiles":
         return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, item_tile=2, scan_threads=2)
-    if path == "v1":
-        return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, scan_version=1)
-    if path == "v2":  # the three-launch prefix sums instead of the look-back scans
-        return gpu._build_schedule(row_ptr, cu_k, bk, chunk_size, item_tile=2, scan_threads=2,
-                                   scan_version=2)
     return gpu.build_schedule(row_ptr, cu_k, bk, chunk_size, max_edges=int(row_ptr[:, -1].max()))
 
 
@@ -136,6 +127,20 @@ def test_reruns_are_bitwise_identical():
         assert a.tobytes() == b.tobytes()
 
 
+def test_launch_schedule_on_query_chunks():
+    # What other stages call: the unchecked CSR build and schedule on the chunks of a validated
+    # batch (Batch.chunks), each against the reference on the chunk's own offsets.
+    lq, lk, bk, chunk = [30, 0, 21], [40, 9, 21], 4, 3
+    I = fixed_blocks(cu(lq), cu(lk), 2, 3, bk)
+    ctx = ArrayContext(I)
+    dI = ctx.input("block_indices", I)
+    for t0, t1, _, _, sub in Batch.of(cu(lq), cu(lk), bk).chunks(16):
+        row_ptr, _, _ = gpu_csr.launch_build_csr(sub, dI[t0:t1], ctx)
+        got = gpu.launch_schedule(sub, row_ptr, chunk, (t1 - t0) * I.shape[2], ctx)
+        want_ptr = build_csr(I[t0:t1], sub.cu_q, sub.cu_k, bk)[0]
+        assert_same_schedule(got, build_schedule(want_ptr, sub.cu_k, bk, chunk))
+
+
 # --- capacity ---------------------------------------------------------------------------------
 
 def test_capacity_is_tight_for_a_full_selection():
@@ -152,9 +157,9 @@ def test_capacity_is_tight_for_a_full_selection():
 
 
 def test_documented_capacities():
-    one_m = cu([1 << 20])
-    assert 4 * gpu._capacity(one_m.astype(np.int64), 128, 4096, (1 << 20) * 16) == 49_144
-    assert 4 * gpu._capacity(one_m.astype(np.int64), 128, 4096, None) == 8_388_608
+    one_m = np.array([1 << 20], np.int64)  # Lk of one sequence
+    assert 4 * gpu._capacity(one_m, 128, 4096, (1 << 20) * 16) == 49_144
+    assert 4 * gpu._capacity(one_m, 128, 4096, None) == 8_388_608
 
 
 # --- hypothesis -------------------------------------------------------------------------------
@@ -273,24 +278,3 @@ def test_production_size_equals_reference(n, hot, chunk_size):
     again = gpu.build_schedule(row_ptr, cu_k, bk, chunk_size, max_edges=n * topk, validate=False)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     assert_same_schedule(got, build_schedule(to_numpy(row_ptr), cu_k, bk, chunk_size))
-
-
-# --- offline compile check (a GPU or NVVM; not the simulator) ---------------------------------
-
-@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
-@pytest.mark.parametrize("kernel", ["_schedule_kernel_rows", "_schedule_kernel_write"])
-def test_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
-    import re
-
-    from numba import cuda, types
-
-    i32, i64 = types.int32, types.int64
-    i32_1, i32_2, i32_3 = i32[::1], i32[:, ::1], i32[:, :, ::1]
-    sigs = {
-        "_schedule_kernel_rows": (i32_2, i64, i64, i64, i32_3, i32_1, i32_3),
-        "_schedule_kernel_write": (i32_2, i32_1, i64, i32_3, i32_2, i32_1, i32_3, i32_2, i32_2,
-                                   i32_1),
-    }
-    ptx, _ = cuda.compile_ptx(getattr(gpu, kernel).py_func, sigs[kernel], cc=(9, 0))
-    assert not re.findall(r"\.f64\b", ptx), "float64 instructions in the PTX"
-    assert not re.findall(r"\b(ld|st)\.local\b", ptx), "local memory in the PTX"

@@ -16,7 +16,6 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..._checks import check_array, cu_to_host
 from .arrays import SIMULATOR, device_constant
 from .mma import DEVICE_SMEM_LIMIT, STATIC_RESERVE, STATIC_SMEM_LIMIT
 
@@ -269,13 +268,6 @@ def upload_ints(host):
 def _cached_upload(data: bytes, device_id: int):
     """The ``Dev`` of ``device_constant``'s (memoised) upload: one upload cache for msa."""
     return Dev(device_constant(np.frombuffer(data, dtype=np.int32)))
-
-
-def host_ints(name, x):
-    """A host int64 copy of small metadata, after the same rank/dtype checks as before."""
-    check_array(name, x, ndim=1, dtypes=("int",))
-    return np.ascontiguousarray(cu_to_host(x), dtype=np.int64)
-
 
 
 def kernel_array(x):

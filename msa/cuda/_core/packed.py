@@ -20,7 +20,16 @@ LN2 = 0.6931471805599453
 
 @cuda.jit(device=True)
 def last_le(offsets, x):
-    """The last ``b`` with ``offsets[b] <= x < offsets[b+1]`` (empty segments are skipped)."""
+    """The segment of ``x`` in non-decreasing ``offsets [S+1]``: the largest ``b`` in
+    ``[0, S-1]`` with ``offsets[b] <= x``, by binary search.
+
+    For ``offsets[0] <= x < offsets[S]`` that is the one ``b`` with ``offsets[b] <= x <
+    offsets[b+1]`` (an empty segment never holds ``x``: the later one with the same offset
+    wins). Outside that range it is clamped: 0 below ``offsets[0]``, ``S-1`` from
+    ``offsets[S]`` on, so a caller indexing ``offsets[b+1]`` stays in bounds (and checks the
+    range itself where ``x`` may lie outside). Used on ``cu_q`` (query -> sequence) and on
+    ``row_offsets`` (CSR row -> sequence).
+    """
     lo = 0
     hi = offsets.shape[0] - 1
     while hi - lo > 1:
