@@ -39,17 +39,16 @@ def main() -> int:
     m = C.block_scores(dev(p.q_idx), dev(p.k_idx), dev(cq), dev(ck), bk)
     report("block_scores fp32", np.allclose(m.cpu().numpy(), m_ref, rtol=1e-4, atol=1e-4))
     m_bf = C.block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk)
-    report("block_scores bf16 (tc)", np.isfinite(m_bf.cpu().numpy()).sum() == np.isfinite(m_ref).sum())
-    idx = C.select_blocks(dev(m_ref), dev(cq), dev(ck), k, bk)
-    report("select_blocks (warp)", np.array_equal(idx.cpu().numpy(), idx_ref))
+    report("block_scores bf16 (v3)", np.isfinite(m_bf.cpu().numpy()).sum() == np.isfinite(m_ref).sum())
+    idx = C.select_blocks(dev(m_ref), cq, ck, k, bk)
+    report("select_blocks (v3)", np.array_equal(idx.cpu().numpy(), idx_ref))
     fused = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk)
     report("select_blocks_fused", fused.shape == idx_ref.shape)
-    # the wgmma index kernel (compute capability 9.0): the same scores and selection as tc3
-    m_tc4 = C.index._block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, version="tc4")
-    report("block_scores bf16 (tc4)", torch.equal(m_tc4, m_bf))
-    fused4 = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk,
-                                   version="heap4")
-    report("select_blocks_fused (heap4)", torch.equal(fused4, fused))
+    # the index's tensor-core fallback (Bk % 16 != 0, unaligned k_idx): v3's scores, bit for bit
+    m_v2 = C.block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, version=2)
+    report("block_scores bf16 (v2)", torch.equal(m_v2, m_bf))
+    fused2 = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk, version=2)
+    report("select_blocks_fused (v2)", torch.equal(fused2, fused))
 
     row_ptr_ref, q_ind_ref, slots_ref = R.build_csr(idx_ref, cq, ck, bk)
     row_ptr, q_ind, slots = C.build_csr(dev(idx_ref), dev(cq), dev(ck), bk)
