@@ -258,6 +258,7 @@ BAD = {
     "version-unknown": (lambda a: dict(version=7), ValueError, "version"),
     "version-old-name": (lambda a: dict(version="tc3"), ValueError, "version"),
     "version-bool": (lambda a: dict(version=True), ValueError, "version"),
+    "version-float": (lambda a: dict(version=3.0), ValueError, "version"),
     "version-2-fp32": (lambda a: dict(q_idx=a["q_idx"].astype(np.float32),
                                       k_idx=a["k_idx"].astype(np.float32), version=2),
                        ValueError, "version 2 cannot run.*float32"),

@@ -235,7 +235,7 @@ def test_select_blocks_rejects_bad_input(change, error, match):
         cuda_select.select_blocks(**kwargs)
 
 
-@pytest.mark.parametrize("version", [0, 4, "warp3", True])
+@pytest.mark.parametrize("version", [0, 4, "warp3", True, 3.0])
 def test_select_blocks_rejects_unknown_version(version):
     with pytest.raises(ValueError, match="version"):
         cuda_select.select_blocks(**_good(), version=version)
@@ -356,7 +356,7 @@ def test_select_blocks_fused_rejects_bad_input():
     with pytest.raises(ValueError, match="version 3 cannot run.*% 16"):
         cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
                                         2, 8, version=3)  # Bk % 16 != 0
-    for version in ("heap3", 4, 0, True):
+    for version in ("heap3", 4, 0, True, 3.0):
         with pytest.raises(ValueError, match="version"):
             cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version=version)
 

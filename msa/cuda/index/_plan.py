@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 
 import numpy as np
 
@@ -56,8 +57,9 @@ class IndexPlan:
     ``launch_block_scores`` and ``launch_fused_topk`` take it and check nothing.
 
     Attributes:
-        ctx: the callers' ``ArrayContext``. q, k: kernel-ready ``q_idx [Tq, Hkv, Didx]`` and
-            ``k_idx [Tk, Didx]`` (uint32 words of two 16-bit values for versions 2 and 3).
+        ctx: the callers' ``ArrayContext``. q_in, k_in: kernel-ready ``q_idx [Tq, Hkv, Didx]``
+            and ``k_idx [Tk, Didx]``; q, k: what the kernel of ``version`` takes (for versions
+            2 and 3 uint32 words of two 16-bit values: ``[Tq, Hkv, Didx/2]``, ``[Tk, Didx/2]``).
         batch: the validated ``msa._batch.Batch``; cu_q, cu_k: its int32 device offsets.
         tq, tk, hkv, d_idx, nb, block_size: sizes. kind: ``'bfloat16' | 'float16' |
             'float32' | 'float64'``. scale: the kernel's scale (float32, float64 for float64).
@@ -80,7 +82,8 @@ class IndexPlan:
         """
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-        if version is not None and (isinstance(version, bool) or version not in VERSIONS):
+        if version is not None and (isinstance(version, bool) or not isinstance(
+                version, numbers.Integral) or version not in VERSIONS):
             raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
         check_array("q_idx", q_idx, ndim=3)
         check_array("k_idx", k_idx, ndim=2)
@@ -124,9 +127,9 @@ class IndexPlan:
     def with_version(self, version: int) -> IndexPlan:
         """This plan with kernel ``version`` (one that ``why_not`` lets run)."""
         p = copy.copy(self)
-        p.version = version
+        p.version = int(version)
         p.q, p.k = self.q_in, self.k_in
-        if version >= 2:  # two 16-bit values per word: q [Tq, Hkv, Didx/2], k [Tk, Didx/2]
+        if version >= 2:  # two 16-bit values per word
             p.q, p.k = self.q_in.view(np.uint32), self.k_in.view(np.uint32)
         rows = 16 * (2 if version == 3 else 1) * self.warps
         p.tile_queries = max(1, rows // self.hkv)
@@ -163,7 +166,7 @@ class IndexPlan:
 def tiles(batch: Batch, t0: int, t1: int, tile_queries: int) -> np.ndarray:
     """int32 [n, 3] rows ``(sequence, ta, tb)``: queries ``[t0, t1)`` cut into tiles of at most
     ``tile_queries`` that never cross a sequence, the tiles with the most blocks first."""
-    cu_q, cu_k = batch.cu_q, batch.cu_k
+    cu_q = batch.cu_q
     lo = np.maximum(cu_q[:-1], t0)
     hi = np.minimum(cu_q[1:], t1)
     seqs = np.nonzero(hi > lo)[0]

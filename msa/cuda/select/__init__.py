@@ -33,10 +33,10 @@ v    idea (file)                            default where   verdict
 ===  ======================================================  ============  ====================
 v    idea                                                    default       verdict
 ===  ======================================================  ============  ====================
-1    the queries in chunks sized to a memory budget: the     fp32/fp64,    37.1 ms at 128K
-     chunk's block scores (``block_scores``' default)        and bf16/     (M written and read
-     into one reused buffer, then ``select_blocks`` v3       fp16 where    again)
-                                                             2, 3 do not
+1    the queries in chunks sized to a memory budget: the     fp32/fp64,    37.1 ms at 128K with
+     chunk's block scores (``block_scores``' default)        and bf16/     the scores of index
+     into one reused buffer, then ``select_blocks`` v3       fp16 where    ``tc2`` (M written
+                                                             2, 3 do not   and read again)
 2    one kernel: index v2 (tensor cores) with a top-k        bf16/fp16     102.3 ms
      epilogue: each block maximum straight into the row's    where 3 does
      (K-1)-entry heap (§4.1), owned by one thread; no M      not apply
@@ -52,6 +52,8 @@ and ``heap4`` on ``tc4`` were dropped). See docs/performance.md.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 
@@ -73,7 +75,8 @@ FUSED_MEMORY_BUDGET = 4 << 30
 
 
 def _check_version(name, version, versions):
-    if version is not None and (isinstance(version, bool) or version not in versions):
+    if version is not None and (isinstance(version, bool) or not isinstance(
+            version, numbers.Integral) or version not in versions):
         raise ValueError(f"{name} must be one of {versions} or None, got {version!r}")
     return version
 
