@@ -552,8 +552,8 @@ def main(argv=None):
                    help="also time sparse attention with K1 v3 and these warp groups")
     p.add_argument("--prefill-groups", type=int, default=None,
                    help="K1 v3 warp groups in the prefill (default: the library's)")
-    p.add_argument("--prefill-index-version", default=None,
-                   help="select_blocks_fused version in the prefill (default: the library's)")
+    p.add_argument("--prefill-index-version", type=int, default=None,
+                   help="select_blocks_fused version (1-3) in the prefill (default: the library's)")
     p.add_argument("--skip-flex", action="store_true")
     p.add_argument("--offsets", choices=("host", "device"), default="host",
                    help="cu_seqlens for the msa calls: NumPy arrays or CUDA tensors")

@@ -7,19 +7,20 @@
    the problem is one sequence of ``NB * Bk`` keys with ``Bk = 65536`` whose 65536 queries are its
    last positions: each query's local block is ``NB - 1`` and blocks ``0..NB-2`` are candidates.
    Bytes read = 4 * rows * NB (rows = 4 * 65536); GB/s = bytes / time; fraction of the H200's
-   4.26 TB/s device copy. Every kernel version runs in the same process as the baseline (``v1``,
-   the paper's ``warp``, ``warp2``, ``warp3``; the row of the default is marked), torch.topk is
+   4.26 TB/s device copy. Every kernel version runs in the same process as the baseline (1, the
+   paper's warp heap 2, the default 3; the row of the default is marked), torch.topk is
    timed before and after them and the ratio uses the faster of the two (clock drift).
 2. Index + top-k (eq 6-7), Hkv = 4, Didx = 128, bf16, K = 16, Bk = 128, one causal sequence of N
-   tokens (Lq = Lk = N): ``msa.cuda.select.select_blocks_fused``, every version: ``heap``/``heap2``
-   (one tensor-core kernel, block maxima straight into per-row heaps, M never written; heap2 on the
-   cp.async/ldmatrix kernel tc2) and ``chunked`` (tensor-core block scores of a chunk of queries,
-   then the default top-k) against the PyTorch pipeline a user would write (bf16 matmul, causal
-   mask, block max, forced local block, topk), chunked over queries to fit, at N in {32K, 128K};
-   ours alone (heap, heap2) at 1M. FLOPs = Hkv * Didx * N^2 (paper eq 12's index
-   term: 2 flops per multiply-add over the causal half); TFLOP/s = FLOPs / time. The two stages
-   are also timed apart at 128K (``block_scores`` tc and tc2 writing the whole M, then every
-   ``select_blocks`` version but v1 on it).
+   tokens (Lq = Lk = N): ``msa.cuda.select.select_blocks_fused``, every version: 2 and 3 (one
+   tensor-core kernel, index v2 or v3, block maxima straight into per-row heaps, M never
+   written) and 1 (block scores of a chunk of queries, then the default top-k) against the
+   PyTorch pipeline a user would write (bf16 matmul, causal mask, block max, forced local block,
+   topk), chunked over queries to fit, at N in {32K, 128K}; ours alone (the default, 3) at 1M.
+   FLOPs = Hkv * Didx * N^2 (paper eq 12's index term: 2 flops per multiply-add over the causal
+   half); TFLOP/s = FLOPs / time. The two stages are also timed apart at 128K (``block_scores``
+   v2 and v3 writing the whole M, then every ``select_blocks`` version but 1 on it).
+
+Offsets (``cu_seqlens``) are host NumPy arrays, as msa's launchers read them on the host.
 
 Correctness comes first: top-k rows are compared by their scores with ``torch.topk``'s (exact,
 tie-proof); index + top-k rows are checked on a sample of queries against float64 block scores:
@@ -44,13 +45,14 @@ BK = 128
 # -- 1. top-k -----------------------------------------------------------------------------------
 
 def _topk_problem(nb, tq=65536, hkv=HKV):
+    import numpy as np
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(nb)
     M = torch.randn((hkv, tq, nb), device="cuda", dtype=torch.float32, generator=g)
     bk = 65536  # every query sits in the last block: all NB blocks visible
-    cu_q = torch.tensor([0, tq], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, nb * bk], dtype=torch.int32, device="cuda")
+    cu_q = np.array([0, tq], np.int32)
+    cu_k = np.array([0, nb * bk], np.int32)
     return M, cu_q, cu_k, bk
 
 
@@ -74,28 +76,31 @@ def bench_topk(nb):
     from numba import cuda
 
     import msa.cuda.select as S
+    from msa._batch import Batch
 
     M, cu_q, cu_k, bk = _topk_problem(nb)
     rows = M.shape[0] * M.shape[1]
     nbytes = 4 * rows * nb  # bytes read = 4 * rows * NB
     out = []
-    raw = [cuda.as_cuda_array(x) for x in (M, cu_q, cu_k)]  # Numba views: no per-launch conversion
+    raw = cuda.as_cuda_array(M)  # a Numba view: no per-launch conversion
     raw_out = cuda.device_array((M.shape[1], M.shape[0], TOPK), np.int32)
+    batch = Batch.of(cu_q, cu_k, bk)
     torch_before = cuda_time_ms(lambda: torch.topk(M, TOPK, dim=-1))
     rows_ours = []
     for version in S.VERSIONS:
         default = " (default)" if version == S.DEFAULT_VERSION else ""
-        row = dict(case=f"topk NB={nb}", impl=f"msa {version}{default}", version=version)
+        row = dict(case=f"topk NB={nb}", impl=f"msa v{version}{default}", version=version)
         try:
             I = S.select_blocks(M, cu_q, cu_k, TOPK, bk, version=version)
             _gate_topk(I, M)
-            reps = 3 if version == "v1" else 10
+            reps = 3 if version == 1 else 10
             ms = cuda_time_ms(lambda: S.select_blocks(M, cu_q, cu_k, TOPK, bk, version=version),
                               reps=reps)
             row.update(ms=ms, GBps=nbytes / ms / 1e6, frac_hbm=nbytes / ms / 1e9 / HBM_COPY_TBPS)
-            if version != "v1":  # the launch alone: no validation, no host copy of cu_seqlens
+            if version != 1:  # the launch alone: no validation, no host read of cu_seqlens
                 row["ms_kernel"] = cuda_time_ms(
-                    lambda: S._launch_select(version, *raw, 0, TOPK, bk, raw_out), reps=reps)
+                    lambda: S.launch_select_blocks(raw, batch, 0, TOPK, raw_out, version=version),
+                    reps=reps)
         except Exception as exc:
             row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
         rows_ours.append(row)
@@ -116,12 +121,13 @@ def bench_topk(nb):
 # -- 2. index + top-k ---------------------------------------------------------------------------
 
 def _index_problem(n, seed=0):
+    import numpy as np
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((n, HKV, D_IDX), device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn((n, D_IDX), device="cuda", generator=g).to(torch.bfloat16)
-    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    cu = np.array([0, n], np.int32)
     return q, k, cu
 
 
@@ -237,8 +243,8 @@ def bench_index(n, with_torch=True):
         except Exception as exc:
             row.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=4))
         out.append(row)
-    for version in ("heap2", "heap3") if heavy else S.FUSED_VERSIONS:
-        row = dict(case=case, impl=f"msa select_blocks_fused ({version})")
+    for version in (3,) if heavy else S.FUSED_VERSIONS:
+        row = dict(case=case, impl=f"msa select_blocks_fused (v{version})")
         try:
             fused = lambda: S.select_blocks_fused(q, k, cu, cu, TOPK, BK, version=version)  # noqa: E731
             ms, peak, I = _time_ours(fused, reps, heavy=heavy)
@@ -251,8 +257,8 @@ def bench_index(n, with_torch=True):
         out.append(row)
     if n == 131072:  # the two stages apart, M materialised (4 * N * NB * 4 bytes = 2 GiB)
         M = None
-        for kversion in ("tc", "tc2", "tc3"):
-            row = dict(case=case, impl=f"msa block_scores ({kversion}), M written")
+        for kversion in (2, 3):
+            row = dict(case=case, impl=f"msa block_scores (v{kversion}), M written")
             try:
                 ms = cuda_time_ms(lambda: X.block_scores(q, k, cu, cu, BK, version=kversion),
                                   warmup=1, reps=reps)
@@ -264,9 +270,9 @@ def bench_index(n, with_torch=True):
             out.append(row)
         nbytes = 4 * HKV * n * (n // BK) / 2  # a causal row reads the blocks before its local one
         for version in S.VERSIONS if M is not None else ():
-            if version == "v1":
+            if version == 1:
                 continue
-            row = dict(case=case, impl=f"msa select_blocks ({version}) on that M")
+            row = dict(case=case, impl=f"msa select_blocks (v{version}) on that M")
             try:
                 ms = cuda_time_ms(lambda: S.select_blocks(M, cu, cu, TOPK, BK, version=version),
                                   reps=reps)

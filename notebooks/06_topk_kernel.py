@@ -127,7 +127,7 @@ ax.set(xticks=range(21), xlabel="block (colour = lane that scans it)", ylabel="s
 plt.show()
 
 # %% [markdown]
-# ## One list for the whole warp, and a good start (`warp2`, `warp3`)
+# ## One list for the whole warp, and a good start (version 3)
 #
 # The paper's heap makes every lane keep its own $k - 1$ best, sift at its own time (divergent
 # lanes, local memory) and merge in $k - 1$ shuffle rounds. msa's faster kernels keep **one** list
@@ -138,8 +138,9 @@ plt.show()
 # threshold rises. On random rows most of the cost is in those insertions, and most insertions
 # happen at the start, while the threshold is still low.
 #
-# * `warp2` starts the list from the first score of each lane (32 scores, one bitonic sort).
-# * `warp3` (the default) starts it from each lane's **best of its first 16 scores**: the
+# * Starting the list from the first score of each lane (32 scores, one bitonic sort) was an
+#   earlier kernel (`warp2`, dropped).
+# * Version 3 (the default) starts it from each lane's **best of its first 16 scores**: the
 #   $(k-1)$-th best of 32 maxima is a much higher threshold. A lane's best is then removed from
 #   its own scores, which is exact: it is either in the list already (it must not enter twice) or
 #   below the threshold, which only rises. Comparisons are written with bitwise operators so that
@@ -153,7 +154,7 @@ plt.show()
 def list_insertions(row_scores, kmax, seed):
     """(insertions, kept blocks) of the warp-wide list on one row of distinct finite scores.
 
-    seed "first slot": warp2's start (each lane's first score); "lane best": warp3's (each lane's
+    seed "first slot": each lane's first score; "lane best": version 3's start (each lane's
     best of its first 16 scores). The seeds never enter again.
     """
     n = len(row_scores)
@@ -187,14 +188,15 @@ for nb, n_rows in ((1024, 24), (8192, 4)):
             seed_lists_exact &= kept == best
     insertion_rows.append((nb, n_rows, f"{np.mean(counts['first slot']):.1f}",
                            f"{np.mean(counts['lane best']):.1f}"))
-nbtools.table(["NB", "random rows", "insertions per row, warp2 start", "warp3 start"], insertion_rows)
+nbtools.table(["NB", "random rows", "insertions per row, first-slot start", "version 3 start"],
+              insertion_rows)
 
 # %% [markdown]
 # ## The kernel against the reference
 #
 # `msa.cuda.select.select_blocks` must return *exactly* the reference's integers, including the tie
-# rule; every kernel version is checked: `v1` (one thread per row), `warp` (the paper's heap),
-# `warp2` and `warp3` (the warp-wide list; `warp3` is the default). Scores
+# rule; every kernel version is checked: 1 (one thread per row), 2 (the paper's heap) and 3 (the
+# warp-wide list, the default). Scores
 # rounded to integers make ties frequent. `select_blocks_fused` runs eq 6 and eq 7 together, never
 # holding all of $M$, and must equal `select_blocks(block_scores(...))`. Tiny sizes in the simulator
 # (every simulated thread is a Python thread), larger on a GPU.
@@ -237,8 +239,9 @@ else:
 # `torch.topk(M, k)` is what a PyTorch user would call. It is not the same function (no causal
 # candidate set, no forced local block, no tie rule), but it does the same amount of work per row, so
 # it is the baseline. One sequence of $N$ tokens, $H_{kv} = 4$, $B_k = 128$, $k = 16$, float32 scores;
-# median of CUDA-event timings after a warm-up; the three warp kernels side by side (the paper's
-# heap, `warp2`, the default `warp3`). In the simulator timings mean nothing, so none are shown.
+# median of CUDA-event timings after a warm-up; the two warp kernels side by side (version 2, the
+# paper's heap, and version 3, the default). In the simulator timings mean nothing, so none are
+# shown.
 
 # %%
 timings = []
@@ -267,12 +270,12 @@ else:
 
     for n in (8192, 32768, 131072):
         Mt = torch.randn(4, n, n // 128, device="cuda")
-        cu_t = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        cu_n = np.array([0, n], np.int32)  # offsets are read on the host: pass them there
         t_torch = median_ms(lambda: torch.topk(Mt, 16, dim=-1))
-        for version in ("warp", "warp2", "warp3"):
-            t_msa = median_ms(lambda: select_cuda(Mt, cu_t, cu_t, 16, 128, version=version))
+        for version in (2, 3):
+            t_msa = median_ms(lambda: select_cuda(Mt, cu_n, cu_n, 16, 128, version=version))
             gbps = Mt.numel() * 4 / (t_msa * 1e-3) / 1e9  # every score read once
-            name = version + (" (default)" if version == cuda_select.DEFAULT_VERSION else "")
+            name = f"v{version}" + (" (default)" if version == cuda_select.DEFAULT_VERSION else "")
             timings.append((n, f"{Mt.shape[0] * n:,}", n // 128, name, f"{t_msa:.3f}", f"{gbps:.0f}",
                             f"{t_torch:.3f}", f"{t_torch / t_msa:.2f}x"))
         del Mt
@@ -287,7 +290,7 @@ nbtools.check("exp-free: softmax(M), 3M + 1 and exp(M) select the same blocks as
 nbtools.check("the warp-heap trace selects the same blocks as msa.reference.select_blocks",
               trace_row == one_row.tolist(), f"{trace_row}")
 nbtools.check("the warp-wide list keeps the true top k - 1 from either start (random rows)", seed_lists_exact)
-nbtools.check("warp3's start needs fewer insertions than warp2's at every NB",
+nbtools.check("version 3's start needs fewer insertions than the first-slot start at every NB",
               all(float(r[3]) < float(r[2]) for r in insertion_rows),
               "; ".join(f"NB={r[0]}: {r[2]} -> {r[3]}" for r in insertion_rows))
 for name, why_not in (("select_blocks", why), ("select_blocks_fused", why_fused)):

@@ -10,6 +10,7 @@ Two kinds of comparison, for every kernel version and input dtype it supports:
 
 bf16 has no NumPy dtype: the simulator tests pass bf16 bit patterns (uint16) through the private
 ``_block_scores(..., bf16_bits=True)``; on a GPU the public function takes torch bf16 tensors.
+Kernel versions: 1 (CUDA cores), 2 (tensor cores), 3 (v2 pipelined, two m-tiles a warp).
 """
 
 import sys
@@ -36,8 +37,6 @@ if SIMULATOR:
     sys.setswitchinterval(5e-4)
 
 
-
-
 def _bf16_round(x):
     """float32 values rounded to the nearest bf16 (ties to even) and their uint16 bit patterns."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -58,34 +57,29 @@ def _inputs(q64, k64, dtype):
 def _versions(dtype, d_idx, block_size):
     """Kernel versions for a table case; a GPU runs every one that applies. The simulator runs
     the tensor-core kernels on bf16 only (float16 differs in the mma type alone and goes through
-    them in the fuzz tests and in tests/cuda/test_select.py's fused tests), and the tc rung only
-    where tc2 does not apply (Bk % 16 != 0): elsewhere tc2, its successor, runs the same case."""
+    them in the fuzz tests and in tests/cuda/test_select.py's fused tests), and v2 only where
+    v3 does not apply (Bk % 16 != 0): elsewhere v3, the default, runs the same case."""
     tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
-    tc2 = tc and block_size % 16 == 0
+    v3 = tc and block_size % 16 == 0
     if SIMULATOR:
-        return ["v1"] + (["tc2"] if tc2 and dtype == "bf16" else ["tc"] if tc and dtype == "bf16"
-                         else [])
-    return ["v1"] + (["tc"] if tc else []) + (["tc2", "tc3", "tc4"] if tc2 else [])
+        return [1] + ([3] if v3 and dtype == "bf16" else [2] if tc and dtype == "bf16" else [])
+    return [1] + ([2] if tc else []) + ([3] if v3 else [])
 
 
 def _all_versions(dtype, d_idx, block_size):
     """Every version that applies, float16 tensor cores included (the fuzz tests)."""
     tc = dtype in ("float16", "bf16") and d_idx % 16 == 0 and block_size % 8 == 0
-    tc2 = tc and block_size % 16 == 0
-    # tc3 (tc2 with two m-tiles a warp) on a GPU; the simulator checks it in
-    # test_tc3_equals_the_reference_and_tc2
-    return ["v1"] + (["tc"] if tc else []) + (["tc2"] if tc2 else []) + (
-        ["tc3", "tc4"] if tc2 and not SIMULATOR else [])
+    return [1] + ([2] if tc else []) + ([3] if tc and block_size % 16 == 0 else [])
 
 
 # Sequences up to 40 tokens under the simulator (still several blocks of 16 and partial ones).
 _FUZZ_SHAPES = dict(KERNEL_SHAPES, max_len=40) if SIMULATOR else KERNEL_SHAPES
 
 
-def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype):
+def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype, warps=None):
     q, k = args
     M = cuda_index._block_scores(q, k, cu_q, cu_k, block_size, scale, pool=pool, version=version,
-                                 bf16_bits=dtype == "bf16")
+                                 bf16_bits=dtype == "bf16", warps=warps)
     M = to_numpy(M)
     assert M.dtype == (np.float64 if dtype == "float64" else np.float32)
     return M
@@ -100,7 +94,7 @@ def _problem(lq, lk, hkv, d_idx, block_size, seed, integer):
     return q, k, p.cu_seqlens_q, p.cu_seqlens_k
 
 
-def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
+def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None, warps=None):
     q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, block_size, seed, integer=True)
     scale = None if pool == "max" else 0.25  # a mean stays exact with a power-of-two scale
     (qv, kv), args = _inputs(q64, k64, dtype)
@@ -108,7 +102,7 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=N
     # rounding of `dot * scale` (float32 unless the inputs are float64).
     want = ref_index.block_scores(qv, kv, cu_q, cu_k, block_size, scale, pool=pool)
     for version in versions or _versions(dtype, d_idx, block_size):
-        got = _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype)
+        got = _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype, warps)
         assert got.shape == want.shape
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want, err_msg=f"{version} {dtype}")
@@ -117,7 +111,7 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=N
 # Error allowed, in units of the float32 reference's error against float64. Tensor cores sum the
 # exact products of an mma in fp32 but align and truncate instead of rounding each addition, so
 # their error may be a few times that of round-to-nearest float32 sums.
-_FACTOR = {"v1": 2.0, "tc": 4.0, "tc2": 4.0, "tc3": 4.0, "tc4": 4.0}
+_FACTOR = {1: 2.0, 2: 4.0, 3: 4.0}
 
 
 def _check_float(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=None):
@@ -212,8 +206,8 @@ def test_block_scores_empty_batch():
     assert M.shape == (2, 0, 2)
 
 
-def test_block_scores_unaligned_k_idx_falls_back_to_tc():
-    # tc2 copies 16-byte pieces of k_idx: data off a 16-byte boundary takes tc, and says so.
+def test_block_scores_unaligned_k_idx_falls_back_to_v2():
+    # v3 copies 16-byte pieces of k_idx: data off a 16-byte boundary takes v2, and says so.
     q64, k64, cu_q, cu_k = _problem([6], [40], 2, 16, 16, 3, integer=True)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     buf = np.zeros(k.size + 2, np.float16)  # 4 bytes in: aligned to 4, not to 16
@@ -228,8 +222,9 @@ def test_block_scores_unaligned_k_idx_falls_back_to_tc():
     want = ref_index.block_scores(q, k, cu_q, cu_k, 16)
     got = to_numpy(cuda_index.block_scores(q_arg, k_view, cq, ck, 16))
     np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="aligned=False"):
-        cuda_index.block_scores(q_arg, k_view, cq, ck, 16, version="tc2")
+    assert cuda_index.IndexPlan.of(q_arg, k_view, cq, ck, 16).version == 2
+    with pytest.raises(ValueError, match="version 3 cannot run.*aligned"):
+        cuda_index.block_scores(q_arg, k_view, cq, ck, 16, version=3)
 
 
 # -- bad inputs ---------------------------------------------------------------------------------
@@ -260,26 +255,26 @@ BAD = {
     "scale-negative": (lambda a: dict(scale=-1.0), ValueError, "scale"),
     "scale-nan": (lambda a: dict(scale=float("nan")), ValueError, "scale"),
     "pool": (lambda a: dict(pool="median"), ValueError, "pool"),
-    "version-unknown": (lambda a: dict(version="v7"), ValueError, "version"),
-    "version-tc-fp32": (lambda a: dict(q_idx=a["q_idx"].astype(np.float32),
-                                       k_idx=a["k_idx"].astype(np.float32), version="tc"),
-                        ValueError, "version 'tc'"),
-    "version-tc-Bk=4": (lambda a: dict(block_size=4, version="tc"), ValueError, "version 'tc'"),
-    "version-tc2-Bk=8": (lambda a: dict(version="tc2"), ValueError, "version 'tc2'"),
-    "version-tc3-Bk=8": (lambda a: dict(version="tc3"), ValueError, "version 'tc3'"),
-    "version-tc4-Bk=8": (lambda a: dict(version="tc4"), ValueError, "version 'tc4'.*'tc3' needs"),
+    "version-unknown": (lambda a: dict(version=7), ValueError, "version"),
+    "version-old-name": (lambda a: dict(version="tc3"), ValueError, "version"),
+    "version-bool": (lambda a: dict(version=True), ValueError, "version"),
+    "version-float": (lambda a: dict(version=3.0), ValueError, "version"),
+    "version-2-fp32": (lambda a: dict(q_idx=a["q_idx"].astype(np.float32),
+                                      k_idx=a["k_idx"].astype(np.float32), version=2),
+                       ValueError, "version 2 cannot run.*float32"),
+    "version-2-Bk=4": (lambda a: dict(block_size=4, version=2), ValueError, "version 2"),
+    "version-3-Bk=8": (lambda a: dict(version=3), ValueError, "version 3 cannot run.*% 16"),
 }
 
 
-def test_tc4_says_why_it_cannot_run():
-    """tc4 (wgmma) runs on a GPU of compute capability 9.0 only, when asked: in the simulator,
-    asking for it is a ValueError naming the simulator; the default stays tc3."""
+def test_default_versions():
+    """v3 where it applies (bf16/fp16, Bk % 16 == 0), v2 at Bk % 16 != 0, v1 for float32."""
     q64, k64, cu_q, cu_k = _problem([20], [40], 2, 16, 16, 0, integer=True)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
-    if SIMULATOR:
-        with pytest.raises(ValueError, match="version 'tc4'.*simulator"):
-            cuda_index.block_scores(q, k, cu_q, cu_k, 16, version="tc4")
-    assert cuda_index._prepare(q, k, cu_q, cu_k, 16, None, "max").version == "tc3"
+    assert cuda_index.IndexPlan.of(q, k, cu_q, cu_k, 16).version == 3
+    assert cuda_index.IndexPlan.of(q, k, cu_q, cu_k, 8).version == 2
+    assert cuda_index.IndexPlan.of(q.astype(np.float32), k.astype(np.float32), cu_q, cu_k,
+                                   16).version == 1
 
 
 @pytest.mark.parametrize("change,error,match", BAD.values(), ids=BAD.keys())
@@ -305,40 +300,39 @@ def test_block_scores_production_sizes(dtype):
     assert got.dtype == torch.float32 and got.is_cuda
     qv, kv = q.float().cpu().numpy(), k.float().cpu().numpy()
     oracle, baseline = oracle_and_baseline(ref_index.block_scores, qv, kv, cu_q, cu_k, 128)
-    assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR["tc"], name=f"M[{dtype}]")
+    assert_close_to_oracle(got, oracle, baseline, factor=_FACTOR[2], name=f"M[{dtype}]")
 
 
 @pytest.mark.parametrize("pool", ["max", pytest.param("mean", marks=pytest.mark.sim_heavy)])
-def test_tc3_equals_the_reference_and_tc2(pool):
-    """tc3 (two m-tiles a warp, the chunk walked n-tile pair by pair) on the simulator's tile
-    of 2 warps = 64 rows: exact against the reference on integer inputs (causal masks inside
-    chunks, partial blocks, varlen with Lq < Lk, a partial last tile), and bitwise equal to tc2
-    on random ones (the same products, sums and maxima in the same order), at Bk = 16 (one
-    n-tile pair a chunk) and Bk = 32 (two)."""
+def test_v3_equals_the_reference_and_v2(pool):
+    """v3 (cp.async, ldmatrix, two m-tiles a warp, the chunk walked n-tile pair by pair) on the
+    simulator's tile of 2 warps = 64 rows: exact against the reference on integer inputs (causal
+    masks inside chunks, partial blocks, varlen with Lq < Lk, a partial last tile), and bitwise
+    equal to v2 on random ones (the same products, sums and maxima in the same order), at
+    Bk = 16 (one n-tile pair a chunk) and Bk = 32 (two)."""
     for bk, lq, lk in ((16, [21, 9], [37, 30]), (32, [40], [70])):
-        _check_exact(lq, lk, 2, 16, bk, "bf16", pool, seed=bk, versions=["tc3"])
+        _check_exact(lq, lk, 2, 16, bk, "bf16", pool, seed=bk, versions=[3])
         q64, k64, cu_q, cu_k = _problem(lq, lk, 2, 16, bk, bk, integer=False)
         (_, _), args = _inputs(q64, k64, "bf16")
         scale = None if pool == "max" else 0.25
-        a = _run(args, cu_q, cu_k, bk, scale, pool, "tc2", "bf16")
-        b = _run(args, cu_q, cu_k, bk, scale, pool, "tc3", "bf16")
+        a = _run(args, cu_q, cu_k, bk, scale, pool, 2, "bf16")
+        b = _run(args, cu_q, cu_k, bk, scale, pool, 3, "bf16")
         assert a.tobytes() == b.tobytes()
 
 
-def test_tc_kernel_with_the_gpu_tile_of_8_warps(monkeypatch):
-    # The simulator runs the tc kernels with 2 warps a CTA for speed; the GPU uses 8 (128 rows:
-    # 32 queries x 4 groups). Same kernel body, so run that geometry once here too.
-    # 30 queries x 4 groups = 120 rows: the eighth warp holds a partial tile.
-    monkeypatch.setattr(cuda_index, "_TC_WARPS", 8)
-    # The simulator runs the default kernels (tc2, heap2) in this geometry; a GPU runs all.
-    tc_versions = ["tc2"] if SIMULATOR else ["tc", "tc2", "tc3", "tc4"]
-    _check_exact([30], [32], 4, 16, 16, "bf16", "max", seed=5, versions=tc_versions)
+def test_tc_kernels_with_the_gpu_tile_of_8_warps():
+    # The simulator runs the tensor-core kernels with 2 warps a CTA for speed; the GPU uses 8
+    # (128 rows a CTA in v2, 256 in v3). Same kernel body, so run that geometry here too.
+    # 30 queries x 4 groups = 120 rows: v2's eighth warp holds a partial tile.
     import msa.cuda.select as cuda_select
     import msa.reference.select as ref_select
 
+    # The simulator runs the default kernels (v3, fused 3) in this geometry; a GPU runs both.
+    versions = [3] if SIMULATOR else [2, 3]
+    _check_exact([30], [32], 4, 16, 16, "bf16", "max", seed=5, versions=versions, warps=8)
     q64, k64, cu_q, cu_k = _problem([30], [32], 4, 16, 16, 5, integer=False)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
-    for version in ["heap2"] if SIMULATOR else ["heap", "heap2", "heap3", "heap4"]:
-        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version)
+    for version in versions:
+        got = cuda_select._select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version, warps=8)
         np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))

@@ -36,8 +36,6 @@ if SIMULATOR:
     sys.setswitchinterval(5e-4)
 
 
-
-
 def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
     """M [Hkv, Tq, NB] of one kind: ``distinct`` (a permutation), ``ties`` (values in {0, 1, 2}),
     ``garbage`` (ties plus -inf, NaN and +inf anywhere, finite values on future blocks) or
@@ -46,7 +44,7 @@ def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
     (each block loses to every earlier one), ``equal`` (one score everywhere), ``sparse``
     (-inf and NaN but for a few finite scores: fewer candidates than K - 1, most lanes of a
     warp without one) or ``lanes4``/``lanes1`` (block ``b`` scores the warp lane that reads it
-    in warp2/warp3's 128-bit/scalar layout, ``(b % 128) // 4`` / ``b % 32``: every lane's best
+    in v3's 128-bit/scalar layout, ``(b % 128) // 4`` / ``b % 32``: every lane's best
     occurs 16 times in its own slots, all tied)."""
     rng = np.random.default_rng(seed)
     tq, nb = int(cu_q[-1]), max_blocks(cu_k, block_size)
@@ -83,8 +81,8 @@ def _check(M, cu_q, cu_k, topk, block_size, version):
 
 # (seq_lens_q, seq_lens_k, Hkv, block_size, topk, kind, dtype); at most ~20 (query, group) rows
 # (each row of a warp kernel is 32 Python threads in the simulator). NB % 4 == 0 float32 rows
-# take warp2's 128-bit loads, the others its scalar loads; rows of more than 512 candidates
-# hold a full warp2 batch and a partial one.
+# take v3's 128-bit loads, the others its scalar loads; rows of more than 512 candidates
+# hold a full v3 batch and a partial one.
 TABLE = {
     "T=1": ([1], [1], 2, 16, 4, "distinct", np.float32),
     "decode-Lq=1": ([1], [200], 2, 16, 4, "realistic", np.float32),
@@ -103,7 +101,7 @@ TABLE = {
     "K=33-two-winners-per-lane": ([1], [400], 1, 8, 33, "ties", np.float32),
     "long-row-NB=700": ([2], [700], 1, 1, 16, "ties", np.float32),
     "ascending-every-block-inserted": ([1], [72], 1, 1, 16, "ascending", np.float32),
-    # warp3's seed (each lane's best of its first 16 slots, sorted across the warp, then removed
+    # v3's seed (each lane's best of its first 16 slots, sorted across the warp, then removed
     # from the lane's slots): ties inside a lane and across lanes, lanes without a candidate,
     # a seed that already holds the answer or only the worst, K - 1 = 1 and lists of 31, 33 and 63 entries.
     "seed-all-equal-NB=600": ([1], [600], 1, 1, 16, "equal", np.float32),
@@ -120,9 +118,9 @@ TABLE = {
 }
 
 
-# The paper's rung ``warp`` runs every case on a GPU; the simulator keeps it to the cases about
-# its own logic (heap sizes, merge rounds, ties, -inf/NaN): the others are about the row mapping
-# and loads, which warp2 covers there.
+# The paper's rung (v2, the warp heap) runs every case on a GPU; the simulator keeps it to the
+# cases about its own logic (heap sizes, merge rounds, ties, -inf/NaN): the others are about the
+# row mapping and loads, which v3 covers there.
 _WARP_IN_SIMULATOR = {"T=1", "NB<K", "Hkv=1-G=1", "K=1", "ties", "garbage-nan-inf-future",
                       "K=64-wide-NB=516", "K=33-two-winners-per-lane"}
 
@@ -130,7 +128,7 @@ _WARP_IN_SIMULATOR = {"T=1", "NB<K", "Hkv=1-G=1", "K=1", "ties", "garbage-nan-in
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("case", TABLE.keys())
 def test_select_blocks_table(case, version):
-    if SIMULATOR and version == "warp" and case not in _WARP_IN_SIMULATOR:
+    if SIMULATOR and version == 2 and case not in _WARP_IN_SIMULATOR:
         pytest.skip("the simulator runs the warp rung on fewer cases (a GPU runs them all)")
     lq, lk, hkv, block_size, topk, kind, dtype = TABLE[case]
     cu_q, cu_k = _cu(lq), _cu(lk)
@@ -155,7 +153,7 @@ def test_select_blocks_hand_written_rows(version):
         np.testing.assert_array_equal(got[0, 0], want)
 
 
-def test_select_blocks_warp2_unaligned_scores():
+def test_select_blocks_v3_unaligned_scores():
     # float32 rows with NB % 4 == 0 whose data is not 16-byte aligned: no 128-bit loads.
     cu_q, cu_k = _cu([3]), _cu([64])
     M = _scores("ties", 1, cu_q, cu_k, 4, seed=5)  # NB = 16
@@ -170,8 +168,8 @@ def test_select_blocks_warp2_unaligned_scores():
         cu_q, cu_k = cuda.to_device(cu_q), cuda.to_device(cu_k)
     assert not is_aligned16(view)
     want = ref_select.select_blocks(M, to_numpy(cu_q), to_numpy(cu_k), 5, 4)
-    got = to_numpy(cuda_select.select_blocks(view, cu_q, cu_k, 5, 4, version="warp2"))
-    assert_exact(got, want, name="select_blocks[warp2, unaligned]")
+    got = to_numpy(cuda_select.select_blocks(view, cu_q, cu_k, 5, 4, version=3))
+    assert_exact(got, want, name="select_blocks[3, unaligned]")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -237,9 +235,24 @@ def test_select_blocks_rejects_bad_input(change, error, match):
         cuda_select.select_blocks(**kwargs)
 
 
-def test_select_blocks_rejects_unknown_version():
+@pytest.mark.parametrize("version", [0, 4, "warp3", True, 3.0])
+def test_select_blocks_rejects_unknown_version(version):
     with pytest.raises(ValueError, match="version"):
-        cuda_select.select_blocks(**_good(), version="v9")
+        cuda_select.select_blocks(**_good(), version=version)
+
+
+def test_select_blocks_reads_offsets_of_any_library():
+    # cu_seqlens are read on the host once: host offsets beside GPU scores, and the reverse.
+    kw = _good()
+    want = ref_select.select_blocks(**kw)
+    if SIMULATOR:
+        got = cuda_select.select_blocks(**kw)
+    else:
+        from numba import cuda
+
+        got = cuda_select.select_blocks(cuda.to_device(kw["block_scores"]), kw["cu_seqlens_q"],
+                                        cuda.to_device(kw["cu_seqlens_k"]), 3, 4)
+    assert_exact(to_numpy(got), want, name="select_blocks[host offsets]")
 
 
 # -- fused index + top-k ------------------------------------------------------------------------
@@ -287,20 +300,19 @@ def _index_problem(lq, lk, hkv, d_idx, block_size, seed):
 
 FUSED = {
     "fp32-v1-varlen": ([3, 9], [40, 9], 2, 8, 8, 3, np.float32),
-    "fp16-tc-Lq<Lk-Bk=8": ([4], [70], 2, 16, 8, 4, np.float16),
-    "fp16-tc2-NB<K": ([12], [20], 1, 16, 16, 4, np.float16),
-    "fp16-tc2-varlen-Didx=32": ([2, 2], [33, 5], 2, 32, 16, 3, np.float16),
+    "fp16-v2-Lq<Lk-Bk=8": ([4], [70], 2, 16, 8, 4, np.float16),
+    "fp16-v3-NB<K": ([12], [20], 1, 16, 16, 4, np.float16),
+    "fp16-v3-varlen-Didx=32": ([2, 2], [33, 5], 2, 32, 16, 3, np.float16),
 }
 
 
 def _fused_versions(dtype, d_idx, block_size):
     tc = np.dtype(dtype) == np.float16 and d_idx % 16 == 0 and block_size % 8 == 0
-    tc2 = tc and block_size % 16 == 0
-    # chunked with the default budget (one chunk) and with many chunks; the tensor-core cases
-    # only with many, as the float32 case covers the single chunk
-    chunked = [("chunked", 1)] if tc else [("chunked", None), ("chunked", 1)]
-    heaps = [("heap2", None), ("heap3", None)] + ([] if SIMULATOR else [("heap4", None)])
-    return chunked + ([("heap", None)] if tc else []) + (heaps if tc2 else [])
+    v3 = tc and block_size % 16 == 0
+    # version 1 (chunks) with the default budget (one chunk) and with many chunks; the
+    # tensor-core cases only with many, as the float32 case covers the single chunk
+    chunked = [(1, 1)] if tc else [(1, None), (1, 1)]
+    return chunked + ([(2, None)] if tc else []) + ([(3, None)] if v3 else [])
 
 
 @pytest.mark.parametrize("lq,lk,hkv,d_idx,block_size,topk,dtype", FUSED.values(), ids=FUSED.keys())
@@ -324,8 +336,7 @@ def test_select_blocks_fused_versions_equal_the_two_stages(topk, lq, lk):
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = cuda_index.block_scores(q, k, cu_q, cu_k, 16)
     want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, topk, 16))
-    for version, budget in (("chunked", 1), ("heap", None), ("heap2", None), ("heap3", None))\
-            + ((("heap4", None),) if not SIMULATOR else ()):
+    for version, budget in ((1, 1), (2, None), (3, None)):
         got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, 16, version=version,
                                               memory_budget=budget)
         assert_exact(to_numpy(got), want, name=f"fused[{version}]")
@@ -340,19 +351,14 @@ def test_select_blocks_fused_rejects_bad_input():
         cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, memory_budget=0)
     with pytest.raises(TypeError, match="k_idx"):
         cuda_select.select_blocks_fused(q, k.astype(np.float64), cu_q, cu_k, 2, 4)
-    with pytest.raises(ValueError, match="version 'heap'"):
-        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version="heap")
-    with pytest.raises(ValueError, match="version 'heap2'"):
+    with pytest.raises(ValueError, match="version 2 cannot run.*float32"):
+        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version=2)
+    with pytest.raises(ValueError, match="version 3 cannot run.*% 16"):
         cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
-                                        2, 8, version="heap2")  # Bk % 16 != 0
-    with pytest.raises(ValueError, match="version 'heap3'"):
-        cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
-                                        2, 8, version="heap3")
-    with pytest.raises(ValueError, match="version 'heap4'"):
-        cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
-                                        2, 8, version="heap4")
-    with pytest.raises(ValueError, match="version"):
-        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version="v1")
+                                        2, 8, version=3)  # Bk % 16 != 0
+    for version in ("heap3", 4, 0, True, 3.0):
+        with pytest.raises(ValueError, match="version"):
+            cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version=version)
 
 
 # -- production sizes (real GPU only) -----------------------------------------------------------
@@ -371,13 +377,12 @@ def test_select_blocks_nb_16384(topk):
 @pytest.mark.parametrize("nb", [1024, 8192])
 def test_select_blocks_benchmark_rows(nb):
     # The benchmark's rows (random normal float32, every block visible, K = 16) on 512 rows,
-    # plus the same rows rounded to 1/4 (ties at the cutoff): warp2 and warp3 exactly.
+    # plus the same rows rounded to 1/4 (ties at the cutoff): v3 exactly.
     rng = np.random.default_rng(nb)
     cu_q, cu_k = _cu([256]), _cu([nb * 256])  # Bk = 256: the 256 queries are all in block NB-1
     M = rng.standard_normal((2, 256, nb)).astype(np.float32)
     for scores in (M, np.round(4 * M) / 4):
-        for version in ("warp2", "warp3"):
-            _check(scores, cu_q, cu_k, 16, 256, version)
+        _check(scores, cu_q, cu_k, 16, 256, 3)
 
 
 @pytest.mark.big
@@ -391,16 +396,13 @@ def test_select_blocks_fused_production_sizes_bf16():
     M64 = ref_index.block_scores(qf.astype(np.float64), kf.astype(np.float64), cu_q, cu_k, 128)
     M32 = ref_index.block_scores(qf, kf, cu_q, cu_k, 128)
     results = {}
-    for version, budget in (("chunked", 1 << 20), ("heap", None), ("heap2", None),
-                            ("heap3", None), ("heap4", None)):
+    for version, budget in ((1, 1 << 20), (2, None), (3, None)):
         got = cuda_select.select_blocks_fused(q, k, cq, ck, 16, 128, version=version,
                                               memory_budget=budget)
         _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, 16, 128)
         results[version] = got.cpu().numpy()
-    assert_exact(results["heap"], results["chunked"], name="heap vs chunked")
-    assert_exact(results["heap2"], results["chunked"], name="heap2 vs chunked")
-    assert_exact(results["heap3"], results["chunked"], name="heap3 vs chunked")
-    assert_exact(results["heap4"], results["chunked"], name="heap4 vs chunked")
+    assert_exact(results[2], results[1], name="fused 2 vs 1")
+    assert_exact(results[3], results[1], name="fused 3 vs 1")
 
 
 @pytest.mark.big
@@ -410,5 +412,5 @@ def test_select_blocks_rows_of_every_length():
     cu = _cu([300])
     M = rng.standard_normal((3, 300, 300)).astype(np.float32)
     for topk in (1, 2, 31, 32, 33, 64):
-        for version in ("warp", "warp2", "warp3"):
+        for version in (2, 3):
             _check(M, cu, cu, topk, 1, version)

@@ -3,7 +3,9 @@
 A heap ``hs/hi[0:n]`` (scores, block ids) keeps the ``n <= kmax`` best candidates seen so far
 with the worst at the root, so a new candidate costs one comparison against the root unless it
 enters. ``better`` is the order everywhere in msa's selection: a higher score first, equal
-scores to the smaller block id; ``offer`` never keeps ``-inf`` or NaN.
+scores to the smaller block id; ``offer`` never keeps ``-inf`` or NaN. ``sort_ids_ascending``
+and ``write_selection`` turn the kept ids into a row of ``I`` (the select stage's v1 kernel and
+the index stage's fused top-k epilogue end the same way).
 """
 
 from __future__ import annotations
@@ -11,6 +13,17 @@ from __future__ import annotations
 import math
 
 from numba import cuda
+
+MAX_TOPK = 64  # the kernels' heap capacity: K - 1 <= 63 entries a lane (or thread)
+
+
+def heap_capacity(topk: int) -> int:
+    """Local-array size for ``K - 1`` entries: a few compiled sizes, the smallest that fits."""
+    for cap in (1, 4, 16, MAX_TOPK):
+        if topk - 1 <= cap:
+            return cap
+    raise AssertionError(topk)
+
 
 @cuda.jit(device=True, inline=True)
 def better(s1, i1, s2, i2):
@@ -93,3 +106,28 @@ def heap_sort_best_first(hs, hi, n):
         hs[m] = s
         hi[m] = i
         sift_down(hs, hi, m, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def sort_ids_ascending(hi, n):
+    """Insertion sort of the kept block ids ``hi[0:n]`` in place, smallest first."""
+    for a in range(1, n):
+        v = hi[a]
+        j = a
+        while j > 0 and hi[j - 1] > v:
+            hi[j] = hi[j - 1]
+            j -= 1
+        hi[j] = v
+
+
+@cuda.jit(device=True, inline=True)
+def write_selection(out, t, r, hi, n, loc, topk):
+    """Eq 7's row ``I[t, r]``: the ``n`` kept ids ``hi[0:n]`` (ascending, all ``< loc``), then
+    the local block ``loc``, then ``-1`` up to ``K = topk`` slots."""
+    for j in range(topk):
+        if j < n:
+            out[t, r, j] = hi[j]
+        elif j == n:
+            out[t, r, j] = loc
+        else:
+            out[t, r, j] = -1
