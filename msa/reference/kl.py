@@ -52,10 +52,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_gqa, check_positive_int, check_same_dtype,
-                       check_scale, cu_to_host)
-from .blocks import block_row_offsets, key_positions, max_blocks, query_positions, visible_block_mask
-from .select import check_block_indices
+from .._batch import Batch
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_lse,
+                       check_same_dtype, check_scale, cu_to_host)
+from ._mask import attend
+from .blocks import block_row_offsets, key_positions, max_blocks, visible_block_mask
+from .select import check_block_indices, nonempty_supports
 
 # Elements of one [n, G, Bk] teacher score tile: 4M floats bounds memory at any sequence length
 # (the warmup gives one key block thousands of queries) and keeps each matmul large.
@@ -187,10 +189,12 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         tk = int(k_idx.shape[0])
         arrays.update(q_idx=q_idx, k_idx=k_idx)
     cdt = _compute_dtype(check_same_dtype(**arrays))
-    block_size = check_positive_int("block_size", block_size)
-    batch_q, pos_q = query_positions(cu_seqlens_q, cu_seqlens_k, tq, tk)  # [Tq], [Tq]
-    cu_q = np.asarray(cu_to_host(cu_seqlens_q), dtype=np.int64)  # [B+1]
-    cu_k = np.asarray(cu_to_host(cu_seqlens_k), dtype=np.int64)  # [B+1]
+    block_size = check_block_size(block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d)) if teacher else 1.0
+    index_scale = (check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx)) if student
+                   else 1.0)
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+    batch_q, pos_q, cu_q, cu_k = batch.query_batch, batch.query_pos, batch.cu_q, batch.cu_k
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
         if int(block_indices.shape[0]) != tq or int(block_indices.shape[1]) != hkv:
@@ -201,8 +205,7 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
     if teacher and lse is not None:
         check_array("lse", lse, ndim=2, dtypes=FLOAT_DTYPES, shape=(tq, hq))
         lse = np.asarray(cu_to_host(lse)).astype(cdt)  # [Tq, Hq]
-        if np.isnan(lse).any() or np.isposinf(lse).any():
-            raise ValueError("lse must be finite or -inf (empty support), got NaN or +inf")
+        check_lse(lse, nonempty_supports(block_indices, cu_q, cu_k, block_size))
     t, r, s, k0, k1, kpos0, segments, slots = _selected_entries(
         block_indices, batch_q, pos_q, cu_k, block_size, hkv)
 
@@ -214,9 +217,7 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         q_idx=host(q_idx) if student else None, k_idx=host(k_idx) if student else None,
         lse=lse, block_indices=block_indices, batch_q=batch_q, pos_q=pos_q, cu_k=cu_k,
         block_size=block_size, tq=tq, tk=tk, hkv=hkv, group=group if teacher else 1, slots=slots,
-        scale=check_scale("scale", scale, 1.0 / math.sqrt(d)) if teacher else 1.0,
-        index_scale=check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx)) if student else 1.0,
-        entry_t=t, entry_r=r, entry_s=s, entry_k0=k0, entry_k1=k1, entry_kpos0=kpos0,
+        scale=scale, index_scale=index_scale, entry_t=t, entry_r=r, entry_s=s, entry_k0=k0, entry_k1=k1, entry_kpos0=kpos0,
         segments=segments)
 
 
@@ -276,8 +277,7 @@ def _normalisers(p: _Problem):
             S = _teacher_scores(p, t, r, k0, k1, hidden)  # [n, G, L]
             part[t[:, None], heads[None, :], s[:, None]] = _logsumexp(S, axis=-1)  # [n, G]
     lse_idx = _combine_slots(part_idx)  # [Tq, Hkv]
-    lse = _combine_slots(part) if need_lse else p.lse  # [Tq, Hq]
-    _check_lse_finite_on_support(lse, np.repeat(np.isfinite(lse_idx), p.group, axis=1))
+    lse = _combine_slots(part) if need_lse else p.lse  # [Tq, Hq], a given one checked at the entry
     # An empty support's -inf becomes 0 so that `S - lse` stays -inf (not NaN) on hidden keys.
     return _finite_or_zero(lse_idx), _finite_or_zero(lse)
 
@@ -287,13 +287,8 @@ def _finite_or_zero(x: np.ndarray) -> np.ndarray:
 
 
 def _check_lse_finite_on_support(lse, has_support):
-    """A ``-inf`` LSE on a non-empty support would make ``exp(S - lse)`` infinite."""
-    bad = np.argwhere(has_support & ~np.isfinite(lse))  # has_support: bool [Tq, Hq]
-    if bad.size:
-        t, h = (int(x) for x in bad[0])
-        raise ValueError(
-            f"lse[{t}, {h}] is -inf but query {t} has a non-empty support; lse must be the main "
-            "branch's LSE on the same support")
+    """``msa._checks.check_lse(lse, has_support)`` (kept for msa.cuda.kl, which imports it)."""
+    check_lse(lse, has_support)
 
 
 def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
@@ -304,7 +299,7 @@ def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
     return _logsumexp(S - lse[t, heads][:, :, None], axis=1) - math.log(p.group)  # [n, L]
 
 
-def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
+def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *,
             scale=None, index_scale=None):
     """Paper eq 9-10: ``KL(sg(P) || P_idx)`` per query and group, and its mean ``L_KL``.
 
@@ -318,12 +313,13 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
             future keys and adds nothing); ``None`` for the warmup (full causal support).
         lse: [Tq, Hq] float, the main branch's natural-log LSE on the same support (``-inf``
             for an empty support), e.g. from ``attention.sparse_attention`` (or
-            ``dense_attention`` in the warmup); ``None`` computes it here.
+            ``dense_attention`` in the warmup); ``None`` computes it here. Finite wherever the
+            support is non-empty, never NaN or +inf (``msa._checks.check_lse``; ValueError).
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; a sequence's queries
             are its last ``Lq`` key positions).
         block_size: ``Bk`` >= 1.
-        scale: main-branch softmax scale, default ``1/sqrt(D)``.
-        index_scale: index-branch scale, default ``1/sqrt(Didx)``.
+        scale: keyword-only main-branch softmax scale, default ``1/sqrt(D)``.
+        index_scale: keyword-only index-branch scale, default ``1/sqrt(Didx)``.
 
     Returns:
         ``(kl, loss)``: ``kl`` [Tq, Hkv] = ``KL(P_{t,r} || P^idx_{t,r})`` and ``loss`` = eq 10,
@@ -357,11 +353,11 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
 
 
 def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-                scale=None, index_scale=None, grad_loss=1.0):
+                *, scale=None, index_scale=None, grad_loss=1.0):
     """Paper eq 10-11 backward: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
 
-    Arguments as :func:`kl_loss`, plus ``grad_loss`` (a finite real, the upstream gradient of the
-    scalar loss, e.g. the KL coefficient ``lambda``).
+    Arguments as :func:`kl_loss`, plus the keyword-only ``grad_loss`` (a finite real, the
+    upstream gradient of the scalar loss, e.g. the KL coefficient ``lambda``).
 
     Returns:
         ``dq_idx`` [Tq, Hkv, Didx] and ``dk_idx`` [Tk, Didx], float64 for float64 input, float32
@@ -401,13 +397,15 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
         P_idx = np.exp(_student_scores(p, t, r, k0, k1, hidden) - lse_idx[t, r][:, None])  # [n, L]
         dS = coef * (P_idx - P)  # [n, L] d loss / d S_idx
         # Each query appears once per tile (its blocks are unique), so fancy += does not collide.
-        dq_idx[t, r] += p.index_scale * (dS @ p.k_idx[k0:k1])  # [n, Didx]
+        # A query reads only the keys it sees (selection: a NaN k_idx after it cannot reach it).
+        seen = ~hidden  # [n, L]
+        dq_idx[t, r] += p.index_scale * attend(dS[:, None, :], seen, p.k_idx[k0:k1])[:, 0]  # [n, Didx]
         dk_idx[k0:k1] += p.index_scale * (dS.T @ p.q_idx[t, r])  # [L, Didx]
     return dq_idx, dk_idx
 
 
 def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                         block_size, scale=None, index_scale=None, grad_loss=1.0):
+                         block_size, *, scale=None, index_scale=None, grad_loss=1.0):
     """Paper eq 9-11 in one call: ``(kl, loss, dq_idx, dk_idx)``, i.e. :func:`kl_loss` then
     :func:`kl_backward` on the same arguments (a training step needs both; the GPU version
     scores the teacher once for the two)."""
@@ -437,7 +435,7 @@ def _dense_support(p: _Problem) -> np.ndarray:
     return selected & causal[None]
 
 
-def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
+def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
                   index_scale=None):
     """Paper eq 9 (student), dense: ``P_idx`` [Hkv, Tq, Tk] for small problems.
 
@@ -455,7 +453,7 @@ def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block
     return np.where(support, np.exp(S_idx - lse_idx[..., None]), 0.0)
 
 
-def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
+def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *, scale=None):
     """Paper eq 9 (teacher), dense: ``P`` [Hkv, Tq, Tk] for small problems.
 
     ``P[r, t, j] = (1/G) sum_{h in group r} exp(S^(h)[t, j] - lse[t, h])`` on the support of
@@ -471,8 +469,7 @@ def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_si
     k_h = np.repeat(p.k.transpose(1, 0, 2), p.group, axis=0)  # [Hq, Tk, D]
     S = np.matmul(p.q.transpose(1, 0, 2), k_h.transpose(0, 2, 1)) * p.scale  # [Hq, Tq, Tk]
     S[~support_h] = -np.inf
-    lse_h = _logsumexp(S, axis=-1) if p.lse is None else p.lse.T  # [Hq, Tq]
-    _check_lse_finite_on_support(lse_h.T, support_h.any(axis=-1).T)
+    lse_h = _logsumexp(S, axis=-1) if p.lse is None else p.lse.T  # [Hq, Tq], a given one checked
     lse_h = _finite_or_zero(lse_h)
     P_h = np.where(support_h, np.exp(S - lse_h[..., None]), 0.0)  # [Hq, Tq, Tk]
     return P_h.reshape(p.hkv, p.group, p.tq, p.tk).mean(axis=1)

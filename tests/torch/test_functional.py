@@ -26,7 +26,7 @@ T = torch.from_numpy
 
 def select(p):
     m = R.block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-    return R.select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+    return R.select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
 
 
 def support_mask(p, I):
