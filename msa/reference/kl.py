@@ -162,7 +162,7 @@ def _selected_entries(block_indices, batch_q, pos_q, cu_k, block_size, hkv):
 
 def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=None,
                   cu_seqlens_q, cu_seqlens_k, block_size, scale=None, index_scale=None,
-                  teacher: bool, student: bool) -> _Problem:
+                  teacher: bool, student: bool, validate: bool = True) -> _Problem:
     """Validate the arguments of the public functions and sort the selected blocks."""
     arrays = {}
     if teacher:
@@ -201,11 +201,15 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
             raise ValueError(
                 f"block_indices must have shape [Tq, Hkv, K] = [{tq}, {hkv}, K], "
                 f"got {tuple(block_indices.shape)}")
-        block_indices = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+        if validate:
+            block_indices = check_block_indices(block_indices, cu_q, cu_k, block_size)
+        else:
+            block_indices = np.asarray(cu_to_host(block_indices), dtype=np.int64)  # [Tq, Hkv, K]
     if teacher and lse is not None:
         check_array("lse", lse, ndim=2, dtypes=FLOAT_DTYPES, shape=(tq, hq))
         lse = np.asarray(cu_to_host(lse)).astype(cdt)  # [Tq, Hq]
-        check_lse(lse, nonempty_supports(block_indices, cu_q, cu_k, block_size))
+        if validate:
+            check_lse(lse, nonempty_supports(block_indices, cu_q, cu_k, block_size))
     t, r, s, k0, k1, kpos0, segments, slots = _selected_entries(
         block_indices, batch_q, pos_q, cu_k, block_size, hkv)
 
@@ -279,11 +283,12 @@ def _normalisers(p: _Problem):
     lse_idx = _combine_slots(part_idx)  # [Tq, Hkv]
     lse = _combine_slots(part) if need_lse else p.lse  # [Tq, Hq], a given one checked at the entry
     # An empty support's -inf becomes 0 so that `S - lse` stays -inf (not NaN) on hidden keys.
-    return _finite_or_zero(lse_idx), _finite_or_zero(lse)
+    return _empty_to_zero(lse_idx), _empty_to_zero(lse)
 
 
-def _finite_or_zero(x: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(x), x, 0.0)
+def _empty_to_zero(x: np.ndarray) -> np.ndarray:
+    """An empty support's ``-inf`` LSE as 0 (none of its keys is read); a NaN stays NaN."""
+    return np.where(x == -np.inf, 0.0, x)
 
 
 def _check_lse_finite_on_support(lse, has_support):
@@ -300,7 +305,7 @@ def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
 
 
 def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *,
-            scale=None, index_scale=None):
+            scale=None, index_scale=None, validate=True):
     """Paper eq 9-10: ``KL(sg(P) || P_idx)`` per query and group, and its mean ``L_KL``.
 
     Args:
@@ -320,6 +325,11 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
         block_size: ``Bk`` >= 1.
         scale: keyword-only main-branch softmax scale, default ``1/sqrt(D)``.
         index_scale: keyword-only index-branch scale, default ``1/sqrt(Didx)``.
+        validate: keyword-only, as msa.cuda's: ``True`` checks ``block_indices``
+            (``check_block_indices``) and ``lse`` (``msa._checks.check_lse``); ``False`` takes
+            them as msa's own outputs (the selection and LSE of this very batch), unchecked:
+            a NaN in ``lse`` then makes its row's ``kl`` NaN, as data NaNs do, instead of an
+            error (``msa_layer`` and ``msa.torch.MSAAttention`` pass their own).
 
     Returns:
         ``(kl, loss)``: ``kl`` [Tq, Hkv] = ``KL(P_{t,r} || P^idx_{t,r})`` and ``loss`` = eq 10,
@@ -335,7 +345,8 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     """
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
-                      scale=scale, index_scale=index_scale, teacher=True, student=True)
+                      scale=scale, index_scale=index_scale, teacher=True, student=True,
+                      validate=validate)
     lse_idx, lse = _normalisers(p)
     part = np.zeros((p.tq, p.hkv, p.slots), dtype=p.q.dtype)  # [Tq, Hkv, K] KL summed per block
     for t, r, s, k0, k1, hidden in _tiles(p):
@@ -353,11 +364,11 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
 
 
 def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-                *, scale=None, index_scale=None, grad_loss=1.0):
+                *, scale=None, index_scale=None, grad_loss=1.0, validate=True):
     """Paper eq 10-11 backward: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
 
-    Arguments as :func:`kl_loss`, plus the keyword-only ``grad_loss`` (a finite real, the
-    upstream gradient of the scalar loss, e.g. the KL coefficient ``lambda``).
+    Arguments as :func:`kl_loss` (``validate`` too), plus the keyword-only ``grad_loss`` (a
+    finite real, the upstream gradient of the scalar loss, e.g. the KL coefficient ``lambda``).
 
     Returns:
         ``dq_idx`` [Tq, Hkv, Didx] and ``dk_idx`` [Tk, Didx], float64 for float64 input, float32
@@ -380,7 +391,8 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
     """
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
-                      scale=scale, index_scale=index_scale, teacher=True, student=True)
+                      scale=scale, index_scale=index_scale, teacher=True, student=True,
+                      validate=validate)
     if isinstance(grad_loss, bool) or not isinstance(grad_loss, numbers.Real):
         raise TypeError(f"grad_loss must be a real number, got {type(grad_loss).__name__}")
     if not math.isfinite(float(grad_loss)):
@@ -405,15 +417,16 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
 
 
 def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                         block_size, *, scale=None, index_scale=None, grad_loss=1.0):
+                         block_size, *, scale=None, index_scale=None, grad_loss=1.0,
+                         validate=True):
     """Paper eq 9-11 in one call: ``(kl, loss, dq_idx, dk_idx)``, i.e. :func:`kl_loss` then
     :func:`kl_backward` on the same arguments (a training step needs both; the GPU version
     scores the teacher once for the two)."""
     kl, loss = kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                       block_size, scale=scale, index_scale=index_scale)
+                       block_size, scale=scale, index_scale=index_scale, validate=validate)
     dq_idx, dk_idx = kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q,
                                  cu_seqlens_k, block_size, scale=scale, index_scale=index_scale,
-                                 grad_loss=grad_loss)
+                                 grad_loss=grad_loss, validate=validate)
     return kl, loss, dq_idx, dk_idx
 
 
@@ -449,7 +462,7 @@ def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block
     support = _dense_support(p)  # [Hkv, Tq, Tk]
     S_idx = np.matmul(p.q_idx.transpose(1, 0, 2), p.k_idx.T) * p.index_scale  # [Hkv, Tq, Tk]
     S_idx[~support] = -np.inf
-    lse_idx = _finite_or_zero(_logsumexp(S_idx, axis=-1))  # [Hkv, Tq], 0 for an empty support
+    lse_idx = _empty_to_zero(_logsumexp(S_idx, axis=-1))  # [Hkv, Tq], 0 for an empty support
     return np.where(support, np.exp(S_idx - lse_idx[..., None]), 0.0)
 
 
@@ -470,6 +483,6 @@ def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_si
     S = np.matmul(p.q.transpose(1, 0, 2), k_h.transpose(0, 2, 1)) * p.scale  # [Hq, Tq, Tk]
     S[~support_h] = -np.inf
     lse_h = _logsumexp(S, axis=-1) if p.lse is None else p.lse.T  # [Hq, Tq], a given one checked
-    lse_h = _finite_or_zero(lse_h)
+    lse_h = _empty_to_zero(lse_h)
     P_h = np.where(support_h, np.exp(S - lse_h[..., None]), 0.0)  # [Hq, Tq, Tk]
     return P_h.reshape(p.hkv, p.group, p.tq, p.tk).mean(axis=1)
