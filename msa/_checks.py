@@ -155,10 +155,11 @@ def check_gqa(num_q_heads: int, num_kv_heads: int, *, allowed=None,
             raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     num_q_heads, num_kv_heads = int(num_q_heads), int(num_kv_heads)
     if num_kv_heads < 1 or num_q_heads < 1:
-        raise ValueError(f"head counts must be >= 1, got Hq={num_q_heads}, Hkv={num_kv_heads}")
+        raise ValueError(f"head counts num_q_heads (Hq) and num_kv_heads (Hkv) must be >= 1, got "
+                         f"Hq={num_q_heads}, Hkv={num_kv_heads}")
     if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads (Hq={num_q_heads}) must be a multiple of kv heads (Hkv={num_kv_heads})")
+        raise ValueError(f"q heads (Hq = num_q_heads = {num_q_heads}) must be a multiple of kv "
+                         f"heads (Hkv = num_kv_heads = {num_kv_heads})")
     g = num_q_heads // num_kv_heads
     if allowed is not None and g not in allowed:
         raise unsupported("GQA group size G = Hq/Hkv", g, backend, f"G in {tuple(allowed)}")
@@ -182,7 +183,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     if bad.size:
         b = int(bad[0])
         raise ValueError(
-            f"sequence {b} has more queries than keys (Lq={lq[b]} > Lk={lk[b]}); queries are the last Lq of Lk keys")
+            f"cu_seqlens_q, cu_seqlens_k: sequence {b} has more queries than keys (Lq={lq[b]} > "
+            f"Lk={lk[b]}); queries are the last Lq of Lk keys")
     return cq, ck
 
 

@@ -41,12 +41,12 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
     Edge cases: a slot with ``L_s = -inf`` contributes nothing, whatever its ``O_s`` holds (the
     weight is masked, not multiplied, so a NaN in an unused slot cannot leak). A (query, head)
     whose slots are all ``-inf`` gets ``o = 0`` and ``lse = -inf``, with no NaN and no floating
-    point warning. A slot with ``L_s`` NaN or ``+inf`` is not skipped: it makes its (query,
-    head) ``o = NaN`` (every element) and ``lse = NaN``, what ``log sum_s exp L_s`` gives in IEEE
-    arithmetic, and what eq 8 (``sparse_attention``) gives a query that sees a NaN score; K1
-    writes such an ``L_s`` only then, so K1 + K2 equals eq 8 on non-finite inputs too (a skip
-    would silently drop the block). A NaN in ``O_s`` with a finite ``L_s`` propagates to that
-    row's ``o`` as usual. The result does not depend on the order of the slots (up to rounding).
+    point warning. A slot with ``L_s`` NaN or ``+inf`` is not skipped: its (query, head) gets
+    ``o = NaN`` (every element) and ``lse = NaN`` if any of its slots is NaN, else ``lse = +inf``,
+    what ``log sum_s exp L_s`` is in IEEE arithmetic and what eq 8 (``sparse_attention``) gives a
+    query that sees a NaN or ``+inf`` score. K1 writes such an ``L_s`` only then, so K1 + K2
+    equals eq 8 on non-finite inputs too (a skip would silently drop the block). A NaN in
+    ``O_s`` with a finite ``L_s`` propagates to that row's ``o`` as usual. The result does not depend on the order of the slots (up to rounding).
 
     Raises:
         TypeError: non-float arrays or a non-float ``out_dtype``. ValueError: wrong ranks,
@@ -69,7 +69,8 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
     f64 = np.dtype(np.float64)
     compute = f64 if f64 in (dtype_of(o_part), dtype_of(lse_part)) else np.dtype(np.float32)
     L_s = np.asarray(lse_part, dtype=compute)  # [K, Tq, Hq]
-    poisoned = (np.isnan(L_s) | np.isposinf(L_s)).any(axis=0)  # [Tq, Hq]: o = lse = NaN
+    nan_slot = np.isnan(L_s).any(axis=0)  # [Tq, Hq]: o = NaN, lse = NaN
+    inf_slot = np.isposinf(L_s).any(axis=0) & ~nan_slot  # [Tq, Hq]: o = NaN, lse = +inf
     used = np.isfinite(L_s)  # [K, Tq, Hq]
     L_s = np.where(used, L_s, -np.inf)  # [K, Tq, Hq], the poisoned rows are overwritten below
 
@@ -90,6 +91,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
         # One slot at a time keeps the temporaries at [Tq, Hq, D] instead of [K, Tq, Hq, D].
         o_s = np.asarray(o_part[s], dtype=compute)  # [Tq, Hq, D]
         o += w[s][..., None] * np.where(used[s][..., None], o_s, 0)
-    o[poisoned] = np.nan
-    lse[poisoned] = np.nan
+    o[nan_slot | inf_slot] = np.nan
+    lse[nan_slot] = np.nan
+    lse[inf_slot] = np.inf
     return o.astype(out_dtype, copy=False), lse

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_offsets,
-                       check_positive_int, check_topk)
+                       check_positive_int, check_scale, check_topk, cu_to_host, dtype_of)
 from .attention import dense_attention, sparse_attention
 from .index import block_scores, index_projections
 from .kl import kl_loss
@@ -111,11 +111,14 @@ def msa_layer(x, params: MSAParams, cu_seqlens, block_size: int, topk: int, *, w
     if not isinstance(params, MSAParams):
         raise TypeError(f"params must be an MSAParams, got {type(params).__name__}")
     check_array("x", x, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, params.w_q.shape[0]))
-    if np.dtype(x.dtype) != np.dtype(params.w_q.dtype):
-        raise TypeError(f"x must have the weights' dtype {params.w_q.dtype}, got {x.dtype}")
+    if dtype_of(x) != np.dtype(params.w_q.dtype):
+        raise TypeError(f"x must have the weights' dtype {params.w_q.dtype}, got {dtype_of(x)}")
+    x = np.asarray(cu_to_host(x))  # [T, d_model]
     block_size = check_block_size(block_size)
     t = x.shape[0]
     cu_seqlens = check_offsets("cu_seqlens", cu_seqlens, t)
+    scale = check_scale("scale", scale, 1.0 / np.sqrt(params.head_dim))
+    index_scale = check_scale("index_scale", index_scale, 1.0 / np.sqrt(params.index_dim))
     topk = check_topk(topk, -(-int(np.diff(cu_seqlens).max(initial=0)) // block_size), block_size)
     hq, hkv, d = params.num_q_heads, params.num_kv_heads, params.head_dim
     # line 1: main projections  [T, Hq, D], [T, Hkv, D]

@@ -25,6 +25,8 @@ from .._checks import (INT32_MAX, INT64_MAX, check_array, check_block_size, chec
                        check_topk, cu_to_host)
 from .blocks import local_blocks
 
+# fixed_blocks' num_kv_heads sizes its output: more than this is a mistake, not a model.
+MAX_KV_HEADS = 1 << 16
 # Elements of one [Hkv, chunk, NB] score tile: bounds the temporaries at any NB.
 _TILE_ELEMENTS = 1 << 22
 
@@ -133,14 +135,14 @@ def fixed_blocks(cu_seqlens_q, cu_seqlens_k, block_size: int, topk: int, *, num_
     Args:
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
         block_size: ``Bk`` >= 1. topk: ``K`` in ``[1, max(NB, 64)]`` (``check_topk``).
-        num_kv_heads: keyword-only ``Hkv`` >= 1; every group gets the same row.
+        num_kv_heads: keyword-only ``Hkv`` in ``[1, 65536]``; every group gets the same row.
         num_sink: keyword-only, >= 0.
 
     Returns:
         I [Tq, Hkv, K] int32, ascending rows, ``-1`` only at the tail, as ``select_blocks``.
     """
     block_size = check_block_size(block_size)
-    hkv = check_positive_int("num_kv_heads", num_kv_heads)
+    hkv = check_positive_int("num_kv_heads", num_kv_heads, high=MAX_KV_HEADS)
     num_sink = check_positive_int("num_sink", num_sink, low=0)
     cu_q = check_offsets("cu_seqlens_q", cu_seqlens_q)
     local, _, nb = _query_blocks(cu_q, cu_seqlens_k, int(cu_q[-1]), block_size)  # [Tq]
@@ -185,10 +187,9 @@ def check_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: i
         raise ValueError(f"block_indices must have shape [Tq, Hkv >= 1, K >= 1], got {(tq, hkv, topk)}")
     _, seq_blocks, _ = _query_blocks(cu_seqlens_q, cu_seqlens_k, tq, block_size)  # [Tq]
     given = np.asarray(cu_to_host(block_indices))  # [Tq, Hkv, K]
-    if given.dtype.kind == "u":
-        # no wrap to -1: an id int64 cannot hold becomes INT64_MAX, out of range below
-        given = np.minimum(given, np.uint64(INT64_MAX))
-    I = np.array(given, dtype=np.int64)  # [Tq, Hkv, K], a copy
+    # no wrap to -1: an unsigned id int64 cannot hold becomes INT64_MAX, out of range below
+    I = np.array(np.minimum(given, np.uint64(INT64_MAX)) if given.dtype.kind == "u" else given,
+                 dtype=np.int64)  # [Tq, Hkv, K], a copy
     real = I >= 0  # [Tq, Hkv, K]
     out_of_range = ((I < -1) | (I >= seq_blocks[:, None, None])).any(axis=-1)  # [Tq, Hkv]
     hole = (real[..., 1:] & ~real[..., :-1]).any(axis=-1)  # [Tq, Hkv]: a block after a -1

@@ -123,6 +123,10 @@ class MSAAttention(nn.Module):
                     dtype=None, **kwargs) -> MSAAttention:
         """The layer with the weights of a ``msa.reference.MSAParams`` (copied), in their dtype
         unless ``dtype`` says otherwise."""
+        from ..reference.layer import MSAParams
+
+        if not isinstance(params, MSAParams):
+            raise TypeError(f"params must be an msa.reference.MSAParams, got {type(params).__name__}")
         if dtype is None:
             dtype = torch.from_numpy(np.zeros(0, dtype=np.asarray(params.w_q).dtype)).dtype
         layer = cls(params.w_q.shape[0], params.num_q_heads, params.num_kv_heads,
