@@ -428,7 +428,8 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=k.shape[0])
     topk = check_topk(topk, batch.nb, block_size)
-    q_batch, q_pos, cu_k, lk = batch.query_batch, batch.query_pos, batch.cu_k, batch.lk  # [Tq], [Tq]
+    q_batch, q_pos = batch.query_batch, batch.query_pos  # [Tq] each
+    cu_k, lk = batch.cu_k, batch.lk
     work, q_indices, partial_slots = check_work(work, q_indices, partial_slots, hkv, topk,
                                                  q_batch, cu_k, block_size)
     o_part = np.zeros((topk, tq, hq, d), dtype=q.dtype)  # [K, Tq, Hq, D]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._batch import Batch
-from .._checks import check_block_size, check_cu_seqlens, check_gqa, check_offsets, check_positive_int
+from .._checks import (check_block_size, check_cu_seqlens, check_gqa, check_offsets,
+                       check_positive_int)
 
 
 def gqa_group(num_q_heads: int, num_kv_heads: int) -> np.ndarray:

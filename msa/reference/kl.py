@@ -221,8 +221,8 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         q_idx=host(q_idx) if student else None, k_idx=host(k_idx) if student else None,
         lse=lse, block_indices=block_indices, batch_q=batch_q, pos_q=pos_q, cu_k=cu_k,
         block_size=block_size, tq=tq, tk=tk, hkv=hkv, group=group if teacher else 1, slots=slots,
-        scale=scale, index_scale=index_scale, entry_t=t, entry_r=r, entry_s=s, entry_k0=k0, entry_k1=k1, entry_kpos0=kpos0,
-        segments=segments)
+        scale=scale, index_scale=index_scale, entry_t=t, entry_r=r, entry_s=s, entry_k0=k0,
+        entry_k1=k1, entry_kpos0=kpos0, segments=segments)
 
 
 def _tiles(p: _Problem):

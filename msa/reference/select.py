@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._batch import Batch
-from .._checks import (INT32_MAX, INT64_MAX, check_array, check_block_size, check_offsets, check_positive_int,
-                       check_topk, cu_to_host)
+from .._checks import (INT32_MAX, INT64_MAX, check_array, check_block_size, check_offsets,
+                       check_positive_int, check_topk, cu_to_host)
 from .blocks import local_blocks
 
 # fixed_blocks' num_kv_heads sizes its output: more than this is a mistake, not a model.
