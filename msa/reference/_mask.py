@@ -11,37 +11,35 @@ from __future__ import annotations
 
 import numpy as np
 
-# Elements of one per-row copy of the values (see ``attend``): 32 MiB of float64.
-_TILE_ELEMENTS = 1 << 22
-
 
 def attend(p: np.ndarray, visible: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``p @ v`` in which row ``c`` reads only the value rows that ``visible[c]`` selects.
+    """``p @ v`` in which row ``c`` never reads a non-finite value it cannot see.
 
     Args:
-        p: float [..., C, G, N], 0 wherever ``visible`` is False (the G rows of a query share
-            its mask: the G heads of a GQA group).
+        p: float [..., C, G, N], exactly 0 wherever ``visible`` is False (the G rows of a query
+            share its mask: the G heads of a GQA group).
         visible: bool [C, N], shared by the leading axes.
         v: float [..., N, D], leading axes as ``p``'s.
 
     Returns:
-        float [..., C, G, D]. The keys every row sees go through one matmul; each of the others
-        is gathered per row with ``np.where`` (0 where the row cannot see it), so a row's result
-        is the same arithmetic whatever the keys it cannot see hold, NaN and inf included.
+        float [..., C, G, D]. The product is one matmul over ``v`` with its non-finite rows
+        replaced by 0 (``np.where``: the NaN is selected out, never multiplied), the same
+        arithmetic as a plain ``p @ v`` when every value is finite. A row that cannot see key
+        ``j`` adds ``0 * v_j``, an exact zero, whatever finite value ``v_j`` holds, and ``0 * 0``
+        once ``v_j`` is NaN or inf: the same sums in the same order, so the same bits (an exact
+        zero result could at most change sign). The rows that see a non-finite ``v_j`` then add
+        ``p_j v_j`` themselves, so that their NaN or inf is theirs, as IEEE arithmetic says.
     """
     *lead, c, g, n = p.shape
     d = v.shape[-1]
-    shared = visible.all(axis=0) if c else np.ones(n, dtype=bool)  # [N]
-    if shared.all():
+    finite = np.isfinite(v).all(axis=-1)  # [..., N]
+    if finite.all():
         return (p.reshape(*lead, c * g, n) @ v).reshape(*lead, c, g, d)
-    o = (p[..., shared].reshape(*lead, c * g, -1) @ v[..., shared, :]).reshape(*lead, c, g, d)
-    rest = np.flatnonzero(~shared)  # [R] keys some row cannot see
-    p_r = p[..., rest]  # [..., C, G, R]
-    v_r = v[..., None, rest, :]  # [..., 1, R, D]
-    seen = visible[:, rest, None]  # [C, R, 1]
-    step = max(1, _TILE_ELEMENTS // max(1, int(np.prod(lead, dtype=np.int64)) * rest.size * d))
-    for c0 in range(0, c, step):
-        c1 = min(c0 + step, c)
-        v_c = np.where(seen[c0:c1], v_r, 0)  # [..., c, R, D], 0 where row c cannot see the key
-        o[..., c0:c1, :, :] += p_r[..., c0:c1, :, :] @ v_c
+    v_finite = np.where(finite[..., None], v, 0)  # [..., N, D]
+    o = (p.reshape(*lead, c * g, n) @ v_finite).reshape(*lead, c, g, d)
+    p3, v3 = p.reshape(-1, c, g, n), v.reshape(-1, n, d)
+    o3 = o.reshape(-1, c, g, d)  # a view of o
+    for l, j in np.argwhere(~finite.reshape(-1, n)):
+        rows = visible[:, j]  # [C]: only the queries that see key j
+        o3[l, rows] += p3[l, rows, :, j, None] * v3[l, j]
     return o

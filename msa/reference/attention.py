@@ -176,15 +176,15 @@ def _batch_supports(I, batch: Batch, hkv: int, g: int):
     masks that union down to its own support (neighbours share their local and sink blocks, so
     the union is small). The chunk keeps the ``[C, G, union*Bk]`` score tile under
     ``_TILE_ELEMENTS`` (the union has at most ``min(NB, C*K)`` blocks). A block holds at most
-    ``min(Bk, Lk)`` keys of its sequence, so a block size beyond the sequence allocates nothing
-    more.
+    ``min(Bk, max Lk)`` keys, so a block size beyond every sequence allocates nothing more.
     """
     block_size, cu_q, cu_k, lq, lk = batch.block_size, batch.cu_q, batch.cu_k, batch.lq, batch.lk
     topk = I.shape[2]
+    # keys a block can hold: Bk, or the longest sequence if every one is shorter than a block
+    width = min(block_size, max(int(lk.max(initial=0)), 1))
+    offsets = np.arange(width)  # [W]
     for b in range(lq.size):
         nb = -(-int(lk[b]) // block_size)  # blocks of this sequence
-        width = min(block_size, max(int(lk[b]), 1))  # keys a block of it can hold
-        offsets = np.arange(width)  # [W]
         per_block = g * width
         chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
                     math.isqrt(_TILE_ELEMENTS // (per_block * max(topk, 1))))
