@@ -85,11 +85,13 @@ def _softmax_attend(s, visible, v):
     p = np.exp(s, out=s)  # [..., C, G, N], exactly 0 where not visible
     l = p.sum(axis=-1)  # [..., C, G], >= 1 where a key is visible, 0 otherwise
     o = attend(p, visible, v)  # [..., C, G, D]
-    # A row that sees a NaN (or an infinite score) keeps its NaN: in l, o and lse alike.
+    # A row that sees a NaN (or an infinite score) keeps its NaN: in l, o and lse alike. A row
+    # without mass (nothing visible, or only -inf scores) is o = 0, lse = -inf, whatever its
+    # values hold: the slot K2 skips.
     empty = l == 0  # [..., C, G]
     l_safe = np.where(empty, 1, l)  # [..., C, G]
     with np.errstate(invalid="ignore"):  # inf / inf on a row that sees an infinite score
-        o /= l_safe[..., None]
+        o = np.where(empty[..., None], 0, o / l_safe[..., None])
     lse = np.where(empty, -np.inf, np.log(l_safe) + m[..., 0])  # [..., C, G]
     return o, lse
 
