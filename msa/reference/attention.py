@@ -126,6 +126,7 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     tq, hq, d = q.shape
     hkv = k.shape[1]
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    # no blocks in eq 1: block_size = 1 only completes the validated batch
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, 1, total_q=tq, total_k=k.shape[0])
     cu_q, cu_k, lq, lk = batch.cu_q, batch.cu_k, batch.lq, batch.lk
     o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
