@@ -15,6 +15,26 @@ import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 GQA_GROUP_SIZES = (1, 2, 4, 8, 16)
+INT32_MAX = int(np.iinfo(np.int32).max)
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def unsupported(name: str, value, backend: str, accepted: str, *, why: str | None = None,
+                exc=ValueError) -> Exception:
+    """The error for a value that ``msa.reference`` accepts and ``backend`` does not.
+
+    Returns the exception (``raise unsupported(...)``), so the traceback points at the caller::
+
+        raise unsupported("G = Hq/Hkv", 3, "msa.cuda", "G in (1, 2, 4, 8, 16)",
+                          why="a group's heads fill one MMA tile")
+
+    gives ``G = Hq/Hkv = 3 is not supported by msa.cuda, which accepts G in (1, 2, 4, 8, 16) (a
+    group's heads fill one MMA tile); msa.reference accepts it``. ``exc`` is ``TypeError`` for
+    a dtype.
+    """
+    because = f" ({why})" if why else ""
+    return exc(f"{name} = {value!r} is not supported by {backend}, which accepts {accepted}"
+               f"{because}; msa.reference accepts it")
 
 
 def dtype_of(x) -> np.dtype:
@@ -41,6 +61,35 @@ def check_positive_int(name: str, value, *, low: int = 1, high: int | None = Non
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {rng}, got {value}")
     return value
+
+
+TOPK_SLACK = 64  # slots past NB that a selection may carry as -1 padding (msa.cuda's K limit)
+
+
+def check_block_size(value) -> int:
+    """``block_size`` (Bk): an integer in ``[1, 2**31 - 1]`` (block offsets are int32 on a GPU)."""
+    return check_positive_int("block_size", value, high=INT32_MAX)
+
+
+def check_topk(value, nb: int, block_size: int | None = None) -> int:
+    """``topk`` (K) before anything of size K is allocated: an integer in ``[1, max(NB, 64)]``.
+
+    A selection row holds at most ``NB = ceil(max Lk / Bk)`` distinct blocks, so the slots past
+    NB can only be ``-1`` padding; up to 64 slots (msa.cuda's limit on K) are always allowed,
+    so a short batch may keep a model's K. The bound turns a ``topk`` of ``10**9`` into an error
+    instead of a ``[Tq, Hkv, 10**9]`` allocation, and catches many ``block_size``/``topk``
+    swaps (the order is ``block_size, topk`` everywhere).
+    """
+    limit = max(int(nb), TOPK_SLACK)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"topk must be an integer, got {type(value).__name__} {value!r}")
+    if not 1 <= int(value) <= limit:
+        bs = "" if block_size is None else f" with block_size={block_size}"
+        raise ValueError(
+            f"topk must be in [1, max(NB, {TOPK_SLACK})] = [1, {limit}] (NB = ceil(max Lk / "
+            f"block_size) = {nb}{bs}: a row holds at most NB blocks; is the order block_size, "
+            f"topk?), got {value}")
+    return int(value)
 
 
 def check_scale(name: str, value, default: float) -> float:
@@ -97,16 +146,23 @@ def check_same_dtype(**arrays) -> np.dtype:
     return dt
 
 
-def check_gqa(num_q_heads: int, num_kv_heads: int, *, allowed=None) -> int:
-    """Group size ``G = Hq / Hkv`` (paper eq 3). ``allowed`` restricts G (kernels use 1..16)."""
+def check_gqa(num_q_heads: int, num_kv_heads: int, *, allowed=None,
+              backend: str = "msa.cuda") -> int:
+    """Group size ``G = Hq / Hkv`` (paper eq 3). ``allowed`` restricts G (kernels use 1..16);
+    the error then names ``backend`` and says that the reference accepts any G."""
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    num_q_heads, num_kv_heads = int(num_q_heads), int(num_kv_heads)
     if num_kv_heads < 1 or num_q_heads < 1:
-        raise ValueError(f"head counts must be >= 1, got Hq={num_q_heads}, Hkv={num_kv_heads}")
+        raise ValueError(f"head counts num_q_heads (Hq) and num_kv_heads (Hkv) must be >= 1, got "
+                         f"Hq={num_q_heads}, Hkv={num_kv_heads}")
     if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads (Hq={num_q_heads}) must be a multiple of kv heads (Hkv={num_kv_heads})")
+        raise ValueError(f"q heads (Hq = num_q_heads = {num_q_heads}) must be a multiple of kv "
+                         f"heads (Hkv = num_kv_heads = {num_kv_heads})")
     g = num_q_heads // num_kv_heads
     if allowed is not None and g not in allowed:
-        raise ValueError(f"GQA group size G=Hq/Hkv must be in {tuple(allowed)}, got {g}")
+        raise unsupported("GQA group size G = Hq/Hkv", g, backend, f"G in {tuple(allowed)}")
     return g
 
 
@@ -127,7 +183,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     if bad.size:
         b = int(bad[0])
         raise ValueError(
-            f"sequence {b} has more queries than keys (Lq={lq[b]} > Lk={lk[b]}); queries are the last Lq of Lk keys")
+            f"cu_seqlens_q, cu_seqlens_k: sequence {b} has more queries than keys (Lq={lq[b]} > "
+            f"Lk={lk[b]}); queries are the last Lq of Lk keys")
     return cq, ck
 
 
@@ -148,10 +205,27 @@ def check_offsets(name: str, cu, total: int | None = None) -> np.ndarray:
     """One packed-batch offsets array on its own (e.g. ``cu_seqlens_k`` without queries).
 
     ``cu``: [B+1] integer prefix sums starting at 0, non-decreasing, ending at ``total`` when
-    given. Returns an int64 NumPy host copy.
+    given. Any integer array-like is accepted, the same in every backend: a NumPy, CuPy, torch
+    or Numba device array (copied to the host), or a list or tuple of Python ints. Floats,
+    bools and values int64 cannot hold are rejected, not converted. Returns an int64 NumPy host
+    copy.
     """
-    check_array(name, cu, ndim=1, dtypes=("int",))
-    cu = np.asarray(cu_to_host(cu), dtype=np.int64)
+    if hasattr(cu, "shape") and hasattr(cu, "dtype"):
+        check_array(name, cu, ndim=1, dtypes=("int",))
+        host = np.asarray(cu_to_host(cu))
+    elif isinstance(cu, (list, tuple)):
+        if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in cu):
+            bad = next(x for x in cu if isinstance(x, bool) or not isinstance(x, numbers.Integral))
+            raise TypeError(f"{name} must hold integers, got {type(bad).__name__} {bad!r}")
+        if any(not -INT64_MAX - 1 <= int(x) <= INT64_MAX for x in cu):
+            raise ValueError(f"{name} must hold values that fit int64, got {list(cu)}")
+        host = np.array([int(x) for x in cu], dtype=np.int64)
+    else:
+        raise TypeError(f"{name} must be an integer array or a list of ints [B+1], "
+                        f"got {type(cu).__name__}")
+    if host.dtype.kind == "u" and host.size and int(host.max()) > INT64_MAX:
+        raise ValueError(f"{name} must hold values that fit int64, got max {int(host.max())}")
+    cu = host.astype(np.int64, copy=True)
     if cu.shape[0] < 2:
         raise ValueError(f"{name} must have B+1 >= 2 entries, got shape {cu.shape}")
     if cu[0] != 0:
@@ -161,3 +235,34 @@ def check_offsets(name: str, cu, total: int | None = None) -> np.ndarray:
     if total is not None and cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
     return cu
+
+
+def check_lse(lse, nonempty, *, name: str = "lse") -> None:
+    """A forward's log-sum-exp handed to a backward or to the KL loss (a host NumPy array).
+
+    The rule, the same in every backend: ``lse[t, h]`` is finite where query ``t``'s support is
+    non-empty, ``-inf`` only where it is empty, and never NaN or ``+inf``. (``exp(S - lse)``
+    is the probability the backward rebuilds: a NaN or infinite ``lse`` there would silently
+    give zero or NaN gradients.)
+
+    Args:
+        lse: float [Tq, Hq] on the host.
+        nonempty: bool [Tq, Hq], or [Tq, Hkv] with ``Hkv`` dividing ``Hq`` (repeated over the
+            G heads of each group): the query's support holds at least one key.
+
+    Raises:
+        ValueError naming ``name``, the first offending ``[t, h]`` (row-major), its value and the
+        rule.
+    """
+    lse = np.asarray(lse)
+    nonempty = np.asarray(nonempty, dtype=bool)
+    if nonempty.shape != lse.shape:
+        nonempty = np.repeat(nonempty, lse.shape[1] // max(nonempty.shape[1], 1), axis=1)
+    bad = np.isnan(lse) | np.isposinf(lse) | (nonempty & np.isneginf(lse))
+    if bad.any():
+        t, h = (int(i) for i in np.argwhere(bad)[0])
+        where = "non-empty" if nonempty[t, h] else "empty"
+        raise ValueError(
+            f"{name}[{t}, {h}] = {float(lse[t, h])} (query {t}'s support is {where}): {name} must "
+            "be the forward's log-sum-exp, finite where the support is non-empty and -inf only "
+            "where it is empty, never NaN or +inf")

@@ -40,7 +40,7 @@ def run(seq_lens=(640, 300), num_q_heads=8, num_kv_heads=2, head_dim=32, index_d
     _say("eq 6  block scores", f"M {tuple(m.shape)}, {np.isfinite(m).mean():.0%} visible", time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    idx = R.select_blocks(m, cq, ck, topk, bk)
+    idx = R.select_blocks(m, cq, ck, bk, topk)
     sel = (idx >= 0).sum(axis=-1)
     _say("eq 7  top-k + local block", f"I {tuple(idx.shape)}, {sel.mean():.2f} blocks/query on average",
          time.perf_counter() - t0)
@@ -71,7 +71,7 @@ def run(seq_lens=(640, 300), num_q_heads=8, num_kv_heads=2, head_dim=32, index_d
     t0 = time.perf_counter()
     od, lsed = R.dense_attention(p.q, p.k, p.v, cq, ck)
     nb = R.max_blocks(ck, bk)
-    all_idx = R.select_blocks(m, cq, ck, max(nb, 1), bk)
+    all_idx = R.select_blocks(m, cq, ck, bk, max(nb, 1))
     oa, _ = R.sparse_attention(p.q, p.k, p.v, all_idx, cq, ck, bk)
     err_dense = float(np.abs(oa - od).max())
     _say("eq 1  dense check", f"max |sparse(all blocks) - dense| = {err_dense:.2e}, "
@@ -83,10 +83,10 @@ def run(seq_lens=(640, 300), num_q_heads=8, num_kv_heads=2, head_dim=32, index_d
     _say("eq 9-10 sparse KL", f"L_KL = {float(loss):.4f}, |dQidx| = {np.linalg.norm(dq_idx):.3e}, "
          f"|dKidx| = {np.linalg.norm(dk_idx):.3e}", time.perf_counter() - t0)
 
-    flops = R.msa_flops(tq, num_q_heads, num_kv_heads, head_dim, index_dim, topk, bk)
+    flops = R.msa_flops(tq, num_q_heads, num_kv_heads, head_dim, index_dim, bk, topk)
     gqa = R.gqa_flops(tq, num_q_heads, head_dim)
     print(f"  eq 12 FLOPs at N={tq}: GQA {gqa:.3g}, MSA {flops.total:.3g} ({gqa / flops.total:.2f}x); "
-          f"paper config at N=2^20: {R.gqa_flops(2**20, 64, 128) / R.msa_flops(2**20, 64, 4, 128, 128, 16, 128).total:.1f}x")
+          f"paper config at N=2^20: {R.gqa_flops(2**20, 64, 128) / R.msa_flops(2**20, 64, 4, 128, 128, 128, 16).total:.1f}x")
     out.update(err_k1k2=err, err_dense=err_dense, loss=float(loss))
     ok = err < 1e-10 and err_dense < 1e-10 and np.isfinite(loss)
     print("all checks passed" if ok else "CHECK FAILED")

@@ -31,13 +31,13 @@ from .index import block_scores, index_projections, index_scores
 from .kl import kl_backward, kl_loss, kl_loss_and_backward, student_probs, teacher_probs
 from .layer import MSAParams, init_params, msa_layer
 from .schedule import build_schedule, schedule_stats
-from .select import check_block_indices, fixed_blocks, select_blocks
+from .select import check_block_indices, fixed_blocks, nonempty_supports, select_blocks
 
 __all__ = [
     "gqa_group", "num_blocks", "block_partition", "query_positions", "key_positions", "local_blocks",
     "block_row_offsets", "max_blocks",
     "index_projections", "index_scores", "block_scores",
-    "select_blocks", "fixed_blocks", "check_block_indices",
+    "select_blocks", "fixed_blocks", "check_block_indices", "nonempty_supports",
     "dense_attention", "sparse_attention", "sparse_attention_backward", "attention_partials",
     "combine_partials",
     "csr_histogram", "exclusive_prefix_sum", "csr_scatter", "build_csr",

@@ -20,6 +20,10 @@ All three return ``lse``, the natural-log normaliser ``log sum_j exp(S_j)`` of t
 ``S_j = <q, k_j> * scale``, which K2 and the KL loss (eq 9) reuse. They compute in float64 for
 float64 input and in float32 otherwise (float16 is promoted) and return that dtype. A row with
 no visible key gets ``o = 0`` and ``lse = -inf``, never NaN.
+
+Masking is by selection (DESIGN.md §3): a query's output and gradients are the same arithmetic
+whatever the keys it cannot see hold, NaN and inf included (``msa.reference._mask.attend``). A
+NaN or inf it can see makes its own row NaN (or inf), as IEEE arithmetic says.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import math
 
 import numpy as np
 
-from .._checks import (check_array, check_gqa, check_positive_int, check_same_dtype, check_scale,
-                       cu_to_host)
-from .blocks import block_row_offsets, query_positions, sequence_lengths
-from .select import check_block_indices
+from .._batch import Batch
+from .._checks import (check_array, check_block_size, check_gqa, check_lse, check_same_dtype,
+                       check_scale, check_topk, cu_to_host)
+from ._mask import attend
+from .blocks import block_row_offsets
+from .select import check_block_indices, nonempty_supports
 
 # Largest score tile one chunk of queries may build, in elements (32 MiB of float64): bounds the
 # memory of every function here at any sequence length.
@@ -59,33 +65,38 @@ def _softmax_attend(s, visible, v):
 
     Args:
         s: float [..., C, G, N] scaled scores (overwritten with the probabilities' numerators).
-        visible: bool, broadcastable to ``s``: which keys each row may attend to.
+        visible: bool [C, N]: which keys each row (query) may attend to, shared by its G heads
+            and by the leading axes.
         v: float [..., N, D] values (the leading axes match ``s``'s or are absent).
 
     Returns:
         ``(o [..., C, G, D], lse [..., C, G])``; a row with no visible key gives 0 and -inf.
+        Keys a row cannot see are never read for it (``attend``), so a NaN there cannot leak.
     """
     *lead, c, g, n = s.shape
     d = v.shape[-1]
     if n == 0:
         return np.zeros((*lead, c, g, d), s.dtype), np.full((*lead, c, g), -np.inf, s.dtype)
-    np.copyto(s, -np.inf, where=~visible)
+    np.copyto(s, -np.inf, where=~visible[:, None, :])
     # m = rowmax(S); a row with nothing visible takes m = 0 so that S - m stays -inf, not NaN.
     m = s.max(axis=-1, keepdims=True)  # [..., C, G, 1]
     m[~np.isfinite(m)] = 0
     s -= m
     p = np.exp(s, out=s)  # [..., C, G, N], exactly 0 where not visible
     l = p.sum(axis=-1)  # [..., C, G], >= 1 where a key is visible, 0 otherwise
-    o = (p.reshape(*lead, c * g, n) @ v).reshape(*lead, c, g, d)  # [..., C, G, D]
-    seen = l > 0  # [..., C, G]
-    np.divide(o, l[..., None], out=o, where=seen[..., None])
-    lse = np.full(l.shape, -np.inf, dtype=s.dtype)  # [..., C, G]
-    np.log(l, out=lse, where=seen)
-    lse += m[..., 0]
+    o = attend(p, visible, v)  # [..., C, G, D]
+    # A row that sees a NaN (or an infinite score) keeps its NaN: in l, o and lse alike. A row
+    # without mass (nothing visible, or only -inf scores) is o = 0, lse = -inf, whatever its
+    # values hold: the slot K2 skips.
+    empty = l == 0  # [..., C, G]
+    l_safe = np.where(empty, 1, l)  # [..., C, G]
+    with np.errstate(invalid="ignore"):  # inf / inf on a row that sees an infinite score
+        o = np.where(empty[..., None], 0, o / l_safe[..., None])
+    lse = np.where(empty, -np.inf, np.log(l_safe) + m[..., 0])  # [..., C, G]
     return o, lse
 
 
-def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
+def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     r"""Paper eq 1: dense causal softmax attention with GQA on a packed variable-length batch.
 
     .. math::  o_t^{(h)} = \sum_{i \le t} \mathrm{softmax}_i(s \langle q_t^{(h)}, k_i^{(r)} \rangle)
@@ -97,8 +108,9 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
 
     Args:
         q: float [Tq, Hq, D]; k, v: [Tk, Hkv, D], same dtype as ``q``, ``Hkv`` dividing ``Hq``.
-        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
-        scale: softmax scale ``s``; ``None`` gives ``1/sqrt(D)``.
+        cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence (any
+            integer array or a list).
+        scale: keyword-only softmax scale ``s`` (finite, > 0); ``None`` gives ``1/sqrt(D)``.
 
     Returns:
         ``(o [Tq, Hq, D], lse [Tq, Hq])``, float64 for float64 input, float32 otherwise; ``lse``
@@ -106,15 +118,17 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
         ``Lq <= Lk``, guarded anyway) gets ``o = 0``, ``lse = -inf``.
 
     Raises:
-        TypeError: non-float or mixed dtypes, non-integer offsets. ValueError: wrong ranks,
-        ``k``/``v``/``q`` shapes that disagree (``Tk``, ``Hkv``, ``D``), ``Hkv`` not dividing
-        ``Hq``, bad ``cu_seqlens``, a non-positive ``scale``.
+        TypeError: non-float or mixed dtypes, non-integer offsets, a scale passed positionally.
+        ValueError: wrong ranks, ``k``/``v``/``q`` shapes that disagree (``Tk``, ``Hkv``,
+        ``D``), ``Hkv`` not dividing ``Hq``, bad ``cu_seqlens``, a non-positive ``scale``.
     """
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
     hkv = k.shape[1]
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
-    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    # no blocks in eq 1: block_size = 1 only completes the validated batch
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, 1, total_q=tq, total_k=k.shape[0])
+    cu_q, cu_k, lq, lk = batch.cu_q, batch.cu_k, batch.lq, batch.lk
     o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
     lse = np.full((tq, hq), -np.inf, dtype=q.dtype)  # [Tq, Hq]
     for b in range(lq.size):
@@ -129,36 +143,52 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None):
             q_c = (q[t0:t1] * scale).reshape(c, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, C, G, D]
             s = (q_c.reshape(hkv, c * g, d) @ k_b).reshape(hkv, c, g, n)  # [Hkv, C, G, n]
             visible = np.arange(n)[None, :] <= pos[:, None]  # [C, n], token-level causal mask
-            o_c, lse_c = _softmax_attend(s, visible[:, None, :], v_b)  # [Hkv, C, G, D], [Hkv, C, G]
+            o_c, lse_c = _softmax_attend(s, visible, v_b)  # [Hkv, C, G, D], [Hkv, C, G]
             o[t0:t1] = o_c.transpose(1, 0, 2, 3).reshape(c, hq, d)
             lse[t0:t1] = lse_c.transpose(1, 0, 2).reshape(c, hq)
     return o, lse
 
 
 
+def _check_selection(block_indices, batch: Batch, hkv: int) -> np.ndarray:
+    """``block_indices`` [Tq, Hkv, K] checked against the batch; a host int64 copy."""
+    check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
+                shape=(batch.tq, hkv, None))
+    return check_block_indices(block_indices, batch.cu_q, batch.cu_k, batch.block_size)
+
+
 def _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq, tk, hkv, g, block_size):
     """Eq 8's supports, a chunk of queries and a KV head at a time (``sparse_attention`` and its
-    backward walk the same ones).
+    backward walk the same ones); validates its arguments, then ``_batch_supports``.
+
+    Yields:
+        ``(t0, t1, r, visible [C, N] bool, keys [N] int)``: queries ``t0 .. t1-1`` (C of them)
+        of one sequence, KV head ``r``, and the union's ``N`` packed key ids (clamped
+        into the sequence; ``visible`` is False on the clamped padding and wherever the key is
+        not in the query's support).
+    """
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, check_block_size(block_size), total_q=tq,
+                     total_k=tk)
+    yield from _batch_supports(_check_selection(block_indices, batch, hkv), batch, hkv, g)
+
+
+def _batch_supports(I, batch: Batch, hkv: int, g: int):
+    """``_supports`` on a validated batch and selection ``I`` [Tq, Hkv, K] (checks nothing).
 
     A chunk of neighbouring queries gathers the union of its selected blocks once; each query
     masks that union down to its own support (neighbours share their local and sink blocks, so
     the union is small). The chunk keeps the ``[C, G, union*Bk]`` score tile under
-    ``_TILE_ELEMENTS`` (the union has at most ``min(NB, C*K)`` blocks).
-
-    Yields:
-        ``(t0, t1, r, visible [C, N] bool, keys [N] int)``: queries ``t0 .. t1-1`` (C of them)
-        of one sequence, KV head ``r``, and the union's ``N = U*Bk`` packed key ids (clamped
-        into the sequence; ``visible`` is False on the clamped padding and wherever the key is
-        not in the query's support).
+    ``_TILE_ELEMENTS`` (the union has at most ``min(NB, C*K)`` blocks). A block holds at most
+    ``min(Bk, max Lk)`` keys, so a block size beyond every sequence allocates nothing more.
     """
-    cu_q, cu_k, lq, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, tk)
-    check_array("block_indices", block_indices, ndim=3, shape=(tq, hkv, None))
-    I = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+    block_size, cu_q, cu_k, lq, lk = batch.block_size, batch.cu_q, batch.cu_k, batch.lq, batch.lk
     topk = I.shape[2]
-    offsets = np.arange(block_size)  # [Bk]
+    # keys a block can hold: Bk, or the longest sequence if every one is shorter than a block
+    width = min(block_size, max(int(lk.max(initial=0)), 1))
+    offsets = np.arange(width)  # [W]
     for b in range(lq.size):
         nb = -(-int(lk[b]) // block_size)  # blocks of this sequence
-        per_block = g * block_size
+        per_block = g * width
         chunk = max(1, _TILE_ELEMENTS // (per_block * max(nb, 1)),
                     math.isqrt(_TILE_ELEMENTS // (per_block * max(topk, 1))))
         for i0 in range(0, int(lq[b]), chunk):
@@ -171,14 +201,16 @@ def _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq, tk, hkv, g, block_s
                 rows, cols = np.nonzero(I_r >= 0)
                 chosen[rows, I_r[rows, cols]] = True
                 union = np.flatnonzero(chosen.any(axis=0))  # [U]
-                key_pos = union[:, None] * block_size + offsets  # [U, Bk]
+                key_pos = union[:, None] * block_size + offsets  # [U, W]
                 # Support = chosen block and causally visible; key_pos <= pos < Lk also drops
                 # the padding past the end of a partial last block.
-                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, Bk]
+                visible = chosen[:, union, None] & (key_pos <= pos[:, None, None])  # [C, U, W]
                 keys = cu_k[b] + np.minimum(key_pos.ravel(), int(lk[b]) - 1)  # [N], clamped
                 yield t0, t1, r, visible.reshape(c, -1), keys
 
-def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
+
+def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
+                     scale=None):
     r"""Paper eq 8: softmax attention on the causally visible keys of the selected blocks.
 
     .. math::  O_t^{(h)} = \mathrm{softmax}(s\, Q_t^{(h)} K^{(r)}[\mathcal{I}_t^{(r)}]^\top)
@@ -200,8 +232,8 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         block_indices: I int [Tq, Hkv, K], batch-local block ids, unique per row, -1 only at the
             tail (validated by ``msa.reference.select.check_block_indices``; order is free).
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
-        block_size: Bk >= 1.
-        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+        block_size: Bk, an integer in ``[1, 2**31 - 1]``.
+        scale: keyword-only softmax scale; ``None`` gives ``1/sqrt(D)``.
 
     Returns:
         ``(o [Tq, Hq, D], lse [Tq, Hq])``: float64 for float64 input, float32 otherwise (float16
@@ -214,21 +246,23 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     """
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
-    block_size = check_positive_int("block_size", block_size)
+    hkv = k.shape[1]
+    block_size = check_block_size(block_size)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=k.shape[0])
+    I = _check_selection(block_indices, batch, hkv)  # [Tq, Hkv, K]
     o = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
     lse = np.full((tq, hq), -np.inf, dtype=q.dtype)  # [Tq, Hq]
-    for t0, t1, r, visible, keys in _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq,
-                                              k.shape[0], k.shape[1], g, block_size):
+    for t0, t1, r, visible, keys in _batch_supports(I, batch, hkv, g):
         c, heads = t1 - t0, slice(r * g, (r + 1) * g)
         q_c = (q[t0:t1, heads] * scale).reshape(c * g, d)  # [C*G, D], scaled
         s = (q_c @ k[keys, r].T).reshape(c, g, keys.size)  # [C, G, N]
-        o[t0:t1, heads], lse[t0:t1, heads] = _softmax_attend(s, visible[:, None, :], v[keys, r])
+        o[t0:t1, heads], lse[t0:t1, heads] = _softmax_attend(s, visible, v[keys, r])
     return o, lse
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              block_size, scale=None):
+                              block_size, *, scale=None):
     r"""The gradient of eq 8 (the main branch's backward): ``(dq, dk, dv)`` given ``dO``.
 
     With ``P = exp(S - LSE)`` on the support of ``sparse_attention`` (0 elsewhere), ``S = s Q Kᵀ``
@@ -240,47 +274,55 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     summed over the G query heads that share a KV head and over every query whose support holds
     the key. Only keys in the support get a gradient; a query with an empty support (``lse`` =
     -inf) contributes nothing and gets ``dq = 0``. The chunks and block unions are those of
-    ``sparse_attention``.
+    ``sparse_attention``; a query's ``dq`` never reads a key outside its support (masking by
+    selection, so a NaN there cannot reach it).
 
     Args:
         q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as
-            ``sparse_attention``.
+            ``sparse_attention`` (``scale`` keyword-only).
         o, lse: its outputs ``[Tq, Hq, D]``, ``[Tq, Hq]`` (``o`` enters only through ``D``).
-        do: ``dL/dO`` [Tq, Hq, D].
+            ``lse`` must be finite wherever the query's support is non-empty and may be -inf
+            only where it is empty (``msa._checks.check_lse``).
+        do: ``dL/dO`` [Tq, Hq, D], float.
 
     Returns:
         ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``: float64 for float64 input,
         float32 otherwise.
 
     Raises:
-        As ``sparse_attention``, plus ``o``, ``lse`` or ``do`` of the wrong shape or not float.
+        As ``sparse_attention``, plus ``o``, ``lse`` or ``do`` of the wrong shape or not float,
+        and ValueError naming ``lse`` for a NaN or +inf in it, or a -inf on a non-empty support
+        (it would silently give zero gradients).
     """
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
+    hkv = k.shape[1]
     check_array("o", o, ndim=3, dtypes=("float",), shape=(tq, hq, d))
     check_array("do", do, ndim=3, dtypes=("float",), shape=(tq, hq, d))
     check_array("lse", lse, ndim=2, dtypes=("float",), shape=(tq, hq))
-    o, do, lse = (np.asarray(x, dtype=q.dtype) for x in (o, do, lse))
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=k.shape[0])
+    I = _check_selection(block_indices, batch, hkv)  # [Tq, Hkv, K]
+    o, do, lse = (np.asarray(cu_to_host(x), dtype=q.dtype) for x in (o, do, lse))
+    check_lse(lse, nonempty_supports(I, batch.cu_q, batch.cu_k, block_size))
     dq = np.zeros((tq, hq, d), dtype=q.dtype)  # [Tq, Hq, D]
     dk = np.zeros(k.shape, dtype=q.dtype)  # [Tk, Hkv, D]
     dv = np.zeros(k.shape, dtype=q.dtype)
     delta = np.einsum("thd,thd->th", do, o)  # [Tq, Hq]: D_t of every head
-    for t0, t1, r, visible, keys in _supports(block_indices, cu_seqlens_q, cu_seqlens_k, tq,
-                                              k.shape[0], k.shape[1], g, block_size):
+    for t0, t1, r, visible, keys in _batch_supports(I, batch, hkv, g):
         c, heads = t1 - t0, slice(r * g, (r + 1) * g)
         q_c = (q[t0:t1, heads] * scale).reshape(c * g, d)  # [C*G, D], scaled
         do_c = do[t0:t1, heads].reshape(c * g, d)  # [C*G, D]
         k_r, v_r = k[keys, r], v[keys, r]  # [N, D]
         s = (q_c @ k_r.T).reshape(c, g, -1)  # [C, G, N]
-        l_c = lse[t0:t1, heads, None]  # [C, G, 1]
-        live = visible[:, None, :] & np.isfinite(l_c)  # an empty support has lse = -inf
+        l_c = lse[t0:t1, heads, None]  # [C, G, 1], finite wherever a key is visible
+        live = np.broadcast_to(visible[:, None, :], s.shape)  # [C, G, N]
         # masked before the exp: a key outside the support may score far above the LSE
         p = np.exp(np.where(live, s - l_c, -np.inf))  # [C, G, N], 0 off the support
-        dp = (do_c @ v_r.T).reshape(c, g, -1)  # [C, G, N]
-        ds = p * (dp - delta[t0:t1, heads, None])  # [C, G, N]
-        dq[t0:t1, heads] = scale * (ds @ k_r)  # [C, G, D]
+        dp = (do_c @ v_r.T).reshape(c, g, -1)  # [C, G, N], NaN off the support if V is
+        ds = np.where(live, p * (dp - delta[t0:t1, heads, None]), 0)  # [C, G, N]
+        dq[t0:t1, heads] = scale * attend(ds, visible, k_r)  # [C, G, D]
         # every (C, G) row adds into the keys of the union; clamped duplicates add 0
         np.add.at(dk[:, r], keys, ds.reshape(c * g, -1).T @ q_c)
         np.add.at(dv[:, r], keys, p.reshape(c * g, -1).T @ do_c)
@@ -347,7 +389,7 @@ def check_work(work, q_indices, partial_slots, hkv, topk, q_batch, cu_k, block_s
 
 
 def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
-                       block_size, topk, scale=None):
+                       block_size, topk, *, scale=None):
     r"""Paper §4.2 K1 (eq 13-16 context): KV-outer partial attention, one per (query, block).
 
     .. math::  L_s = \log \sum_{j \in J_s} e^{S_j}, \qquad O_s = \sum_{j \in J_s} e^{S_j - L_s} V_j
@@ -367,8 +409,9 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
         q_indices, partial_slots: int [Hkv, nnz] k2q CSR entries and their slots
             (``msa.reference.csr.build_csr``); only the ranges named by ``work`` are read.
         cu_seqlens_q, cu_seqlens_k: int [B+1] packed offsets, ``Lq <= Lk`` per sequence.
-        block_size: Bk >= 1. topk: K >= 1, the number of slots.
-        scale: softmax scale; ``None`` gives ``1/sqrt(D)``.
+        block_size: Bk >= 1. topk: K, the number of slots, in ``[1, max(NB, 64)]``
+            (``msa._checks.check_topk``: checked before ``o_part`` is allocated).
+        scale: keyword-only softmax scale; ``None`` gives ``1/sqrt(D)``.
 
     Returns:
         ``(o_part [K, Tq, Hq, D], lse_part [K, Tq, Hq])``, float64 for float64 input, float32
@@ -384,11 +427,12 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
     q, k, v, g = _check_qkv(q, k, v)
     tq, hq, d = q.shape
     hkv = k.shape[1]
-    block_size = check_positive_int("block_size", block_size)
-    topk = check_positive_int("topk", topk)
+    block_size = check_block_size(block_size)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
-    q_batch, q_pos = query_positions(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])  # [Tq] each
-    _, cu_k, _, lk = sequence_lengths(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=k.shape[0])
+    topk = check_topk(topk, batch.nb, block_size)
+    q_batch, q_pos = batch.query_batch, batch.query_pos  # [Tq] each
+    cu_k, lk = batch.cu_k, batch.lk
     work, q_indices, partial_slots = check_work(work, q_indices, partial_slots, hkv, topk,
                                                  q_batch, cu_k, block_size)
     o_part = np.zeros((topk, tq, hq, d), dtype=q.dtype)  # [K, Tq, Hq, D]
@@ -405,7 +449,7 @@ def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu
         q_cat = (q[t[:, None], heads] * scale).reshape(q_count * g, d)  # [q_count*G, D]
         s = (q_cat @ k_j.T).reshape(q_count, g, key_pos.size)  # [q_count, G, n]
         visible = key_pos[None, :] <= q_pos[t][:, None]  # [q_count, n]
-        o_s, lse_s = _softmax_attend(s, visible[:, None, :], v_j)  # [q_count, G, D], [q_count, G]
+        o_s, lse_s = _softmax_attend(s, visible, v_j)  # [q_count, G, D], [q_count, G]
         o_part[slot[:, None], t[:, None], heads] = o_s
         lse_part[slot[:, None], t[:, None], heads] = lse_s
     return o_part, lse_part

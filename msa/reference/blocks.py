@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_cu_seqlens, check_gqa, check_positive_int
+from .._batch import Batch
+from .._checks import (check_block_size, check_cu_seqlens, check_gqa, check_offsets,
+                       check_positive_int)
 
 
 def gqa_group(num_q_heads: int, num_kv_heads: int) -> np.ndarray:
     """Eq 3: the KV head (GQA group) ``r = h // G`` that serves each query head ``h``.
 
     Returns int64 [Hq]. Heads ``r*G .. r*G+G-1`` form group ``H_r`` and share one selection.
-    Raises ValueError if ``Hkv`` does not divide ``Hq``.
+    Raises TypeError for non-integer head counts, ValueError if ``Hkv`` does not divide ``Hq``.
     """
     g = check_gqa(num_q_heads, num_kv_heads)
     return np.arange(num_q_heads, dtype=np.int64) // g
@@ -31,7 +33,7 @@ def gqa_group(num_q_heads: int, num_kv_heads: int) -> np.ndarray:
 
 def num_blocks(length: int, block_size: int) -> int:
     """Eq 4: ``B = ceil(N / Bk)``, the number of KV blocks of a sequence of ``length`` keys."""
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     length = check_positive_int("length", length, low=0)
     return -(-length // block_size)
 
@@ -45,15 +47,15 @@ def block_partition(length: int, block_size: int) -> np.ndarray:
 
 def sequence_lengths(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     """Validated ``(cu_q, cu_k, Lq, Lk)`` as int64 NumPy arrays ([B+1], [B+1], [B], [B])."""
+    total_q = check_positive_int("total_q", total_q, low=0)
+    total_k = check_positive_int("total_k", total_k, low=0)
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     return cu_q, cu_k, np.diff(cu_q), np.diff(cu_k)
 
 
 def max_blocks(cu_seqlens_k, block_size: int) -> int:
     """``NB = ceil(max Lk / Bk)``: the last axis of ``block_scores`` (0 for an empty batch)."""
-    block_size = check_positive_int("block_size", block_size)
-    lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
-    return int(-(-lk.max() // block_size)) if lk.size else 0
+    return Batch.of(None, cu_seqlens_k, check_block_size(block_size)).nb
 
 
 def query_positions(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
@@ -72,7 +74,8 @@ def query_positions(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
 
 def key_positions(cu_seqlens_k, total_k: int):
     """``(batch, pos)`` int64 [Tk]: the sequence of each packed key and its position in it."""
-    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
+    total_k = check_positive_int("total_k", total_k, low=0)
+    cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
     lk = np.diff(cu_k)
     batch = np.repeat(np.arange(lk.size, dtype=np.int64), lk)  # [Tk]
     return batch, np.arange(total_k, dtype=np.int64) - cu_k[batch]
@@ -80,7 +83,7 @@ def key_positions(cu_seqlens_k, total_k: int):
 
 def local_blocks(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, block_size: int) -> np.ndarray:
     """Paper §3.2: the local block ``floor(pos / Bk)`` of each query, int64 [Tq] (batch-local id)."""
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     _, pos = query_positions(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     return pos // block_size
 
@@ -90,10 +93,7 @@ def block_row_offsets(cu_seqlens_k, block_size: int) -> np.ndarray:
 
     One row per (sequence, KV block); ``off[-1]`` is the total number of rows.
     """
-    block_size = check_positive_int("block_size", block_size)
-    lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
-    nb = -(-lk // block_size)  # [B]
-    return np.concatenate([[0], np.cumsum(nb)]).astype(np.int64)
+    return Batch.of(None, cu_seqlens_k, check_block_size(block_size)).row_offsets.copy()
 
 
 def visible_block_mask(pos: np.ndarray, num_blocks_total: int, block_size: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 from .._checks import check_array, dtype_of
 
 
-def combine_partials(o_part, lse_part, out_dtype=None):
+def combine_partials(o_part, lse_part, *, out_dtype=None):
     r"""Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
 
     .. math::  L = \log \sum_s e^{L_s}, \qquad O = \sum_s e^{L_s - L} O_s
@@ -31,7 +31,7 @@ def combine_partials(o_part, lse_part, out_dtype=None):
         o_part: float [K, Tq, Hq, D], ``O_s`` (locally normalised partial outputs), K >= 1.
         lse_part: float [K, Tq, Hq], ``L_s`` in natural log; ``-inf`` marks an unused slot or
             a block with no key visible to the query.
-        out_dtype: dtype of ``o``; ``None`` keeps ``o_part``'s dtype.
+        out_dtype: keyword-only dtype of ``o``; ``None`` keeps ``o_part``'s dtype.
 
     Returns:
         ``(o, lse)``: ``o`` [Tq, Hq, D] in ``out_dtype``; ``lse`` [Tq, Hq] (natural log) in the
@@ -41,7 +41,12 @@ def combine_partials(o_part, lse_part, out_dtype=None):
     Edge cases: a slot with ``L_s = -inf`` contributes nothing, whatever its ``O_s`` holds (the
     weight is masked, not multiplied, so a NaN in an unused slot cannot leak). A (query, head)
     whose slots are all ``-inf`` gets ``o = 0`` and ``lse = -inf``, with no NaN and no floating
-    point warning. The result does not depend on the order of the slots (up to rounding).
+    point warning. A slot with ``L_s`` NaN or ``+inf`` is not skipped: its (query, head) gets
+    ``o = NaN`` (every element) and ``lse = NaN`` if any of its slots is NaN, else ``lse = +inf``,
+    what ``log sum_s exp L_s`` is in IEEE arithmetic and what eq 8 (``sparse_attention``) gives a
+    query that sees a NaN or ``+inf`` score. K1 writes such an ``L_s`` only then, so K1 + K2
+    equals eq 8 on non-finite inputs too (a skip would silently drop the block). A NaN in
+    ``O_s`` with a finite ``L_s`` propagates to that row's ``o`` as usual. The result does not depend on the order of the slots (up to rounding).
 
     Raises:
         TypeError: non-float arrays or a non-float ``out_dtype``. ValueError: wrong ranks,
@@ -64,11 +69,14 @@ def combine_partials(o_part, lse_part, out_dtype=None):
     f64 = np.dtype(np.float64)
     compute = f64 if f64 in (dtype_of(o_part), dtype_of(lse_part)) else np.dtype(np.float32)
     L_s = np.asarray(lse_part, dtype=compute)  # [K, Tq, Hq]
+    nan_slot = np.isnan(L_s).any(axis=0)  # [Tq, Hq]: o = NaN, lse = NaN
+    inf_slot = np.isposinf(L_s).any(axis=0) & ~nan_slot  # [Tq, Hq]: o = NaN, lse = +inf
+    used = np.isfinite(L_s)  # [K, Tq, Hq]
+    L_s = np.where(used, L_s, -np.inf)  # [K, Tq, Hq], the poisoned rows are overwritten below
 
     # a = max_s L_s; rows with every slot -inf take a = 0 so that L_s - a stays -inf, not NaN.
     a = L_s.max(axis=0)  # [Tq, Hq]
     a = np.where(np.isfinite(a), a, 0)  # [Tq, Hq]
-    used = np.isfinite(L_s)  # [K, Tq, Hq]
     w = np.exp(L_s - a)  # [K, Tq, Hq] in [0, 1], 0 for unused slots
     total = w.sum(axis=0)  # [Tq, Hq], >= 1 where any slot is used, 0 otherwise
     some = total > 0  # [Tq, Hq]
@@ -83,4 +91,7 @@ def combine_partials(o_part, lse_part, out_dtype=None):
         # One slot at a time keeps the temporaries at [Tq, Hq, D] instead of [K, Tq, Hq, D].
         o_s = np.asarray(o_part[s], dtype=compute)  # [Tq, Hq, D]
         o += w[s][..., None] * np.where(used[s][..., None], o_s, 0)
+    o[nan_slot | inf_slot] = np.nan
+    lse[nan_slot] = np.nan
+    lse[inf_slot] = np.inf
     return o.astype(out_dtype, copy=False), lse

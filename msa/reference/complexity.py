@@ -13,6 +13,9 @@ Conventions the paper uses and these functions keep:
   up to ``k Bk`` keys.
 * IO counts HBM bytes with ``bytes_per_element`` bytes per element (paper: 2, bf16) and assumes
   perfect on-chip reuse inside one work item; it is the model of §4.2, not a cache simulation.
+
+Arguments follow the rest of msa: sizes, then ``block_size``, then ``topk``; the knobs
+(``loop_order``, ``bytes_per_element``) are keyword-only.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def gqa_flops(N: int, Hq: int, d_h: int) -> int:
     return 2 * s["Hq"] * s["d_h"] * s["N"] ** 2
 
 
-def attention_flops(N: int, Hq: int, d_h: int, topk: int, block_size: int) -> int:
+def attention_flops(N: int, Hq: int, d_h: int, block_size: int, topk: int) -> int:
     """Eq 13: ``FLOPs = 4 Hq N d_h k Bk``, the sparse main branch (identical for Q- and KV-outer).
 
     An upper bound: a query's local block is only partly visible and early queries have fewer
@@ -72,8 +75,8 @@ def attention_flops(N: int, Hq: int, d_h: int, topk: int, block_size: int) -> in
     return 4 * s["Hq"] * s["N"] * s["d_h"] * s["topk"] * s["block_size"]
 
 
-def msa_flops(N: int, Hq: int, Hkv: int, d_h: int, d_idx: int, topk: int,
-              block_size: int) -> MSAFlops:
+def msa_flops(N: int, Hq: int, Hkv: int, d_h: int, d_idx: int, block_size: int,
+              topk: int) -> MSAFlops:
     """Eq 12: ``F_MSA(N) = Hkv d_idx N^2 + 4 Hq d_h N k Bk`` as ``MSAFlops(index, main, total)``.
 
     The index branch scores every causal (query, key) pair once per group (one shared index key
@@ -81,11 +84,11 @@ def msa_flops(N: int, Hq: int, Hkv: int, d_h: int, d_idx: int, topk: int,
     """
     s = _sizes(N=N, Hq=Hq, Hkv=Hkv, d_idx=d_idx)
     index = s["Hkv"] * s["d_idx"] * s["N"] ** 2
-    main = attention_flops(N, Hq, d_h, topk, block_size)
+    main = attention_flops(N, Hq, d_h, block_size, topk)
     return MSAFlops(index=index, main=main, total=index + main)
 
 
-def crossover_length(Hq: int, Hkv: int, d_h: int, d_idx: int, topk: int, block_size: int) -> float:
+def crossover_length(Hq: int, Hkv: int, d_h: int, d_idx: int, block_size: int, topk: int) -> float:
     """§3.3: ``N* = 4 Hq d_h k Bk / (Hkv d_idx)``, where the index term equals the main term.
 
     Below ``N*`` the sparse main branch dominates MSA's FLOPs, above it the quadratic index
@@ -104,7 +107,7 @@ def speedup_limit(Hq: int, Hkv: int, d_h: int, d_idx: int) -> float:
     return 2 * s["Hq"] * s["d_h"] / (s["Hkv"] * s["d_idx"])
 
 
-def q_outer_io(N: int, Hq: int, Hkv: int, d_h: int, topk: int, block_size: int,
+def q_outer_io(N: int, Hq: int, Hkv: int, d_h: int, block_size: int, topk: int, *,
                bytes_per_element: int = 2) -> QOuterIO:
     """Eq 14: HBM bytes of Q-outer sparse attention (each query gathers its own K/V blocks).
 
@@ -119,7 +122,7 @@ def q_outer_io(N: int, Hq: int, Hkv: int, d_h: int, topk: int, block_size: int,
     return QOuterIO(q_o=q_o, kv=kv, total=q_o + kv)
 
 
-def kv_outer_io(N: int, Hq: int, Hkv: int, d_h: int, topk: int,
+def kv_outer_io(N: int, Hq: int, Hkv: int, d_h: int, topk: int, *,
                 bytes_per_element: int = 2) -> KVOuterIO:
     """Eq 16: HBM bytes of KV-outer sparse attention (K1 partials + K2 combine).
 
@@ -136,7 +139,7 @@ def kv_outer_io(N: int, Hq: int, Hkv: int, d_h: int, topk: int,
     return KVOuterIO(kv=kv, q_obuf=q_obuf, combine=combine, total=kv + q_obuf + combine)
 
 
-def arithmetic_intensity(N: int, Hq: int, Hkv: int, d_h: int, topk: int, block_size: int,
+def arithmetic_intensity(N: int, Hq: int, Hkv: int, d_h: int, block_size: int, topk: int, *,
                          loop_order: str = "kv_outer", bytes_per_element: int = 2) -> float:
     """§4.2: FLOPs per HBM byte, eq 13 over eq 14 (``"q_outer"``) or eq 16 (``"kv_outer"``).
 
@@ -145,10 +148,10 @@ def arithmetic_intensity(N: int, Hq: int, Hkv: int, d_h: int, topk: int, block_s
     ``~ 2/3 Bk`` (drops the K/V term and takes ``k+1 ~ k``); with 2-byte elements.
     """
     if loop_order == "q_outer":
-        io = q_outer_io(N, Hq, Hkv, d_h, topk, block_size, bytes_per_element)
+        io = q_outer_io(N, Hq, Hkv, d_h, block_size, topk, bytes_per_element=bytes_per_element)
     elif loop_order == "kv_outer":
         check_positive_int("block_size", block_size)
-        io = kv_outer_io(N, Hq, Hkv, d_h, topk, bytes_per_element)
+        io = kv_outer_io(N, Hq, Hkv, d_h, topk, bytes_per_element=bytes_per_element)
     else:
         raise ValueError(f"loop_order must be 'q_outer' or 'kv_outer', got {loop_order!r}")
-    return attention_flops(N, Hq, d_h, topk, block_size) / io.total
+    return attention_flops(N, Hq, d_h, block_size, topk) / io.total

@@ -25,9 +25,10 @@ import math
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_positive_int, check_same_dtype,
-                       check_scale, cu_to_host)
-from .blocks import key_positions, max_blocks, query_positions
+from .._batch import Batch
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_positive_int,
+                       check_same_dtype, check_scale)
+from .blocks import key_positions
 
 POOLS = ("max", "mean")
 
@@ -84,8 +85,8 @@ def index_projections(x, w_q_idx, w_k_idx, num_kv_heads: int):
     return q_idx, k_idx
 
 
-def _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale):
-    """Validate eq 6 inputs; return ``(q_idx, k_idx)`` in the compute dtype, positions, scale."""
+def _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale, block_size=1):
+    """Validate eq 6 inputs; return ``(q_idx, k_idx)`` in the compute dtype, the batch, scale."""
     check_array("q_idx", q_idx, ndim=3, dtypes=FLOAT_DTYPES)
     tq, hkv, d_idx = (int(s) for s in q_idx.shape)
     if hkv < 1 or d_idx < 1:
@@ -93,15 +94,15 @@ def _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale):
     check_array("k_idx", k_idx, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, d_idx))
     dt = check_same_dtype(q_idx=q_idx, k_idx=k_idx)
     tk = int(k_idx.shape[0])
-    batch_q, pos_q = query_positions(cu_seqlens_q, cu_seqlens_k, tq, tk)  # [Tq], [Tq]
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
     cdt = _compute_dtype(dt)
     q = np.asarray(q_idx).astype(cdt, copy=False)  # [Tq, Hkv, Didx]
     k = np.asarray(k_idx).astype(cdt, copy=False)  # [Tk, Didx]
-    return q, k, batch_q, pos_q, scale
+    return q, k, batch, scale
 
 
-def index_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale=None):
+def index_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     """Paper eq 6 (left): every causal index score ``S = (q_idx . k_idx) * scale``, materialised.
 
     Args:
@@ -109,7 +110,7 @@ def index_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale=None):
         k_idx: [Tk, Didx], same dtype: the shared index key head.
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk`` per sequence; queries are
             the last ``Lq`` key positions).
-        scale: multiplies the dot product; default ``1 / sqrt(Didx)``.
+        scale: keyword-only, multiplies the dot product; default ``1 / sqrt(Didx)``.
 
     Returns:
         S [Hkv, Tq, Tk], float64 for float64 input, float32 otherwise. ``S[r, t, j]`` is the score
@@ -120,8 +121,9 @@ def index_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale=None):
     Memory is ``Hkv * Tq * Tk`` floats: use it for small problems and the token-level KL;
     ``block_scores`` is the scalable eq 6.
     """
-    q, k, batch_q, pos_q, scale = _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale)
-    batch_k, pos_k = key_positions(np.asarray(cu_to_host(cu_seqlens_k), dtype=np.int64), k.shape[0])  # [Tk]
+    q, k, batch, scale = _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale)
+    batch_q, pos_q = batch.query_batch, batch.query_pos  # [Tq]
+    batch_k, pos_k = key_positions(batch.cu_k, k.shape[0])  # [Tk]
     # The dot product is taken first and scaled afterwards, exactly as in block_scores, so that
     # float64 results of the two agree bit for bit.
     S = np.matmul(q.transpose(1, 0, 2), k.T)  # [Hkv, Tq, Tk]
@@ -131,7 +133,8 @@ def index_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale=None):
     return S
 
 
-def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scale=None, *, pool="max"):
+def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, *, scale=None,
+                 pool="max"):
     """Paper eq 6 (right): causal block max-pool ``M[r, t, b] = max_{j in block b, j <= pos_t} S``.
 
     Args:
@@ -140,7 +143,7 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
         block_size: ``Bk`` >= 1; block ``b`` of a sequence holds its key positions
             ``[b*Bk, min((b+1)*Bk, Lk))``.
-        scale: multiplies the dot product; default ``1 / sqrt(Didx)``.
+        scale: keyword-only, multiplies the dot product; default ``1 / sqrt(Didx)``.
         pool: ``"max"`` (the paper's operator) or ``"mean"``, the mean over the *visible* keys of
             the block, i.e. MoBA's mean-key score (§3.1 contrasts the two: max keeps a single
             strongly matching "needle" token, mean dilutes it by ``Bk``).
@@ -159,14 +162,17 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
     queries, the keys up to the chunk's last position are scored, padded with ``-inf`` to whole
     blocks, viewed as ``[nb, Bk]`` and reduced over the block axis.
     """
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    q, k, _, pos_q, scale = _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale)
-    cu_q = np.asarray(cu_to_host(cu_seqlens_q), dtype=np.int64)
-    cu_k = np.asarray(cu_to_host(cu_seqlens_k), dtype=np.int64)
+    q, k, batch, scale = _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale,
+                                             block_size)
+    pos_q, cu_q, cu_k = batch.query_pos, batch.cu_q, batch.cu_k
     hkv = q.shape[1]
-    nb_max = max_blocks(cu_k, block_size)
+    nb_max = batch.nb
+    # A block longer than every sequence is one block per sequence, whatever its size: pad the
+    # keys to at most the longest sequence, not to Bk.
+    block_size = min(block_size, max(int(batch.lk.max()) if batch.lk.size else 1, 1))
     M = np.full((hkv, q.shape[0], nb_max), -np.inf, dtype=q.dtype)  # [Hkv, Tq, NB]
     for b in range(cu_q.size - 1):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])

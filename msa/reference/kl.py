@@ -52,10 +52,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_gqa, check_positive_int, check_same_dtype,
-                       check_scale, cu_to_host)
-from .blocks import block_row_offsets, key_positions, max_blocks, query_positions, visible_block_mask
-from .select import check_block_indices
+from .._batch import Batch
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_lse,
+                       check_same_dtype, check_scale, cu_to_host)
+from ._mask import attend
+from .blocks import block_row_offsets, key_positions, max_blocks, visible_block_mask
+from .select import check_block_indices, nonempty_supports
 
 # Elements of one [n, G, Bk] teacher score tile: 4M floats bounds memory at any sequence length
 # (the warmup gives one key block thousands of queries) and keeps each matmul large.
@@ -160,7 +162,7 @@ def _selected_entries(block_indices, batch_q, pos_q, cu_k, block_size, hkv):
 
 def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=None,
                   cu_seqlens_q, cu_seqlens_k, block_size, scale=None, index_scale=None,
-                  teacher: bool, student: bool) -> _Problem:
+                  teacher: bool, student: bool, validate: bool = True) -> _Problem:
     """Validate the arguments of the public functions and sort the selected blocks."""
     arrays = {}
     if teacher:
@@ -187,22 +189,27 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         tk = int(k_idx.shape[0])
         arrays.update(q_idx=q_idx, k_idx=k_idx)
     cdt = _compute_dtype(check_same_dtype(**arrays))
-    block_size = check_positive_int("block_size", block_size)
-    batch_q, pos_q = query_positions(cu_seqlens_q, cu_seqlens_k, tq, tk)  # [Tq], [Tq]
-    cu_q = np.asarray(cu_to_host(cu_seqlens_q), dtype=np.int64)  # [B+1]
-    cu_k = np.asarray(cu_to_host(cu_seqlens_k), dtype=np.int64)  # [B+1]
+    block_size = check_block_size(block_size)
+    scale = check_scale("scale", scale, 1.0 / math.sqrt(d)) if teacher else 1.0
+    index_scale = (check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx)) if student
+                   else 1.0)
+    batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+    batch_q, pos_q, cu_q, cu_k = batch.query_batch, batch.query_pos, batch.cu_q, batch.cu_k
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
         if int(block_indices.shape[0]) != tq or int(block_indices.shape[1]) != hkv:
             raise ValueError(
                 f"block_indices must have shape [Tq, Hkv, K] = [{tq}, {hkv}, K], "
                 f"got {tuple(block_indices.shape)}")
-        block_indices = check_block_indices(block_indices, cu_q, cu_k, block_size)  # [Tq, Hkv, K]
+        if validate:
+            block_indices = check_block_indices(block_indices, cu_q, cu_k, block_size)
+        else:
+            block_indices = np.asarray(cu_to_host(block_indices), dtype=np.int64)  # [Tq, Hkv, K]
     if teacher and lse is not None:
         check_array("lse", lse, ndim=2, dtypes=FLOAT_DTYPES, shape=(tq, hq))
         lse = np.asarray(cu_to_host(lse)).astype(cdt)  # [Tq, Hq]
-        if np.isnan(lse).any() or np.isposinf(lse).any():
-            raise ValueError("lse must be finite or -inf (empty support), got NaN or +inf")
+        if validate:
+            check_lse(lse, nonempty_supports(block_indices, cu_q, cu_k, block_size))
     t, r, s, k0, k1, kpos0, segments, slots = _selected_entries(
         block_indices, batch_q, pos_q, cu_k, block_size, hkv)
 
@@ -214,10 +221,8 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         q_idx=host(q_idx) if student else None, k_idx=host(k_idx) if student else None,
         lse=lse, block_indices=block_indices, batch_q=batch_q, pos_q=pos_q, cu_k=cu_k,
         block_size=block_size, tq=tq, tk=tk, hkv=hkv, group=group if teacher else 1, slots=slots,
-        scale=check_scale("scale", scale, 1.0 / math.sqrt(d)) if teacher else 1.0,
-        index_scale=check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx)) if student else 1.0,
-        entry_t=t, entry_r=r, entry_s=s, entry_k0=k0, entry_k1=k1, entry_kpos0=kpos0,
-        segments=segments)
+        scale=scale, index_scale=index_scale, entry_t=t, entry_r=r, entry_s=s, entry_k0=k0,
+        entry_k1=k1, entry_kpos0=kpos0, segments=segments)
 
 
 def _tiles(p: _Problem):
@@ -276,24 +281,19 @@ def _normalisers(p: _Problem):
             S = _teacher_scores(p, t, r, k0, k1, hidden)  # [n, G, L]
             part[t[:, None], heads[None, :], s[:, None]] = _logsumexp(S, axis=-1)  # [n, G]
     lse_idx = _combine_slots(part_idx)  # [Tq, Hkv]
-    lse = _combine_slots(part) if need_lse else p.lse  # [Tq, Hq]
-    _check_lse_finite_on_support(lse, np.repeat(np.isfinite(lse_idx), p.group, axis=1))
+    lse = _combine_slots(part) if need_lse else p.lse  # [Tq, Hq], a given one checked at the entry
     # An empty support's -inf becomes 0 so that `S - lse` stays -inf (not NaN) on hidden keys.
-    return _finite_or_zero(lse_idx), _finite_or_zero(lse)
+    return _empty_to_zero(lse_idx), _empty_to_zero(lse)
 
 
-def _finite_or_zero(x: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(x), x, 0.0)
+def _empty_to_zero(x: np.ndarray) -> np.ndarray:
+    """An empty support's ``-inf`` LSE as 0 (none of its keys is read); a NaN stays NaN."""
+    return np.where(x == -np.inf, 0.0, x)
 
 
 def _check_lse_finite_on_support(lse, has_support):
-    """A ``-inf`` LSE on a non-empty support would make ``exp(S - lse)`` infinite."""
-    bad = np.argwhere(has_support & ~np.isfinite(lse))  # has_support: bool [Tq, Hq]
-    if bad.size:
-        t, h = (int(x) for x in bad[0])
-        raise ValueError(
-            f"lse[{t}, {h}] is -inf but query {t} has a non-empty support; lse must be the main "
-            "branch's LSE on the same support")
+    """``msa._checks.check_lse(lse, has_support)`` (kept for msa.cuda.kl, which imports it)."""
+    check_lse(lse, has_support)
 
 
 def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
@@ -304,8 +304,8 @@ def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
     return _logsumexp(S - lse[t, heads][:, :, None], axis=1) - math.log(p.group)  # [n, L]
 
 
-def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-            scale=None, index_scale=None):
+def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *,
+            scale=None, index_scale=None, validate=True):
     """Paper eq 9-10: ``KL(sg(P) || P_idx)`` per query and group, and its mean ``L_KL``.
 
     Args:
@@ -318,12 +318,18 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
             future keys and adds nothing); ``None`` for the warmup (full causal support).
         lse: [Tq, Hq] float, the main branch's natural-log LSE on the same support (``-inf``
             for an empty support), e.g. from ``attention.sparse_attention`` (or
-            ``dense_attention`` in the warmup); ``None`` computes it here.
+            ``dense_attention`` in the warmup); ``None`` computes it here. Finite wherever the
+            support is non-empty, never NaN or +inf (``msa._checks.check_lse``; ValueError).
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; a sequence's queries
             are its last ``Lq`` key positions).
         block_size: ``Bk`` >= 1.
-        scale: main-branch softmax scale, default ``1/sqrt(D)``.
-        index_scale: index-branch scale, default ``1/sqrt(Didx)``.
+        scale: keyword-only main-branch softmax scale, default ``1/sqrt(D)``.
+        index_scale: keyword-only index-branch scale, default ``1/sqrt(Didx)``.
+        validate: keyword-only, as msa.cuda's: ``True`` checks ``block_indices``
+            (``check_block_indices``) and ``lse`` (``msa._checks.check_lse``); ``False`` takes
+            them as msa's own outputs (the selection and LSE of this very batch), unchecked:
+            a NaN in ``lse`` then makes its row's ``kl`` NaN, as data NaNs do, instead of an
+            error (``msa_layer`` and ``msa.torch.MSAAttention`` pass their own).
 
     Returns:
         ``(kl, loss)``: ``kl`` [Tq, Hkv] = ``KL(P_{t,r} || P^idx_{t,r})`` and ``loss`` = eq 10,
@@ -339,7 +345,8 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     """
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
-                      scale=scale, index_scale=index_scale, teacher=True, student=True)
+                      scale=scale, index_scale=index_scale, teacher=True, student=True,
+                      validate=validate)
     lse_idx, lse = _normalisers(p)
     part = np.zeros((p.tq, p.hkv, p.slots), dtype=p.q.dtype)  # [Tq, Hkv, K] KL summed per block
     for t, r, s, k0, k1, hidden in _tiles(p):
@@ -357,11 +364,11 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
 
 
 def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-                scale=None, index_scale=None, grad_loss=1.0):
+                *, scale=None, index_scale=None, grad_loss=1.0, validate=True):
     """Paper eq 10-11 backward: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
 
-    Arguments as :func:`kl_loss`, plus ``grad_loss`` (a finite real, the upstream gradient of the
-    scalar loss, e.g. the KL coefficient ``lambda``).
+    Arguments as :func:`kl_loss` (``validate`` too), plus the keyword-only ``grad_loss`` (a
+    finite real, the upstream gradient of the scalar loss, e.g. the KL coefficient ``lambda``).
 
     Returns:
         ``dq_idx`` [Tq, Hkv, Didx] and ``dk_idx`` [Tk, Didx], float64 for float64 input, float32
@@ -384,7 +391,8 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
     """
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
-                      scale=scale, index_scale=index_scale, teacher=True, student=True)
+                      scale=scale, index_scale=index_scale, teacher=True, student=True,
+                      validate=validate)
     if isinstance(grad_loss, bool) or not isinstance(grad_loss, numbers.Real):
         raise TypeError(f"grad_loss must be a real number, got {type(grad_loss).__name__}")
     if not math.isfinite(float(grad_loss)):
@@ -401,21 +409,24 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
         P_idx = np.exp(_student_scores(p, t, r, k0, k1, hidden) - lse_idx[t, r][:, None])  # [n, L]
         dS = coef * (P_idx - P)  # [n, L] d loss / d S_idx
         # Each query appears once per tile (its blocks are unique), so fancy += does not collide.
-        dq_idx[t, r] += p.index_scale * (dS @ p.k_idx[k0:k1])  # [n, Didx]
+        # A query reads only the keys it sees (selection: a NaN k_idx after it cannot reach it).
+        seen = ~hidden  # [n, L]
+        dq_idx[t, r] += p.index_scale * attend(dS[:, None, :], seen, p.k_idx[k0:k1])[:, 0]  # [n, Didx]
         dk_idx[k0:k1] += p.index_scale * (dS.T @ p.q_idx[t, r])  # [L, Didx]
     return dq_idx, dk_idx
 
 
 def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                         block_size, scale=None, index_scale=None, grad_loss=1.0):
+                         block_size, *, scale=None, index_scale=None, grad_loss=1.0,
+                         validate=True):
     """Paper eq 9-11 in one call: ``(kl, loss, dq_idx, dk_idx)``, i.e. :func:`kl_loss` then
     :func:`kl_backward` on the same arguments (a training step needs both; the GPU version
     scores the teacher once for the two)."""
     kl, loss = kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                       block_size, scale=scale, index_scale=index_scale)
+                       block_size, scale=scale, index_scale=index_scale, validate=validate)
     dq_idx, dk_idx = kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q,
                                  cu_seqlens_k, block_size, scale=scale, index_scale=index_scale,
-                                 grad_loss=grad_loss)
+                                 grad_loss=grad_loss, validate=validate)
     return kl, loss, dq_idx, dk_idx
 
 
@@ -437,7 +448,7 @@ def _dense_support(p: _Problem) -> np.ndarray:
     return selected & causal[None]
 
 
-def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
+def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
                   index_scale=None):
     """Paper eq 9 (student), dense: ``P_idx`` [Hkv, Tq, Tk] for small problems.
 
@@ -451,11 +462,11 @@ def student_probs(q_idx, k_idx, block_indices, cu_seqlens_q, cu_seqlens_k, block
     support = _dense_support(p)  # [Hkv, Tq, Tk]
     S_idx = np.matmul(p.q_idx.transpose(1, 0, 2), p.k_idx.T) * p.index_scale  # [Hkv, Tq, Tk]
     S_idx[~support] = -np.inf
-    lse_idx = _finite_or_zero(_logsumexp(S_idx, axis=-1))  # [Hkv, Tq], 0 for an empty support
+    lse_idx = _empty_to_zero(_logsumexp(S_idx, axis=-1))  # [Hkv, Tq], 0 for an empty support
     return np.where(support, np.exp(S_idx - lse_idx[..., None]), 0.0)
 
 
-def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, scale=None):
+def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *, scale=None):
     """Paper eq 9 (teacher), dense: ``P`` [Hkv, Tq, Tk] for small problems.
 
     ``P[r, t, j] = (1/G) sum_{h in group r} exp(S^(h)[t, j] - lse[t, h])`` on the support of
@@ -471,8 +482,7 @@ def teacher_probs(q, k, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_si
     k_h = np.repeat(p.k.transpose(1, 0, 2), p.group, axis=0)  # [Hq, Tk, D]
     S = np.matmul(p.q.transpose(1, 0, 2), k_h.transpose(0, 2, 1)) * p.scale  # [Hq, Tq, Tk]
     S[~support_h] = -np.inf
-    lse_h = _logsumexp(S, axis=-1) if p.lse is None else p.lse.T  # [Hq, Tq]
-    _check_lse_finite_on_support(lse_h.T, support_h.any(axis=-1).T)
-    lse_h = _finite_or_zero(lse_h)
+    lse_h = _logsumexp(S, axis=-1) if p.lse is None else p.lse.T  # [Hq, Tq], a given one checked
+    lse_h = _empty_to_zero(lse_h)
     P_h = np.where(support_h, np.exp(S - lse_h[..., None]), 0.0)  # [Hq, Tq, Tk]
     return P_h.reshape(p.hkv, p.group, p.tq, p.tk).mean(axis=1)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import check_array, check_gqa, check_positive_int
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_offsets,
+                       check_positive_int, check_scale, check_topk, cu_to_host, dtype_of)
 from .attention import dense_attention, sparse_attention
 from .index import block_scores, index_projections
 from .kl import kl_loss
@@ -57,10 +58,21 @@ class MSAParams:
 
 def init_params(d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, index_dim: int,
                 *, seed: int = 0, dtype=np.float64) -> MSAParams:
-    """Random layer weights with variance ``1/fan_in`` (paper main config: 3072, 64, 4, 128, 128)."""
+    """Random layer weights with variance ``1/fan_in`` (paper main config: 3072, 64, 4, 128, 128).
+
+    ``dtype``: float16, float32 or float64 (TypeError otherwise: integer weights would round to
+    zero). ``seed``: an integer.
+    """
     for name, v in (("d_model", d_model), ("head_dim", head_dim), ("index_dim", index_dim)):
         check_positive_int(name, v)
     check_gqa(num_q_heads, num_kv_heads)
+    check_positive_int("seed", seed, low=0)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a float dtype (float16/32/64), got {dtype!r}") from None
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dt}")
     rng = np.random.default_rng(seed)
 
     def w(fan_in, fan_out):
@@ -83,20 +95,31 @@ def msa_layer(x, params: MSAParams, cu_seqlens, block_size: int, topk: int, *, w
     """Algorithm 1 forward on a packed batch of self-attention sequences.
 
     Args:
-        x: hidden states [T, d_model], float32/float64; sequences packed by ``cu_seqlens``.
+        x: hidden states [T, d_model], float16/32/64, the weights' dtype; sequences packed by
+            ``cu_seqlens``.
         params: :class:`MSAParams`.
         cu_seqlens: [B+1] int prefix sums of the sequence lengths (queries = keys: prefill).
-        block_size: Bk (paper 128); topk: K blocks per query and group (paper 16).
-        warmup: dense main branch and KL on the full causal support (indexer warmup, §3.2).
+        block_size: Bk (paper 128); topk: K blocks per query and group (paper 16), in
+            ``[1, max(NB, 64)]``.
+        warmup, scale, index_scale: keyword-only. ``warmup``: dense main branch and KL on the
+            full causal support (indexer warmup, §3.2).
 
     Returns:
         ``(output [T, d_model], loss_kl (float), aux)`` where ``aux`` holds every intermediate:
         ``q, k, v, q_idx, k_idx, block_scores, block_indices, o, lse, kl``.
     """
-    check_array("x", x, ndim=2, dtypes=("float",), shape=(None, params.w_q.shape[0]))
-    block_size = check_positive_int("block_size", block_size)
-    topk = check_positive_int("topk", topk)
+    if not isinstance(params, MSAParams):
+        raise TypeError(f"params must be an MSAParams, got {type(params).__name__}")
+    check_array("x", x, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, params.w_q.shape[0]))
+    if dtype_of(x) != np.dtype(params.w_q.dtype):
+        raise TypeError(f"x must have the weights' dtype {params.w_q.dtype}, got {dtype_of(x)}")
+    x = np.asarray(cu_to_host(x))  # [T, d_model]
+    block_size = check_block_size(block_size)
     t = x.shape[0]
+    cu_seqlens = check_offsets("cu_seqlens", cu_seqlens, t)
+    scale = check_scale("scale", scale, 1.0 / np.sqrt(params.head_dim))
+    index_scale = check_scale("index_scale", index_scale, 1.0 / np.sqrt(params.index_dim))
+    topk = check_topk(topk, -(-int(np.diff(cu_seqlens).max(initial=0)) // block_size), block_size)
     hq, hkv, d = params.num_q_heads, params.num_kv_heads, params.head_dim
     # line 1: main projections  [T, Hq, D], [T, Hkv, D]
     q = (x @ params.w_q).reshape(t, hq, d)
@@ -106,7 +129,7 @@ def msa_layer(x, params: MSAParams, cu_seqlens, block_size: int, topk: int, *, w
     q_idx, k_idx = index_projections(x, params.w_q_idx, params.w_k_idx, hkv)
     # lines 3-4: causal block max and exp-free top-k with the forced local block
     m = block_scores(q_idx, k_idx, cu_seqlens, cu_seqlens, block_size, scale=index_scale)  # [Hkv, T, NB]
-    idx = select_blocks(m, cu_seqlens, cu_seqlens, topk, block_size)  # [T, Hkv, K]
+    idx = select_blocks(m, cu_seqlens, cu_seqlens, block_size, topk)  # [T, Hkv, K]
     # line 5: the main branch
     if warmup:
         o, lse = dense_attention(q, k, v, cu_seqlens, cu_seqlens, scale=scale)  # [T, Hq, D], [T, Hq]
@@ -115,8 +138,9 @@ def msa_layer(x, params: MSAParams, cu_seqlens, block_size: int, topk: int, *, w
     # line 6: output projection  [T, d_model]
     output = o.reshape(t, hq * d) @ params.w_o
     # line 7: the KL loss on the selected support (full causal support during warmup)
+    # msa's own selection and LSE (a NaN in x gives NaN rows, not an error)
     kl, loss = kl_loss(q, k, q_idx, k_idx, None if warmup else idx, lse, cu_seqlens, cu_seqlens,
-                       block_size, scale=scale, index_scale=index_scale)
+                       block_size, scale=scale, index_scale=index_scale, validate=False)
     aux = dict(q=q, k=k, v=v, q_idx=q_idx, k_idx=k_idx, block_scores=m, block_indices=idx,
                o=o, lse=lse, kl=kl)
     return output, float(loss), aux

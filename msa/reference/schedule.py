@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_array, check_offsets, check_positive_int, cu_to_host
+from .._checks import (check_array, check_block_size, check_offsets, check_positive_int,
+                       cu_to_host)
 from .blocks import block_row_offsets
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -43,15 +44,17 @@ def build_schedule(row_ptr, cu_seqlens_k, block_size: int, chunk_size: int) -> n
         cu_seqlens_k: int [B+1] key offsets; with ``block_size`` they fix ``rows`` and the
             (sequence, block) of every row.
         block_size: Bk >= 1.
-        chunk_size: most queries per work item, >= 1 (the paper uses about ``2*K*Bk``).
+        chunk_size: most queries per work item, in ``[1, 2**31 - 1]`` (the paper uses about
+            ``2*K*Bk``).
 
     Returns:
         work int32 [W, 6], columns ``[kv_head, row, q_begin, q_count, batch, kv_block]``
         (``q_begin`` an absolute offset into ``q_indices[kv_head]``), sorted by ``q_count``
         descending, ties by ``(kv_head, row, q_begin)`` ascending. ``W = 0`` gives shape [0, 6].
     """
-    block_size = check_positive_int("block_size", block_size)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    block_size = check_block_size(block_size)
+    # a work item's q_count is int32: a bigger chunk would be the same schedule
+    chunk_size = check_positive_int("chunk_size", chunk_size, high=INT32_MAX)
     cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)  # [B+1]
     row_offsets = block_row_offsets(cu_k, block_size)  # [B+1]
     rows = int(row_offsets[-1])

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_array, check_positive_int, cu_to_host
-from .blocks import max_blocks, query_positions
+from .._batch import Batch
+from .._checks import (INT32_MAX, INT64_MAX, check_array, check_block_size, check_offsets,
+                       check_positive_int, check_topk, cu_to_host)
+from .blocks import local_blocks
 
+# fixed_blocks' num_kv_heads sizes its output: more than this is a mistake, not a model.
+MAX_KV_HEADS = 1 << 16
 # Elements of one [Hkv, chunk, NB] score tile: bounds the temporaries at any NB.
 _TILE_ELEMENTS = 1 << 22
 
@@ -33,23 +37,23 @@ def _query_blocks(cu_seqlens_q, cu_seqlens_k, total_q: int, block_size: int):
     ``local[t] = floor(pos_t / Bk)``; ``seq_blocks[t] = ceil(Lk / Bk)`` of query ``t``'s sequence.
     The packed key count is read from ``cu_seqlens_k[-1]``: the selection stages get no keys.
     """
-    check_array("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=("int",))
-    cu_k = np.asarray(cu_to_host(cu_seqlens_k), dtype=np.int64)
-    total_k = int(cu_k[-1]) if cu_k.size else 0
-    batch, pos = query_positions(cu_seqlens_q, cu_k, total_q, total_k)  # [Tq], [Tq]
-    seq_blocks = -(-np.diff(cu_k) // block_size)  # [B]
-    return pos // block_size, seq_blocks[batch], max_blocks(cu_k, block_size)
+    cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)
+    batch = Batch.of(cu_seqlens_q, cu_k, block_size, total_q=total_q, total_k=int(cu_k[-1]))
+    seq_blocks = np.diff(batch.row_offsets)  # [B]
+    return batch.query_pos // block_size, seq_blocks[batch.query_batch], batch.nb
 
 
-def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_size: int):
+def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, topk: int):
     """Paper eq 7 with the §3.2 final recipe: forced local block plus exp-free top-(k-1).
 
     Args:
         block_scores: M [Hkv, Tq, NB] float (any precision, compared as given), with
             ``NB = blocks.max_blocks(cu_seqlens_k, block_size)``, e.g. ``index.block_scores``.
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
-        topk: ``K`` >= 1, blocks per (query, group), the local block included.
-        block_size: ``Bk`` >= 1.
+        block_size: ``Bk`` >= 1 (``M``'s ``NB`` must match it: a ``block_size`` and ``topk``
+            passed in the wrong order are caught there).
+        topk: ``K``, blocks per (query, group), the local block included: in
+            ``[1, max(NB, 64)]`` (``msa._checks.check_topk``), checked before ``I`` is allocated.
 
     Returns:
         I [Tq, Hkv, K] int32. Row ``I[t, r]`` holds, ascending:
@@ -64,8 +68,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_siz
     query's sequence is never read, so such a block is not selected even if the caller put a
     finite value there. ``+inf`` is a valid (top) score.
     """
-    topk = check_positive_int("topk", topk)
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     check_array("block_scores", block_scores, ndim=3, dtypes=("float",))
     hkv, tq, nb_given = (int(s) for s in block_scores.shape)
     if hkv < 1:
@@ -74,8 +77,10 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_siz
     if nb_given != nb:
         raise ValueError(
             f"block_scores must have NB = ceil(max Lk / block_size) = {nb} columns "
-            f"(block_size={block_size}), got shape {tuple(block_scores.shape)}")
-    M = np.asarray(block_scores)
+            f"(block_size={block_size}; the order is block_size, topk), got shape "
+            f"{tuple(block_scores.shape)}")
+    topk = check_topk(topk, nb, block_size)
+    M = np.asarray(cu_to_host(block_scores))
     I = np.full((hkv, tq, topk), -1, dtype=np.int32)  # [Hkv, Tq, K], transposed at the end
     chunk = max(1, _TILE_ELEMENTS // max(1, hkv * nb))
     for t0 in range(0, tq, chunk):
@@ -113,7 +118,7 @@ def _select_chunk(M, local, topk: int):
     return out
 
 
-def fixed_blocks(cu_seqlens_q, cu_seqlens_k, num_kv_heads: int, topk: int, block_size: int,
+def fixed_blocks(cu_seqlens_q, cu_seqlens_k, block_size: int, topk: int, *, num_kv_heads: int,
                  num_sink: int = 1):
     """Paper §2.2: the fixed-rule indexer, attention sink plus sliding window, budget ``K`` blocks.
 
@@ -129,20 +134,23 @@ def fixed_blocks(cu_seqlens_q, cu_seqlens_k, num_kv_heads: int, topk: int, block
 
     Args:
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment).
-        num_kv_heads: ``Hkv`` >= 1; every group gets the same row.
-        topk: ``K`` >= 1. block_size: ``Bk`` >= 1. num_sink: >= 0.
+        block_size: ``Bk`` >= 1. topk: ``K`` in ``[1, max(NB, 64)]`` (``check_topk``).
+        num_kv_heads: keyword-only ``Hkv`` in ``[1, 65536]``; every group gets the same row.
+        num_sink: keyword-only, >= 0.
 
     Returns:
         I [Tq, Hkv, K] int32, ascending rows, ``-1`` only at the tail, as ``select_blocks``.
     """
-    hkv = check_positive_int("num_kv_heads", num_kv_heads)
-    topk = check_positive_int("topk", topk)
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
+    hkv = check_positive_int("num_kv_heads", num_kv_heads, high=MAX_KV_HEADS)
     num_sink = check_positive_int("num_sink", num_sink, low=0)
-    check_array("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=("int",))
-    cu_q = np.asarray(cu_to_host(cu_seqlens_q), dtype=np.int64)
-    total_q = int(cu_q[-1]) if cu_q.size else 0
-    local, _, _ = _query_blocks(cu_q, cu_seqlens_k, total_q, block_size)  # [Tq]
+    cu_q = check_offsets("cu_seqlens_q", cu_seqlens_q)
+    local, _, nb = _query_blocks(cu_q, cu_seqlens_k, int(cu_q[-1]), block_size)  # [Tq]
+    topk = check_topk(topk, nb, block_size)
+    if local.size * hkv * topk > INT32_MAX:
+        raise ValueError(f"num_kv_heads={hkv} is too large: I [Tq, Hkv, K] = [{local.size}, "
+                         f"{hkv}, {topk}] would hold more than 2**31 - 1 entries (the CSR's int32 "
+                         "index space)")
     sinks = min(num_sink, topk - 1)
     j = np.arange(topk, dtype=np.int64)  # [K] slot
     L = local[:, None]  # [Tq, 1]
@@ -172,13 +180,16 @@ def check_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: i
         ``cu_seqlens_q``, bad ``cu_seqlens``, or a bad row; the message names ``block_indices``,
         the first offending ``(t, r)`` (row-major) and what is wrong with it.
     """
-    block_size = check_positive_int("block_size", block_size)
+    block_size = check_block_size(block_size)
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
     tq, hkv, topk = (int(s) for s in block_indices.shape)
     if topk < 1 or hkv < 1:
         raise ValueError(f"block_indices must have shape [Tq, Hkv >= 1, K >= 1], got {(tq, hkv, topk)}")
     _, seq_blocks, _ = _query_blocks(cu_seqlens_q, cu_seqlens_k, tq, block_size)  # [Tq]
-    I = np.array(cu_to_host(block_indices), dtype=np.int64)  # [Tq, Hkv, K], a copy
+    given = np.asarray(cu_to_host(block_indices))  # [Tq, Hkv, K]
+    # no wrap to -1: an unsigned id int64 cannot hold becomes INT64_MAX, out of range below
+    I = np.array(np.minimum(given, np.uint64(INT64_MAX)) if given.dtype.kind == "u" else given,
+                 dtype=np.int64)  # [Tq, Hkv, K], a copy
     real = I >= 0  # [Tq, Hkv, K]
     out_of_range = ((I < -1) | (I >= seq_blocks[:, None, None])).any(axis=-1)  # [Tq, Hkv]
     hole = (real[..., 1:] & ~real[..., :-1]).any(axis=-1)  # [Tq, Hkv]: a block after a -1
@@ -194,6 +205,23 @@ def check_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: i
             why.append("a block appears twice")
         if hole[t, r]:
             why.append("-1 padding must come after every real block")
-        raise ValueError(
-            f"block_indices[t={t}, r={r}] = {I[t, r].tolist()} is invalid: {'; '.join(why)}")
+        raise ValueError(f"block_indices[t={t}, r={r}] = {given[t, r].tolist()} is invalid: "
+                         f"{'; '.join(why)}")
     return I
+
+
+def nonempty_supports(block_indices, cu_seqlens_q, cu_seqlens_k, block_size: int) -> np.ndarray:
+    """bool [Tq, Hkv]: the support of (query ``t``, group ``r``) holds at least one key.
+
+    That is, ``I[t, r]`` lists a block ``b <= floor(pos_t / Bk)`` (a block after the query's
+    local block holds only future keys). ``block_indices`` is a selection already validated by
+    :func:`check_block_indices` (host, integer); ``block_indices=None`` is the warmup's full
+    causal support, never empty. What ``msa._checks.check_lse`` needs to check a forward's LSE.
+    """
+    cu_q = check_offsets("cu_seqlens_q", cu_seqlens_q)
+    cu_k = check_offsets("cu_seqlens_k", cu_seqlens_k)
+    local = local_blocks(cu_q, cu_k, int(cu_q[-1]), int(cu_k[-1]), block_size)  # [Tq]
+    if block_indices is None:
+        return np.ones((local.size, 1), dtype=bool)
+    I = np.asarray(block_indices)  # [Tq, Hkv, K]
+    return ((I >= 0) & (I <= local[:, None, None])).any(axis=-1)

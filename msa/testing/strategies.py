@@ -114,8 +114,8 @@ def block_score_arrays(draw, cu_seqlens_q, cu_seqlens_k, num_kv_heads: int, bloc
 def select_problems(draw, *, ties: bool = False, max_seqs: int = 3, max_len: int = 96,
                     max_kv_heads: int = 3, block_sizes=(4, 8, 16, 32), max_topk: int = 6,
                     dtype=np.float32):
-    """Keyword arguments of ``select_blocks``: ``block_scores, cu_seqlens_q, cu_seqlens_k, topk,
-    block_size`` (``ties`` as in ``block_score_arrays``)."""
+    """Keyword arguments of ``select_blocks``: ``block_scores, cu_seqlens_q, cu_seqlens_k,
+    block_size, topk`` (``ties`` as in ``block_score_arrays``)."""
     cu_q, cu_k = draw(packed_batches(max_seqs=max_seqs, max_len=max_len))
     block_size = draw(st.sampled_from(block_sizes))
     hkv = draw(st.integers(1, max_kv_heads))
@@ -123,8 +123,8 @@ def select_problems(draw, *, ties: bool = False, max_seqs: int = 3, max_len: int
         block_scores=draw(block_score_arrays(cu_q, cu_k, hkv, block_size, ties=ties, dtype=dtype)),
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
-        topk=draw(st.integers(1, max_topk)),
         block_size=block_size,
+        topk=draw(st.integers(1, max_topk)),
     )
 
 

@@ -25,8 +25,32 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_cu_seqlens, check_gqa, check_positive_int, cu_to_host
+from .._checks import check_block_size, check_gqa, check_offsets, check_positive_int, check_scale
 from . import functional as F
+
+
+def _check_device(device):
+    """``device`` as a ``torch.device`` (None stays None); a CUDA device needs a usable GPU."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or "
+                         f"'cuda', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={device!r}, but torch.cuda.is_available() is False (torch "
+            f"{torch.__version__} has no CUDA, or no GPU is visible); use device='cpu', which "
+            "runs the NumPy reference")
+    return dev
+
+
+def _check_dtype(dtype):
+    if dtype is not None and dtype not in F.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be a torch float dtype (float16, bfloat16, float32, "
+                        f"float64) or None, got {dtype!r}")
+    return dtype
 
 
 class MSAOutput(NamedTuple):
@@ -52,7 +76,7 @@ class MSAAttention(nn.Module):
             ``"cuda"`` (the ``backward`` argument of ``msa.torch.sparse_attention``); an
             attribute.
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
-            ``msa.reference.init_params``).
+            ``msa.reference.init_params``); a float dtype, a device this torch can use.
 
     On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
     CUDA-core versions). The main branch's backward is ``msa.cuda``'s tensor-core kernel on
@@ -69,10 +93,13 @@ class MSAAttention(nn.Module):
                             ("index_dim", index_dim)):
             check_positive_int(name, value)
         check_gqa(num_q_heads, num_kv_heads)
+        device, dtype = _check_device(device), _check_dtype(dtype)
         self.d_model, self.num_q_heads, self.num_kv_heads = d_model, num_q_heads, num_kv_heads
         self.head_dim, self.index_dim = head_dim, index_dim
-        self.block_size = check_positive_int("block_size", block_size)
+        self.block_size = check_block_size(block_size)
         self.topk = check_positive_int("topk", topk)
+        scale = None if scale is None else check_scale("scale", scale, 1.0)
+        index_scale = None if index_scale is None else check_scale("index_scale", index_scale, 1.0)
         self.scale, self.index_scale, self.warmup = scale, index_scale, bool(warmup)
         if main_backward not in F.BACKWARDS:
             raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {main_backward!r}")
@@ -94,10 +121,17 @@ class MSAAttention(nn.Module):
     @classmethod
     def from_params(cls, params, *, block_size: int = 128, topk: int = 16, device=None,
                     dtype=None, **kwargs) -> MSAAttention:
-        """The layer with the weights of a ``msa.reference.MSAParams`` (copied)."""
+        """The layer with the weights of a ``msa.reference.MSAParams`` (copied), in their dtype
+        unless ``dtype`` says otherwise."""
+        from ..reference.layer import MSAParams
+
+        if not isinstance(params, MSAParams):
+            raise TypeError(f"params must be an msa.reference.MSAParams, got {type(params).__name__}")
+        if dtype is None:
+            dtype = torch.from_numpy(np.zeros(0, dtype=np.asarray(params.w_q).dtype)).dtype
         layer = cls(params.w_q.shape[0], params.num_q_heads, params.num_kv_heads,
                     params.head_dim, params.index_dim, block_size=block_size, topk=topk,
-                    device=device, dtype=dtype or torch.float64, **kwargs)
+                    device=device, dtype=dtype, **kwargs)
         with torch.no_grad():
             for name in ("w_q", "w_k", "w_v", "w_o", "w_q_idx", "w_k_idx"):
                 getattr(layer, name).copy_(torch.from_numpy(np.asarray(getattr(params, name))))
@@ -117,7 +151,8 @@ class MSAAttention(nn.Module):
                 cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=q_idx.device)
                 with F._on_device(q_idx):
                     idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
-                                              self.topk, self.block_size, self.index_scale)
+                                              block_size=self.block_size, topk=self.topk,
+                                              scale=self.index_scale)
                 return torch.as_tensor(idx, device=q_idx.device)
             from ..reference.index import block_scores
             from ..reference.select import select_blocks
@@ -125,7 +160,7 @@ class MSAAttention(nn.Module):
             qi, ki = F._to_numpy(q_idx), F._to_numpy(k_idx)
             m = block_scores(qi, ki, cu_seqlens, cu_seqlens, self.block_size,
                              scale=self.index_scale)  # [Hkv, T, NB]
-            idx = select_blocks(m, cu_seqlens, cu_seqlens, self.topk, self.block_size)
+            idx = select_blocks(m, cu_seqlens, cu_seqlens, self.block_size, self.topk)
             return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int32))
 
     def forward(self, x: torch.Tensor, cu_seqlens) -> MSAOutput:
@@ -137,9 +172,13 @@ class MSAAttention(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.ndim != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"x must have shape [T, d_model={self.d_model}], got {tuple(x.shape)}")
+        if x.dtype != self.w_q.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.w_q.dtype}, got {x.dtype} "
+                            "(use layer.to(dtype) or x.to(dtype))")
+        if x.device != self.w_q.device:
+            raise ValueError(f"x must be on the layer's device {self.w_q.device}, got {x.device}")
         t = int(x.shape[0])
-        cu = cu_to_host(cu_seqlens)
-        cu, _ = check_cu_seqlens(cu, cu, t, t)
+        cu = check_offsets("cu_seqlens", cu_seqlens, t)
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         # line 1: main projections  [T, Hq, D], [T, Hkv, D]
         q = (x @ self.w_q).view(t, hq, d)
@@ -153,13 +192,15 @@ class MSAAttention(nn.Module):
         idx = self.select(q_idx.detach(), k_idx.detach(), cu)
         # line 5: the main branch
         if self.warmup:
-            o, lse = F.dense_attention(q, k, v, cu, cu, self.scale)
+            o, lse = F.dense_attention(q, k, v, cu, cu, scale=self.scale)
         else:
-            o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, self.scale,
+            o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, scale=self.scale,
                                         backward=self.main_backward)
         # line 6
         output = o.reshape(t, hq * d) @ self.w_o
         # line 7: the KL on the selected support (the full causal support in the warmup)
-        loss, _ = F.kl_loss(q_idx, k_idx, q, k, None if self.warmup else idx, lse, cu, cu,
-                            self.block_size, self.scale, self.index_scale)
+        # the layer's own selection and LSE: not re-validated (a NaN in x gives NaN rows)
+        _, loss = F.kl_loss(q, k, q_idx, k_idx, None if self.warmup else idx, lse, cu, cu,
+                            self.block_size, scale=self.scale, index_scale=self.index_scale,
+                            validate=False)
         return MSAOutput(output, loss, idx, lse)

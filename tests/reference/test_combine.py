@@ -172,6 +172,29 @@ def test_all_masked_rows_give_zero_and_neg_inf_without_warnings():
     assert not np.isnan(o).any() and not np.isnan(lse).any()
 
 
+@pytest.mark.parametrize("bad,want_lse", [(np.nan, np.nan), (np.inf, np.inf)],
+                         ids=["nan", "+inf"])
+def test_a_nan_or_inf_slot_is_not_skipped(bad, want_lse):
+    """L_s NaN: o = NaN, lse = NaN; L_s = +inf (and no NaN): o = NaN, lse = +inf -- what
+    log sum exp gives, and eq 8 for a query that sees a NaN or +inf score (a skip would drop the
+    block silently). Only that (query, head) changes; -inf slots stay skipped."""
+    rng = np.random.default_rng(4)
+    o_part = rng.standard_normal((3, 4, 2, 5))
+    lse_part = rng.standard_normal((3, 4, 2))
+    lse_part[2, 1] = -np.inf
+    o_part[2, 1] = np.nan  # an unused slot's garbage
+    want_o, want = combine_partials(o_part, lse_part)
+    lse_part[1, 2, 0] = bad
+    o, lse = combine_partials(o_part, lse_part)
+    assert np.isnan(o[2, 0]).all() and np.array_equal(lse[2, 0], want_lse, equal_nan=True)
+    rest = np.ones((4, 2), bool)
+    rest[2, 0] = False
+    np.testing.assert_array_equal(o[rest], want_o[rest])
+    np.testing.assert_array_equal(lse[rest], want[rest])
+    lse_part[0, 2, 0] = np.inf if bad != np.inf else np.nan  # NaN wins over +inf
+    assert np.isnan(combine_partials(o_part, lse_part)[1][2, 0])
+
+
 @pytest.mark.parametrize("o_dtype,lse_dtype,out_dtype,want_o,want_lse", [
     (np.float64, np.float64, None, np.float64, np.float64),
     (np.float32, np.float32, None, np.float32, np.float32),

@@ -137,7 +137,7 @@ def test_intensity_is_length_independent_and_bounded(N, hq_hkv, d_h, topk, block
         a = arithmetic_intensity(N, **cfg, loop_order=order)
         assert a == pytest.approx(arithmetic_intensity(2 * N, **cfg, loop_order=order), rel=1e-12)
         assert a * bytes_per_element / 2 <= approx * (1 + 1e-12)
-    assert attention_flops(N, hq, d_h, topk, block_size) == 4 * hq * N * d_h * topk * block_size
+    assert attention_flops(N, hq, d_h, block_size, topk) == 4 * hq * N * d_h * topk * block_size
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -145,17 +145,17 @@ def test_intensity_is_length_independent_and_bounded(N, hq_hkv, d_h, topk, block
     (lambda: gqa_flops(8192, -1, 128), ValueError, "Hq"),
     (lambda: gqa_flops(8192.0, 64, 128), TypeError, "N"),
     (lambda: gqa_flops(True, 64, 128), TypeError, "N"),
-    (lambda: msa_flops(8192, 64, 4, 128, 0, 16, 128), ValueError, "d_idx"),
-    (lambda: msa_flops(8192, 64, 5, 128, 128, 16, 128), ValueError, "kv heads"),
-    (lambda: attention_flops(8192, 64, 128, 0, 128), ValueError, "topk"),
-    (lambda: crossover_length(64, 4, 128, 128, 16, 0), ValueError, "block_size"),
+    (lambda: msa_flops(8192, 64, 4, 128, 0, 128, 16), ValueError, "d_idx"),
+    (lambda: msa_flops(8192, 64, 5, 128, 128, 128, 16), ValueError, "kv heads"),
+    (lambda: attention_flops(8192, 64, 128, 128, 0), ValueError, "topk"),
+    (lambda: crossover_length(64, 4, 128, 128, 0, 16), ValueError, "block_size"),
     (lambda: speedup_limit(64, 0, 128, 128), ValueError, "Hkv"),
-    (lambda: q_outer_io(8192, 64, 4, 128, 16, 128, bytes_per_element=0), ValueError,
+    (lambda: q_outer_io(8192, 64, 4, 128, 128, 16, bytes_per_element=0), ValueError,
      "bytes_per_element"),
     (lambda: kv_outer_io(8192, 64, 4, "128", 16), TypeError, "d_h"),
     (lambda: arithmetic_intensity(8192, **PAPER_NO_IDX, loop_order="both"), ValueError,
      "loop_order"),
-    (lambda: arithmetic_intensity(8192, 64, 4, 128, 16, 0), ValueError, "block_size"),
+    (lambda: arithmetic_intensity(8192, 64, 4, 128, 0, 16), ValueError, "block_size"),
 ], ids=["N=0", "Hq<0", "N-float", "N-bool", "d_idx=0", "G-not-int", "topk=0", "Bk=0", "Hkv=0",
         "bytes=0", "d_h-str", "loop-order", "intensity-Bk=0"])
 def test_bad_sizes(call, error, match):

@@ -262,7 +262,7 @@ def test_csr_is_exact_transpose(shape, hot, fill, future, shuffle):
 def test_csr_of_the_selector(problem):
     p = problem
     M = block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-    I = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+    I = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
     csr = build_csr(I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
     assert_csr_is_transpose(I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, *csr)
 

@@ -97,8 +97,8 @@ def test_block_scores_equal_brute_force_pool_of_index_scores(case, pool):
     p = _integer_problem(**case)
     args = (p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k)
     scale = _exact_scale(pool)
-    S = index_scores(*args, scale)
-    M = block_scores(*args, case["block_size"], scale, pool=pool)
+    S = index_scores(*args, scale=scale)
+    M = block_scores(*args, case["block_size"], scale=scale, pool=pool)
     want = _brute_block_scores(S, p.cu_seqlens_q, p.cu_seqlens_k, case["block_size"], pool)
     assert M.dtype == np.float64 and M.shape == want.shape
     np.testing.assert_array_equal(M, want)
@@ -111,8 +111,8 @@ def test_block_scores_equal_brute_force_fuzz(shapes, pool):
     p = make_problem(**shapes)
     q, k = np.rint(2 * p.q_idx), np.rint(2 * p.k_idx)
     scale = _exact_scale(pool)
-    S = index_scores(q, k, p.cu_seqlens_q, p.cu_seqlens_k, scale)
-    M = block_scores(q, k, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, scale, pool=pool)
+    S = index_scores(q, k, p.cu_seqlens_q, p.cu_seqlens_k, scale=scale)
+    M = block_scores(q, k, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, scale=scale, pool=pool)
     np.testing.assert_array_equal(M, _brute_block_scores(S, p.cu_seqlens_q, p.cu_seqlens_k,
                                                          p.block_size, pool))
 
@@ -181,8 +181,8 @@ def test_max_vs_mean_paper_block_a_b_example():
     assert m_mean[0, 0, 0] == pytest.approx(-0.93, abs=5e-3)
     np.testing.assert_array_equal(m_mean[0, 0], [(8.0 - 127.0) / 128, 0.5, 0.0])
     # With K = 2 the local block 2 takes one slot; max picks the needle block A, mean picks B.
-    np.testing.assert_array_equal(select_blocks(m_max, cu_q, cu_k, 2, bk)[0, 0], [0, 2])
-    np.testing.assert_array_equal(select_blocks(m_mean, cu_q, cu_k, 2, bk)[0, 0], [1, 2])
+    np.testing.assert_array_equal(select_blocks(m_max, cu_q, cu_k, bk, 2)[0, 0], [0, 2])
+    np.testing.assert_array_equal(select_blocks(m_mean, cu_q, cu_k, bk, 2)[0, 0], [1, 2])
 
 
 def test_nan_scores_are_skipped_by_the_max_pool():
@@ -213,7 +213,7 @@ def test_paper_section_3_1_example_at_full_size():
     s = (q_idx[i] @ k_idx[: i + 1].T) * np.float32(1 / math.sqrt(d_idx))  # [Hkv, i+1]
     s = np.concatenate([s, np.full((hkv, 40 * bk - i - 1), -np.inf, np.float32)], axis=1)
     np.testing.assert_allclose(M[:, i, :40], s.reshape(hkv, 40, bk).max(-1), rtol=1e-5, atol=1e-5)
-    I = select_blocks(M, cu, cu, topk, bk)
+    I = select_blocks(M, cu, cu, bk, topk)
     row = I[i]  # [Hkv, K]
     assert np.all(row[:, -1] == 39) and np.all(row >= 0)
     tokens = np.minimum(bk, i + 1 - row * bk).sum(axis=-1)  # visible keys of the selected blocks
@@ -294,9 +294,9 @@ def test_bad_index_inputs_name_the_argument(fn, bad):
     q, k, cq, ck, scale = make(*_good_index_args())
     with pytest.raises(exc, match=match):
         if fn == "index_scores":
-            index_scores(q, k, cq, ck, scale)
+            index_scores(q, k, cq, ck, scale=scale)
         else:
-            block_scores(q, k, cq, ck, 4, scale)
+            block_scores(q, k, cq, ck, 4, scale=scale)
 
 
 @pytest.mark.parametrize("block_size,pool,exc,match", [

@@ -64,7 +64,7 @@ def selection(p, mode, rng):
         return None
     if mode == "select":
         m = block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-        return select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+        return select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
     if mode == "all":
         return all_visible_blocks(p)
     return random_blocks(p, rng, future=(mode == "random+future"))
@@ -336,7 +336,7 @@ def test_warmup_equals_every_visible_block(problem):
     assert warm[1] == every[1]
     nb = max(1, max_blocks(p.cu_seqlens_k, p.block_size))
     m = block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-    big_k = select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, nb + 1, p.block_size)
+    big_k = select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, nb + 1)
     selected = kl_loss(*args(p, big_k))
     np.testing.assert_array_equal(warm[0], selected[0])
     gw = kl_backward(*args(p, None))
@@ -407,7 +407,7 @@ def bad(p, I, **change):
 P_BAD = make_problem((10, 7), num_q_heads=4, num_kv_heads=2, block_size=4, topk=2, seed=1)
 I_BAD = select_blocks(block_scores(P_BAD.q_idx, P_BAD.k_idx, P_BAD.cu_seqlens_q,
                                    P_BAD.cu_seqlens_k, 4), P_BAD.cu_seqlens_q,
-                      P_BAD.cu_seqlens_k, 2, 4)
+                      P_BAD.cu_seqlens_k, 4, 2)
 LSE_NEG_INF = np.full((17, 4), -np.inf)
 I_OUT = I_BAD.copy()
 I_OUT[3, 1, 0] = 7
@@ -423,7 +423,7 @@ I_OUT[3, 1, 0] = 7
     (dict(k_idx=P_BAD.k_idx[:, :3]), ValueError, "k_idx must have shape"),
     (dict(k_idx=P_BAD.k_idx[:5]), ValueError, "k_idx must have shape"),
     (dict(lse=np.zeros((17, 2))), ValueError, "lse must have shape"),
-    (dict(lse=np.full((17, 4), np.nan)), ValueError, "lse must be finite"),
+    (dict(lse=np.full((17, 4), np.nan)), ValueError, r"lse\[0, 0\] = nan .*lse must be"),
     (dict(lse=LSE_NEG_INF), ValueError, "lse"),
     (dict(block_indices=I_BAD[:, :1]), ValueError, "block_indices must have shape"),
     (dict(block_indices=I_BAD.astype(np.float32)), TypeError, "block_indices"),

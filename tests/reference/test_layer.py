@@ -33,7 +33,7 @@ def test_layer_composes_the_stages(case):
     # lines 3-5 are the stage functions applied in order
     m = R.block_scores(aux["q_idx"], aux["k_idx"], cu, cu, case["bk"])
     np.testing.assert_array_equal(aux["block_scores"], m)
-    idx = R.select_blocks(m, cu, cu, case["topk"], case["bk"])
+    idx = R.select_blocks(m, cu, cu, case["bk"], case["topk"])
     np.testing.assert_array_equal(aux["block_indices"], idx)
     o, lse = R.sparse_attention(aux["q"], aux["k"], aux["v"], idx, cu, cu, case["bk"])
     np.testing.assert_array_equal(aux["o"], o)

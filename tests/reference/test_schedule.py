@@ -203,10 +203,11 @@ def assert_gathers_the_selection(I, cu_q, cu_k, block_size, chunk_size):
 def test_schedule_of_real_selections(problem, chunk_size, fixed):
     p = problem
     if fixed:  # sink + sliding window: the sink row is as hot as it gets
-        I = fixed_blocks(p.cu_seqlens_q, p.cu_seqlens_k, p.num_kv_heads, p.topk, p.block_size)
+        I = fixed_blocks(p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk,
+                         num_kv_heads=p.num_kv_heads)
     else:
         M = block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-        I = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+        I = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
     assert_gathers_the_selection(I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, chunk_size)
 
 

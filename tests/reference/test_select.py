@@ -76,7 +76,7 @@ def _locals(cu_q, cu_k, tq, block_size):
 @example((np.array([[[1.0, 1.0, 1.0, 1.0]]]), _cu([1]), _cu([4]), 3, 1, "ties"))
 def test_select_blocks_equals_slow_oracle(prob):
     M, cu_q, cu_k, topk, block_size, _ = prob
-    I = select_blocks(M, cu_q, cu_k, topk, block_size)
+    I = select_blocks(M, cu_q, cu_k, block_size, topk)
     assert I.dtype == np.int32 and I.shape == (M.shape[1], M.shape[0], topk)
     np.testing.assert_array_equal(I, _slow_select(M, cu_q, cu_k, topk, block_size))
 
@@ -84,7 +84,7 @@ def test_select_blocks_equals_slow_oracle(prob):
 @given(selection_problems())
 def test_select_blocks_invariants(prob):
     M, cu_q, cu_k, topk, block_size, kind = prob
-    I = select_blocks(M, cu_q, cu_k, topk, block_size)
+    I = select_blocks(M, cu_q, cu_k, block_size, topk)
     check_block_indices(I, cu_q, cu_k, block_size)  # in range, unique, -1 only at the tail
     local = _locals(cu_q, cu_k, M.shape[1], block_size)[:, None]  # [Tq, 1]
     real = I >= 0
@@ -103,7 +103,7 @@ def test_select_blocks_invariants(prob):
 def test_distinct_scores_select_exactly_top_k_minus_1_plus_local(prob):
     M, cu_q, cu_k, topk, block_size, _ = prob
     M = np.argsort(np.random.default_rng(0).random(M.shape), axis=-1).astype(np.float64)  # distinct
-    I = select_blocks(M, cu_q, cu_k, topk, block_size)
+    I = select_blocks(M, cu_q, cu_k, block_size, topk)
     local = _locals(cu_q, cu_k, M.shape[1], block_size)
     for t in range(M.shape[1]):
         for r in range(M.shape[0]):
@@ -137,7 +137,7 @@ TABLE = {
 def test_select_blocks_table(case, want):
     cu_q, cu_k = _cu(case["lq"]), _cu(case["lk"])
     M = np.array(case["scores"], dtype=np.float64)[:, None, :]  # [Hkv=1, Tq=1, NB]
-    I = select_blocks(M, cu_q, cu_k, case["topk"], 4)
+    I = select_blocks(M, cu_q, cu_k, 4, case["topk"])
     np.testing.assert_array_equal(I[:, 0], want)
 
 
@@ -148,7 +148,7 @@ def test_future_and_past_the_end_blocks_are_never_selected():
     local = _locals(cu_q, cu_k, 28, 4)
     M = np.zeros((2, 28, 5))
     M[:, np.arange(5)[None, :] > local[:, None]] = 1e30
-    I = select_blocks(M, cu_q, cu_k, 3, 4)
+    I = select_blocks(M, cu_q, cu_k, 4, 3)
     assert np.all(np.where(I >= 0, I, 0) <= local[:, None, None])
     np.testing.assert_array_equal(I[7, 0], [0, 1, -1])  # last query of the short sequence
     np.testing.assert_array_equal(I[27, 0], [0, 1, 4])  # last query of the long one: ties -> 0, 1
@@ -167,7 +167,7 @@ def test_per_group_selections_differ():
     cu = _cu([16])
     M = np.zeros((2, 16, 4))
     M[0, :, 0], M[1, :, 2] = 1.0, 1.0
-    I = select_blocks(M, cu, cu, 2, 4)
+    I = select_blocks(M, cu, cu, 4, 2)
     np.testing.assert_array_equal(I[15], [[0, 3], [2, 3]])
 
 
@@ -176,13 +176,13 @@ def test_wide_rows_nb_8192():
     rng = np.random.default_rng(5)
     cu_q, cu_k = _cu([24]), _cu([8192])
     M = rng.integers(0, 4, (2, 24, 8192)).astype(np.float32)
-    I = select_blocks(M, cu_q, cu_k, 16, 1)
+    I = select_blocks(M, cu_q, cu_k, 1, 16)
     np.testing.assert_array_equal(I, _slow_select(M, cu_q, cu_k, 16, 1))
 
 
 def test_select_blocks_empty_batch():
     cu = _cu([0, 0])
-    I = select_blocks(np.zeros((3, 0, 0)), cu, cu, 4, 8)
+    I = select_blocks(np.zeros((3, 0, 0)), cu, cu, 8, 4)
     assert I.shape == (0, 3, 4) and I.dtype == np.int32
 
 
@@ -215,7 +215,7 @@ FIXED = {
 @pytest.mark.parametrize("case,t,want", FIXED.values(), ids=FIXED.keys())
 def test_fixed_blocks_table(case, t, want):
     cu = _cu(case["lk"])
-    I = fixed_blocks(cu, cu, 2, case["topk"], 4, num_sink=case["num_sink"])
+    I = fixed_blocks(cu, cu, 4, case["topk"], num_kv_heads=2, num_sink=case["num_sink"])
     assert I.dtype == np.int32 and I.shape == (case["lk"][0], 2, case["topk"])
     np.testing.assert_array_equal(I[t], [want, want])
 
@@ -224,7 +224,7 @@ def test_fixed_blocks_table(case, t, want):
        block_size=st.sampled_from([1, 2, 4, 8]), num_sink=st.integers(0, 4))
 def test_fixed_blocks_properties(lens, hkv, topk, block_size, num_sink):
     cu_q, cu_k = _cu(lens[0]), _cu(lens[1])
-    I = fixed_blocks(cu_q, cu_k, hkv, topk, block_size, num_sink)
+    I = fixed_blocks(cu_q, cu_k, block_size, topk, num_kv_heads=hkv, num_sink=num_sink)
     np.testing.assert_array_equal(I, _slow_fixed(cu_q, cu_k, hkv, topk, block_size, num_sink))
     check_block_indices(I, cu_q, cu_k, block_size)
     local = _locals(cu_q, cu_k, I.shape[0], block_size)
@@ -237,12 +237,12 @@ def test_fixed_blocks_properties(lens, hkv, topk, block_size, num_sink):
         b = np.arange(nb, dtype=np.float64)
         scores = np.where(b < num_sink, nb + 1 + b, b)  # [NB]
         M = np.broadcast_to(scores, (hkv, I.shape[0], nb))
-        np.testing.assert_array_equal(I, select_blocks(M, cu_q, cu_k, topk, block_size))
+        np.testing.assert_array_equal(I, select_blocks(M, cu_q, cu_k, block_size, topk))
 
 
 def test_check_block_indices_returns_an_int64_host_copy():
     cu = _cu([10, 6])
-    I = fixed_blocks(cu, cu, 2, 3, 4)
+    I = fixed_blocks(cu, cu, 4, 3, num_kv_heads=2)
     got = check_block_indices(I, cu, cu, 4)
     assert got.dtype == np.int64 and not np.shares_memory(got, I)
     np.testing.assert_array_equal(got, I)
@@ -288,18 +288,18 @@ def _good_select_args():
 
 
 BAD_SELECT = {
-    "scores-rank": (lambda m, cq, ck: (m[0], cq, ck, 2, 4), ValueError, "block_scores"),
-    "scores-int": (lambda m, cq, ck: (m.astype(np.int32), cq, ck, 2, 4), TypeError, "block_scores"),
-    "scores-no-heads": (lambda m, cq, ck: (m[:0], cq, ck, 2, 4), ValueError, "block_scores"),
-    "scores-NB": (lambda m, cq, ck: (m[..., :2], cq, ck, 2, 4), ValueError, "block_scores"),
+    "scores-rank": (lambda m, cq, ck: (m[0], cq, ck, 4, 2), ValueError, "block_scores"),
+    "scores-int": (lambda m, cq, ck: (m.astype(np.int32), cq, ck, 4, 2), TypeError, "block_scores"),
+    "scores-no-heads": (lambda m, cq, ck: (m[:0], cq, ck, 4, 2), ValueError, "block_scores"),
+    "scores-NB": (lambda m, cq, ck: (m[..., :2], cq, ck, 4, 2), ValueError, "block_scores"),
     "scores-NB-wrong-Bk": (lambda m, cq, ck: (m, cq, ck, 2, 2), ValueError, "block_scores"),
-    "Tq-vs-cu_q": (lambda m, cq, ck: (m[:, :4], cq, ck, 2, 4), ValueError, "cu_seqlens_q"),
-    "cu_k-float": (lambda m, cq, ck: (m, cq, ck.astype(float), 2, 4), TypeError, "cu_seqlens_k"),
-    "cu_k-short": (lambda m, cq, ck: (m, cq, ck[:1], 2, 4), ValueError, "cu_seqlens_k"),
-    "Lq>Lk": (lambda m, cq, ck: (m, cq, np.array([0, 2, 13], np.int32), 2, 4), ValueError, "more queries"),
-    "topk=0": (lambda m, cq, ck: (m, cq, ck, 0, 4), ValueError, "topk"),
-    "topk-float": (lambda m, cq, ck: (m, cq, ck, 2.0, 4), TypeError, "topk"),
-    "Bk=0": (lambda m, cq, ck: (m, cq, ck, 2, 0), ValueError, "block_size"),
+    "Tq-vs-cu_q": (lambda m, cq, ck: (m[:, :4], cq, ck, 4, 2), ValueError, "cu_seqlens_q"),
+    "cu_k-float": (lambda m, cq, ck: (m, cq, ck.astype(float), 4, 2), TypeError, "cu_seqlens_k"),
+    "cu_k-short": (lambda m, cq, ck: (m, cq, ck[:1], 4, 2), ValueError, "cu_seqlens_k"),
+    "Lq>Lk": (lambda m, cq, ck: (m, cq, np.array([0, 2, 13], np.int32), 4, 2), ValueError, "more queries"),
+    "topk=0": (lambda m, cq, ck: (m, cq, ck, 4, 0), ValueError, "topk"),
+    "topk-float": (lambda m, cq, ck: (m, cq, ck, 4, 2.0), TypeError, "topk"),
+    "Bk=0": (lambda m, cq, ck: (m, cq, ck, 0, 2), ValueError, "block_size"),
 }
 
 

@@ -26,7 +26,7 @@ T = torch.from_numpy
 
 def select(p):
     m = R.block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
-    return R.select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+    return R.select_blocks(m, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
 
 
 def support_mask(p, I):
@@ -155,7 +155,7 @@ def test_kl_loss_value_gradient_and_stop_gradient(warmup):
     I_t = None if I is None else T(I)
     q, k, lse_t = T(p.q).requires_grad_(), T(p.k).requires_grad_(), T(lse).requires_grad_()
     qi, ki = T(p.q_idx).requires_grad_(), T(p.k_idx).requires_grad_()
-    loss, kl = kl_loss(qi, ki, q, k, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)
+    kl, loss = kl_loss(q, k, qi, ki, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)
     kl_ref, loss_ref = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse, p.cu_seqlens_q,
                                  p.cu_seqlens_k, 8)
     np.testing.assert_array_equal(kl.numpy(), kl_ref)
@@ -169,7 +169,7 @@ def test_kl_loss_value_gradient_and_stop_gradient(warmup):
     assert q.grad is None and k.grad is None and lse_t.grad is None  # the teacher is constant
 
     def f(qi, ki):
-        return kl_loss(qi, ki, q, k, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)[0]
+        return kl_loss(q, k, qi, ki, I_t, lse_t, p.cu_seqlens_q, p.cu_seqlens_k, 8)[1]
 
     assert torch.autograd.gradcheck(f, (qi.detach().requires_grad_(),
                                         ki.detach().requires_grad_()))
@@ -179,7 +179,7 @@ BAD = {
     "q-numpy": (lambda a: dict(a, q=a["q"].numpy()), TypeError, "q must be a torch.Tensor"),
     "k-2d": (lambda a: dict(a, k=a["k"][:, 0]), ValueError, "k must have 3 dimensions"),
     "indices-float": (lambda a: dict(a, block_indices=a["block_indices"].double()), TypeError,
-                      "block_indices must be an integer tensor"),
+                      "block_indices must have an integer dtype"),
     "cu-wrong-total": (lambda a: dict(a, cu_seqlens_q=[0, 3]), ValueError, "cu_seqlens_q"),
 }
 
@@ -298,7 +298,7 @@ def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
     got = _kernel_backward(on_numpy, q, k, v, o.to(dt), lse.float(), do, I.long(),
                            p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25)
     want = sparse_attention_backward(q.float(), k.float(), v.float(), o.to(dt).float(), lse,
-                                     do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25)
+                                     do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, bk, scale=0.25)
     tol = 1e-5 if dtype == "float32" else 2e-3
     for name, a, b in zip("qkv", got, want):
         assert a.dtype == dt, name
@@ -314,7 +314,7 @@ def test_kl_loss_without_grad_mode_computes_the_loss_only():
     _, lse = R.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 8)
     qi = T(p.q_idx).requires_grad_()
     with torch.no_grad():
-        loss, kl = kl_loss(qi, T(p.k_idx), T(p.q), T(p.k), T(I), T(lse), p.cu_seqlens_q,
+        kl, loss = kl_loss(T(p.q), T(p.k), qi, T(p.k_idx), T(I), T(lse), p.cu_seqlens_q,
                            p.cu_seqlens_k, 8)
     want = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse, p.cu_seqlens_q, p.cu_seqlens_k, 8)
     assert not loss.requires_grad and float(loss) == float(want[1])

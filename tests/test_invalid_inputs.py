@@ -1,0 +1,741 @@
+"""Invalid inputs to every public function of msa.reference and msa.torch (DESIGN.md §7).
+
+Each public function is a ``Spec``: its arguments in order, each with a kind (a float array, a
+selection, offsets, a size, a scale, ...). Every kind has a list of mutations, what users get
+wrong: the wrong dtype, rank, length or heads, a foreign array type, a non-contiguous view,
+out-of-range, repeated or wrapped indices, decreasing or shifted offsets, ``block_size=16.9``,
+``'16'`` or ``True``, a ``topk`` of ``10**9``, a NaN scale, a non-finite LSE, a knob passed
+positionally. For each mutation the test knows the outcome:
+
+* ``raises``: a ``ValueError`` or ``TypeError`` whose message names the argument (or the one it
+  must agree with: ``q``'s length names ``cu_seqlens_q`` too), nothing else (no ``IndexError``,
+  no ``MemoryError``, no ``OverflowError``);
+* ``same``: the input is valid after all (a list for ``cu_seqlens``, a non-contiguous view,
+  ``np.int64`` sizes) and the result is the unmutated call's, bit for bit;
+* ``fast``: a huge size that needs no allocation (``block_size = 10**9``) either works or is
+  refused by name, within seconds;
+* ``runs``: non-finite data (NaN or inf in ``q``, ``k``, ``v``, scores): no error. That each
+  query's output then depends only on the keys it sees is ``tests/test_masked_keys.py``.
+
+Hypothesis draws the problem (sizes, G, ``Lq < Lk``, dtypes); every mutation of every argument
+runs on each drawn problem. ``BACKENDS`` has an entry per backend: ``msa.cuda`` (simulator or
+GPU) reuses the reference's specs with ``Backend("cuda")``'s stage functions and its own
+expectations where it accepts less (to be added by the cuda owner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import msa.reference as R
+from msa.problems import make_problem
+
+torch = pytest.importorskip("torch")
+
+import msa.torch as MT  # noqa: E402
+
+EXAMPLES = max(2, settings.default.max_examples // 5)  # problems per function (x every mutation)
+FAST_SECONDS = 10.0
+
+
+# --- the problems -------------------------------------------------------------------------------
+
+class Problem(types.SimpleNamespace):
+    def __init__(self, label, **arrays):
+        super().__init__(**arrays)
+        self._label = label
+
+    def __repr__(self):
+        return f"build({self._label})"
+
+
+@functools.lru_cache(maxsize=64)
+def build(lq, lk, g, hkv, bk, topk, d, dtype_name, seed):
+    """Every array of a consistent problem, read-only (a function that writes into its inputs
+    fails too)."""
+    dtype = np.dtype(dtype_name)
+    p = make_problem(lk, lq, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, index_dim=4,
+                     block_size=bk, topk=topk, dtype=dtype, seed=seed)
+    P = Problem(f"Lq={lq}, Lk={lk}, G={g}, Hkv={hkv}, Bk={bk}, K={topk}, D={d}, {dtype_name}, "
+                f"seed={seed}", q=p.q, k=p.k, v=p.v, q_idx=p.q_idx, k_idx=p.k_idx,
+                              cu_q=p.cu_seqlens_q, cu_k=p.cu_seqlens_k, bk=bk, topk=topk,
+                              hq=g * hkv, hkv=hkv, d=d, tq=p.q.shape[0], tk=p.k.shape[0])
+    P.M = R.block_scores(p.q_idx, p.k_idx, P.cu_q, P.cu_k, bk)
+    P.I = R.select_blocks(P.M, P.cu_q, P.cu_k, bk, topk)
+    P.o, P.lse = R.sparse_attention(p.q, p.k, p.v, P.I, P.cu_q, P.cu_k, bk)
+    P.do = np.random.default_rng(seed).standard_normal(P.o.shape).astype(P.o.dtype)
+    P.counts = R.csr_histogram(P.I, P.cu_q, P.cu_k, bk)
+    P.row_ptr, P.q_indices, P.slots = R.build_csr(P.I, P.cu_q, P.cu_k, bk)
+    P.work = R.build_schedule(P.row_ptr, P.cu_k, bk, 5)
+    P.o_part, P.lse_part = R.attention_partials(p.q, p.k, p.v, P.work, P.q_indices, P.slots,
+                                                P.cu_q, P.cu_k, bk, topk)
+    P.params = R.init_params(8, g * hkv, hkv, d, 4, seed=seed, dtype=dtype)
+    P.x = np.random.default_rng(seed + 1).standard_normal((P.tk, 8)).astype(dtype)
+    for name, value in vars(P).items():
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
+    return P
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(1, 2))
+    lk = tuple(draw(st.lists(st.integers(1, 20), min_size=n, max_size=n)))
+    lq = tuple(draw(st.integers(1, x)) for x in lk)
+    return build(lq, lk, draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 2)),
+                 draw(st.sampled_from([4, 8])), draw(st.integers(1, 3)),
+                 draw(st.sampled_from([4, 8])), draw(st.sampled_from(["float64", "float32"])),
+                 draw(st.integers(0, 3)))
+
+
+# --- arrays of either backend -------------------------------------------------------------------
+
+class NumpyOps:
+    """Mutations of NumPy arrays (msa.reference, msa.cuda under the simulator)."""
+
+    name = "numpy"
+
+    @staticmethod
+    def wrap(x):
+        return x
+
+    @staticmethod
+    def cast(x, kind):
+        with np.errstate(invalid="ignore"):  # -inf scores to int
+            return np.asarray(x).astype({"int": np.int32, "float": np.float32,
+                                         "complex": np.complex64, "bool": bool,
+                                         "uint64": np.uint64}[kind])
+
+    @staticmethod
+    def foreign(x):
+        return torch.from_numpy(np.array(x))
+
+    @staticmethod
+    def strided(x):
+        """The same values as a non-contiguous view."""
+        return np.repeat(x, 2, axis=0)[::2]
+
+    @staticmethod
+    def with_value(x, index, value):
+        y = np.array(x, copy=True)
+        y[index] = value
+        return y
+
+
+class TorchOps:
+    """Mutations of CPU tensors (msa.torch)."""
+
+    name = "torch"
+
+    @staticmethod
+    def wrap(x):
+        return torch.from_numpy(np.array(x))
+
+    @staticmethod
+    def cast(x, kind):
+        if kind == "uint64":
+            return torch.from_numpy(np.asarray(x.numpy()).astype(np.uint64))
+        return x.to({"int": torch.int32, "float": torch.float32, "complex": torch.complex64,
+                     "bool": torch.bool}[kind])
+
+    @staticmethod
+    def foreign(x):
+        return x.numpy()
+
+    @staticmethod
+    def strided(x):
+        return torch.repeat_interleave(x, 2, dim=0)[::2]
+
+    @staticmethod
+    def with_value(x, index, value):
+        y = x.numpy().copy()
+        y[index] = value
+        return torch.from_numpy(y)
+
+
+# --- mutations, by kind of argument -------------------------------------------------------------
+# Each yields (label, value, outcome, names): outcome "raises" | "same" | "fast" | "runs", and the
+# names one of which the error message must contain (the argument's own name is always allowed).
+
+def float_array(name, x, ops, *, related=(), finite=False, rows=True):
+    """A float array; ``finite``: NaN or inf in it is an error (an LSE for a backward)."""
+    yield "int", ops.cast(x, "int"), "raises", related
+    yield "complex", ops.cast(x, "complex"), "raises", related
+    yield "bool", ops.cast(x, "bool"), "raises", related
+    yield "rank+1", x[..., None], "raises", related
+    yield "rank-1", x[..., 0], "raises", related
+    if rows and x.shape[0] > 0:
+        yield "one row short", x[:-1], "raises", related
+    yield "list", x.tolist(), "raises", related
+    yield "foreign", ops.foreign(x), ("same_or_type" if ops.name == "numpy" else "raises"), related
+    if x.shape[0] > 0:
+        yield "strided view", ops.strided(x), "same", ()
+        first = (0,) * len(x.shape)
+        for v in (np.nan, np.inf, -np.inf):
+            yield f"{v} at {first}", ops.with_value(x, first, v), \
+                ("raises" if finite else "runs"), related
+
+
+def index_array(name, x, ops, *, related=(), rows=True, values=True, big="raises"):
+    """An integer array (a selection, a CSR, a schedule); ``big``: the outcome of a 10**6."""
+    yield "float", ops.cast(x, "float"), "raises", related
+    yield "bool", ops.cast(x, "bool"), "raises", related
+    yield "rank+1", x[..., None], "raises", related
+    yield "rank-1", x[..., 0], "raises", related
+    if rows and x.shape[0] > 0:
+        yield "one row short", x[:-1], "raises", related
+    yield "list", x.tolist(), "raises", related
+    if x.shape[0] > 0 and values:
+        first = (0,) * len(x.shape)
+        yield "strided view", ops.strided(x), "same", ()
+        yield "10**6", ops.with_value(x, first, 10**6), big, related
+        yield "-5", ops.with_value(x, first, -5), "raises", related
+        y = ops.cast(ops.with_value(x, first, 0), "uint64")
+        y = ops.with_value(y, first, np.uint64(2**64 - 1))
+        yield "uint64 2**64-1 (no wrap to -1)", y, "raises", related
+
+
+def selection(name, x, ops, *, related=(), P=None):
+    yield from index_array(name, x, ops, related=related)
+    host = np.asarray(x)
+    if P is not None:
+        # the first block past its own sequence (a valid id of a longer one, if any)
+        bq, _ = R.query_positions(P.cu_q, P.cu_k, P.tq, P.tk)
+        nb_seq = np.diff(R.block_row_offsets(P.cu_k, P.bk))[bq]  # [Tq]
+        past = host.copy()
+        past[-1, 0, 0] = nb_seq[-1]
+        yield "past its sequence", ops.wrap(past) if ops.name == "torch" else past, "raises", \
+            related
+    real = np.argwhere(host[..., 0] >= 0)
+    if host.shape[-1] >= 2 and real.size:
+        t, r = real[0]
+        dup = host.copy()
+        dup[t, r, 1] = dup[t, r, 0]
+        yield "a block twice", ops.wrap(dup) if ops.name == "torch" else dup, "raises", related
+        hole = host.copy()
+        hole[t, r, 0] = -1
+        hole[t, r, 1] = max(int(host[t, r, 0]), 0)
+        yield "-1 before a block", ops.wrap(hole) if ops.name == "torch" else hole, "raises", \
+            related
+
+
+def offsets(name, cu, ops, *, related=(), total=True):
+    """Offsets; ``total``: their end must match an array's length (else another end is a
+    valid batch, or one that the other arguments refuse by name)."""
+    cu = np.asarray(cu)
+    end = int(cu[-1])
+    yield "list", cu.tolist(), "same", ()
+    yield "tuple", tuple(int(c) for c in cu), "same", ()
+    yield "int64", cu.astype(np.int64), "same", ()
+    yield "torch tensor", torch.from_numpy(cu.astype(np.int64)), "same", ()
+    yield "decreasing", np.array([0, end + 1, end], np.int32), "raises", related
+    yield "shifted", cu + 1, "raises", related
+    yield "2-D", cu[None], "raises", related
+    yield "float", cu.astype(np.float64), "raises", related
+    yield "float list", [float(c) for c in cu], "raises", related
+    yield "bool", np.ones(cu.shape, bool), "raises", related
+    yield "string", "0," + str(end), "raises", related
+    yield "one entry", cu[:1], "raises", related
+    yield "wrong end", np.append(cu[:-1], end + 1).astype(np.int32), \
+        ("raises" if total else "fast"), related
+    yield "uint64 2**64-1", np.array([0, 2**64 - 1], np.uint64), "raises", related
+
+
+def size(name, value, ops, *, low=1, related=(), huge=None):
+    """An integer size. ``huge``: the outcome of ``10**9`` and ``10**30`` (None: not tried, the
+    caller asked for an output of that size)."""
+    yield "float", float(value) + 0.9, "raises", related
+    yield "whole float", float(value), "raises", related
+    yield "string", str(value), "raises", related
+    yield "bool", True, "raises", related
+    yield "numpy int", np.int64(value), "same", ()
+    yield "below the minimum", low - 1, "raises", related
+    yield "array", np.array([value]), "raises", related
+    if huge is not None:
+        yield "10**9", 10**9, huge, related
+        yield "10**30", 10**30, huge, related
+
+
+def scale(name, value, ops, *, related=()):
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        yield repr(bad), bad, "raises", related
+    yield "string", "0.5", "raises", related
+    yield "complex", 0.5j, "raises", related
+    yield "bool", True, "raises", related
+    yield "numpy float", np.float64(0.5), "fast", ()
+
+
+def choice(name, value, ops, *, related=()):
+    yield "unknown", "median-of-three", "raises", related
+    yield "None", None, "raises", related
+
+
+def real(name, value, ops, *, related=()):
+    yield "nan", float("nan"), "raises", related
+    yield "string", "1", "raises", related
+    yield "bool", True, "raises", related
+
+
+def dtype_arg(name, value, ops, *, related=()):
+    yield "int32", np.int32, "raises", related
+    yield "complex", np.complex64, "raises", related
+    yield "nonsense", "float-ish", "raises", related
+
+
+def torch_dtype(name, value, ops, *, related=()):
+    yield "int32", torch.int32, "raises", related
+    yield "complex", torch.complex64, "raises", related
+    yield "numpy float", np.float32, "raises", related
+
+
+def params_arg(name, value, ops, *, related=()):
+    yield "dict", dataclasses.asdict(value), "raises", related
+    yield "None", None, "raises", related
+
+
+def device_arg(name, value, ops, *, related=()):
+    yield "cuda on this CPU-only torch", "cuda", "raises_any", related
+    yield "nonsense", "gpu0", "raises", related
+
+
+# --- the functions -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Spec:
+    """A public function: ``args(P, ops)`` gives ``[(name, value, mutations)]`` in order and
+    ``keywords`` how many of the last ones are keyword-only."""
+
+    fn: object
+    args: object
+    keywords: int = 0
+    knob: tuple | None = None  # (name, valid value) of a keyword-only knob, tried positionally
+
+
+def _offsets2(P, ops, related_q=(), related_k=(), *, q_total=True, k_total=True):
+    """``cu_seqlens_q, cu_seqlens_k``; ``*_total``: an array's length fixes their end."""
+    return [("cu_seqlens_q", P.cu_q, functools.partial(offsets, total=q_total,
+                                                       related=("cu_seqlens_k",) + related_q)),
+            ("cu_seqlens_k", P.cu_k, functools.partial(offsets, total=k_total,
+                                                       related=("cu_seqlens_q",) + related_k))]
+
+
+def _bk(P, huge="fast"):
+    """``block_size``: a huge one is one block per sequence (no allocation of its size); an
+    error then names what it disagrees with."""
+    return ("block_size", P.bk, functools.partial(
+        size, huge="fast", related=("topk", "block_indices", "block_scores", "row_ptr", "work",
+                                    "partial_slots", "q_indices")))
+
+
+def _qkv(P, ops, names=("q", "k", "v")):
+    # a length or head count must agree with the other arrays': the error may name either
+    tq = ("cu_seqlens_q", "q", "q_idx", "o", "do", "lse", "block_indices", "Tq")
+    tk = ("cu_seqlens_k", "k", "v", "k_idx", "Tk")
+    rel = {"q": tq + ("k", "Hq", "Hkv", "num_q_heads"), "k": tk + ("q", "Hq", "Hkv", "q_idx"),
+           "v": tk, "q_idx": tq + ("k_idx", "k"), "k_idx": tk + ("q_idx",)}
+    return [(n, ops.wrap(getattr(P, n)), functools.partial(float_array, related=rel[n]))
+            for n in names]
+
+
+def _sel(P, ops):
+    return ("block_indices", ops.wrap(P.I),
+            functools.partial(selection, P=P, related=("cu_seqlens_q", "cu_seqlens_k", "topk")))
+
+
+def _lse(P, ops):
+    return ("lse", ops.wrap(P.lse), functools.partial(float_array, finite=True, related=("q",)))
+
+
+def _scale(name="scale"):
+    return (name, None, scale)
+
+
+def _ref_specs():
+    N = dict(N=1024, Hq=8, Hkv=2, d_h=16, d_idx=16, block_size=16, topk=4)
+
+    def csize(name):
+        return (name, N[name], functools.partial(size, huge="fast", related=("Hq", "Hkv")))
+
+    def cx(*names, kw=()):
+        return lambda P, ops: [csize(n) for n in names] + list(kw)
+
+    bpe = ("bytes_per_element", 2, functools.partial(size, huge="fast"))
+    heads = functools.partial(size, related=("num_q_heads", "num_kv_heads", "Hq", "Hkv"))
+    return {
+        "gqa_group": Spec(R.gqa_group, lambda P, ops: [("num_q_heads", P.hq, heads),
+                                                        ("num_kv_heads", P.hkv, heads)]),
+        "num_blocks": Spec(R.num_blocks, lambda P, ops: [
+            ("length", P.tk, functools.partial(size, low=0)), _bk(P)]),
+        "block_partition": Spec(R.block_partition, lambda P, ops: [
+            ("length", P.tk, functools.partial(size, low=0)), _bk(P)]),
+        "query_positions": Spec(R.query_positions, lambda P, ops: _offsets2(P, ops, ("total_q",), ("total_k",)) + [
+            ("total_q", P.tq, functools.partial(size, low=0, related=("cu_seqlens_q",))),
+            ("total_k", P.tk, functools.partial(size, low=0, related=("cu_seqlens_k",)))]),
+        "key_positions": Spec(R.key_positions, lambda P, ops: [
+            ("cu_seqlens_k", P.cu_k, functools.partial(offsets, related=("total_k",))),
+            ("total_k", P.tk, functools.partial(size, low=0, related=("cu_seqlens_k",)))]),
+        "local_blocks": Spec(R.local_blocks, lambda P, ops: _offsets2(P, ops, ("total_q",), ("total_k",)) + [
+            ("total_q", P.tq, functools.partial(size, low=0, related=("cu_seqlens_q",))),
+            ("total_k", P.tk, functools.partial(size, low=0, related=("cu_seqlens_k",))), _bk(P)]),
+        "block_row_offsets": Spec(R.block_row_offsets, lambda P, ops: [
+            ("cu_seqlens_k", P.cu_k, functools.partial(offsets, total=False)), _bk(P)]),
+        "max_blocks": Spec(R.max_blocks, lambda P, ops: [
+            ("cu_seqlens_k", P.cu_k, functools.partial(offsets, total=False)), _bk(P)]),
+        "index_projections": Spec(R.index_projections, lambda P, ops: [
+            ("x", P.x, functools.partial(float_array, rows=False, related=("w_q_idx", "w_k_idx"))),
+            ("w_q_idx", P.params.w_q_idx, functools.partial(float_array, rows=False, related=("x",))),
+            ("w_k_idx", P.params.w_k_idx, functools.partial(float_array, rows=False, related=("x", "w_q_idx"))),
+            ("num_kv_heads", P.hkv, functools.partial(size, huge="fast", related=("w_q_idx",)))]),
+        "index_scores": Spec(R.index_scores, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx"))
+                             + _offsets2(P, ops, ("q_idx",), ("k_idx",)) + [_scale()], keywords=1,
+                             knob=("scale", 0.5)),
+        "block_scores": Spec(R.block_scores, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx"))
+                             + _offsets2(P, ops, ("q_idx",), ("k_idx",)) + [_bk(P), _scale(),
+                                                                           ("pool", "max", choice)],
+                             keywords=2, knob=("scale", 0.5)),
+        "select_blocks": Spec(R.select_blocks, lambda P, ops: [
+            ("block_scores", P.M, functools.partial(float_array, rows=False,
+                                                    related=("cu_seqlens_q", "cu_seqlens_k"))),
+            *_offsets2(P, ops, ("block_scores",), ("block_scores",), k_total=False),
+            _bk(P, huge="raises_named"),
+            ("topk", P.topk, functools.partial(size, huge="raises_named"))]),
+        "fixed_blocks": Spec(R.fixed_blocks, lambda P, ops: [
+            *_offsets2(P, ops, q_total=False, k_total=False), _bk(P),
+            ("topk", P.topk, functools.partial(size, huge="raises_named")),
+            ("num_kv_heads", P.hkv, functools.partial(size, huge="raises_named")),
+            ("num_sink", 1, functools.partial(size, low=0, huge="fast"))], keywords=2,
+            knob=("num_kv_heads", 1)),
+        "check_block_indices": Spec(R.check_block_indices, lambda P, ops: [
+            _sel(P, ops), *_offsets2(P, ops, ("block_indices",), k_total=False),
+            _bk(P, huge="raises_named")]),
+        "dense_attention": Spec(R.dense_attention, lambda P, ops: _qkv(P, ops) + _offsets2(P, ops, ("q",), ("k",))
+                                + [_scale()], keywords=1, knob=("scale", 0.5)),
+        "sparse_attention": Spec(R.sparse_attention, lambda P, ops: _qkv(P, ops) + [_sel(P, ops)]
+                                 + _offsets2(P, ops, ("q", "block_indices"), ("k",))
+                                 + [_bk(P, huge="raises_named"), _scale()], keywords=1, knob=("scale", 0.5)),
+        "sparse_attention_backward": Spec(R.sparse_attention_backward, lambda P, ops: _qkv(P, ops) + [
+            ("o", P.o, float_array), _lse(P, ops), ("do", P.do, float_array), _sel(P, ops),
+            *_offsets2(P, ops, ("q", "block_indices"), ("k",)), _bk(P, huge="raises_named"),
+            _scale()], keywords=1, knob=("scale", 0.5)),
+        "attention_partials": Spec(R.attention_partials, lambda P, ops: _qkv(P, ops) + [
+            ("work", P.work, functools.partial(index_array, rows=False, related=("q_indices", "partial_slots"))),
+            ("q_indices", P.q_indices, functools.partial(index_array, related=("work", "partial_slots"))),
+            ("partial_slots", P.slots, functools.partial(index_array, related=("q_indices", "work"))),
+            *_offsets2(P, ops, ("q",), ("k", "work")), _bk(P, huge="raises_named"),
+            ("topk", P.topk, functools.partial(size, huge="raises_named", related=("partial_slots",))),
+            _scale()], keywords=1, knob=("scale", 0.5)),
+        "combine_partials": Spec(R.combine_partials, lambda P, ops: [
+            ("o_part", P.o_part, functools.partial(float_array, related=("lse_part",))),
+            ("lse_part", P.lse_part, functools.partial(float_array, related=("o_part",))),
+            ("out_dtype", None, dtype_arg)], keywords=1, knob=("out_dtype", np.float32)),
+        "csr_histogram": Spec(R.csr_histogram, lambda P, ops: [
+            _sel(P, ops), *_offsets2(P, ops, ("block_indices",), k_total=False),
+            _bk(P, huge="raises_named")]),
+        "exclusive_prefix_sum": Spec(R.exclusive_prefix_sum, lambda P, ops: [
+            ("counts", P.counts, functools.partial(index_array, rows=False, big="runs"))]),
+        "csr_scatter": Spec(R.csr_scatter, lambda P, ops: [
+            _sel(P, ops), ("row_ptr", P.row_ptr, functools.partial(index_array, related=("block_indices",))),
+            *_offsets2(P, ops, ("block_indices",), ("row_ptr",), k_total=False),
+            _bk(P, huge="raises_named")]),
+        "build_csr": Spec(R.build_csr, lambda P, ops: [
+            _sel(P, ops), *_offsets2(P, ops, ("block_indices",), k_total=False),
+            _bk(P, huge="raises_named")]),
+        "build_schedule": Spec(R.build_schedule, lambda P, ops: [
+            ("row_ptr", P.row_ptr, functools.partial(index_array, rows=False, related=("cu_seqlens_k",))),
+            ("cu_seqlens_k", P.cu_k, functools.partial(offsets, total=False, related=("row_ptr",))),
+            _bk(P, huge="raises_named"), ("chunk_size", 5, functools.partial(size, huge="fast"))]),
+        "schedule_stats": Spec(R.schedule_stats, lambda P, ops: [
+            ("work", P.work, functools.partial(index_array, rows=False, values=False))]),
+        **{name: Spec(getattr(R, name), (lambda P, ops: _qkv(P, ops, ("q", "k", "q_idx", "k_idx")) + [
+            _sel(P, ops), _lse(P, ops), *_offsets2(P, ops, ("q", "q_idx", "block_indices", "lse"),
+                                                   ("k", "k_idx")),
+            _bk(P, huge="raises_named"), _scale(), _scale("index_scale")]), keywords=2,
+            knob=("scale", 0.5)) for name in ("kl_loss", "kl_backward", "kl_loss_and_backward")},
+        "student_probs": Spec(R.student_probs, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx")) + [
+            _sel(P, ops), *_offsets2(P, ops, ("q_idx", "block_indices"), ("k_idx",)),
+            _bk(P, huge="raises_named"), _scale("index_scale")], keywords=1, knob=("index_scale", 0.5)),
+        "teacher_probs": Spec(R.teacher_probs, lambda P, ops: _qkv(P, ops, ("q", "k")) + [
+            _sel(P, ops), _lse(P, ops), *_offsets2(P, ops, ("q", "block_indices", "lse"), ("k",)),
+            _bk(P, huge="raises_named"), _scale()], keywords=1, knob=("scale", 0.5)),
+        "gqa_flops": Spec(R.gqa_flops, cx("N", "Hq", "d_h")),
+        "attention_flops": Spec(R.attention_flops, cx("N", "Hq", "d_h", "block_size", "topk")),
+        "msa_flops": Spec(R.msa_flops, cx("N", "Hq", "Hkv", "d_h", "d_idx", "block_size", "topk")),
+        "crossover_length": Spec(R.crossover_length, cx("Hq", "Hkv", "d_h", "d_idx", "block_size", "topk")),
+        "speedup_limit": Spec(R.speedup_limit, cx("Hq", "Hkv", "d_h", "d_idx")),
+        "q_outer_io": Spec(R.q_outer_io, cx("N", "Hq", "Hkv", "d_h", "block_size", "topk", kw=[bpe]),
+                           keywords=1, knob=("bytes_per_element", 2)),
+        "kv_outer_io": Spec(R.kv_outer_io, cx("N", "Hq", "Hkv", "d_h", "topk", kw=[bpe]), keywords=1,
+                            knob=("bytes_per_element", 2)),
+        "arithmetic_intensity": Spec(R.arithmetic_intensity, cx(
+            "N", "Hq", "Hkv", "d_h", "block_size", "topk",
+            kw=[("loop_order", "kv_outer", choice), bpe]), keywords=2, knob=("loop_order", "q_outer")),
+        "init_params": Spec(R.init_params, lambda P, ops: [
+            ("d_model", 8, size), ("num_q_heads", P.hq, heads), ("num_kv_heads", P.hkv, heads),
+            ("head_dim", P.d, size), ("index_dim", 4, size),
+            ("seed", 0, functools.partial(size, low=0)), ("dtype", np.float64, dtype_arg)],
+            keywords=2, knob=("seed", 1)),
+        "msa_layer": Spec(R.msa_layer, lambda P, ops: [
+            ("x", P.x, functools.partial(float_array, related=("cu_seqlens",))),
+            ("params", P.params, params_arg),
+            ("cu_seqlens", P.cu_k, offsets), _bk(P, huge="raises_named"),
+            ("topk", P.topk, functools.partial(size, huge="raises_named")), _scale(),
+            _scale("index_scale")], keywords=2, knob=("scale", 0.5)),
+    }
+
+
+def _torch_specs():
+    def forward(x, cu_seqlens, *, _P):
+        return _layer_cache(_P)(x, cu_seqlens)
+
+    heads = functools.partial(size, related=("num_q_heads", "num_kv_heads", "Hq", "Hkv"))
+    return {
+        "sparse_attention": Spec(MT.sparse_attention, lambda P, ops: _qkv(P, ops) + [_sel(P, ops)]
+                                 + _offsets2(P, ops, ("q", "block_indices"), ("k",))
+                                 + [_bk(P, huge="raises_named"), _scale(), ("backward", "auto", choice)],
+                                 keywords=2, knob=("scale", 0.5)),
+        "sparse_attention_backward": Spec(MT.sparse_attention_backward, lambda P, ops: _qkv(P, ops) + [
+            ("o", ops.wrap(P.o), float_array), _lse(P, ops), ("do", ops.wrap(P.do), float_array),
+            _sel(P, ops), *_offsets2(P, ops, ("q", "block_indices"), ("k",)),
+            _bk(P, huge="raises_named"), _scale()], keywords=1, knob=("scale", 0.5)),
+        "dense_attention": Spec(MT.dense_attention, lambda P, ops: _qkv(P, ops)
+                                + _offsets2(P, ops, ("q",), ("k",)) + [_scale()], keywords=1,
+                                knob=("scale", 0.5)),
+        "kl_loss": Spec(MT.kl_loss, lambda P, ops: _qkv(P, ops, ("q", "k", "q_idx", "k_idx")) + [
+            _sel(P, ops), _lse(P, ops), *_offsets2(P, ops, ("q", "q_idx", "block_indices", "lse"),
+                                                   ("k", "k_idx")),
+            _bk(P, huge="raises_named"), _scale(), _scale("index_scale")], keywords=2,
+            knob=("scale", 0.5)),
+        "MSAAttention": Spec(MT.MSAAttention, lambda P, ops: [
+            ("d_model", 8, size), ("num_q_heads", P.hq, heads), ("num_kv_heads", P.hkv, heads),
+            ("head_dim", P.d, size), ("index_dim", 4, size), _bk(P, huge="raises_named"),
+            ("topk", P.topk, size), _scale(), _scale("index_scale"),
+            ("main_backward", "auto", choice), ("device", None, device_arg),
+            ("dtype", torch.float64, torch_dtype)], keywords=7, knob=("block_size", 8)),
+        "MSAAttention.forward": Spec(forward, lambda P, ops: [
+            ("x", ops.wrap(P.x), functools.partial(float_array, related=("cu_seqlens",))),
+            ("cu_seqlens", P.cu_k, offsets), ("_P", P, None)], keywords=1),
+        "MSAAttention.from_params": Spec(MT.MSAAttention.from_params, lambda P, ops: [
+            ("params", P.params, params_arg), _bk(P, huge="raises_named"),
+            ("topk", P.topk, size), ("dtype", None, torch_dtype)], keywords=3,
+            knob=("block_size", 8)),
+    }
+
+
+_LAYERS = {}
+
+
+def _layer_cache(P):
+    """One layer per drawn problem (problems are cached, so their ids are stable)."""
+    if id(P) not in _LAYERS:
+        _LAYERS[id(P)] = MT.MSAAttention.from_params(P.params, block_size=P.bk, topk=P.topk)
+    return _LAYERS[id(P)]
+
+
+REFERENCE = _ref_specs()
+TORCH = _torch_specs()
+BACKENDS = {
+    "reference": (REFERENCE, NumpyOps),
+    "torch": (TORCH, TorchOps),
+    # "cuda": (the REFERENCE specs on Backend("cuda")'s stage functions, NumpyOps, with the
+    #          expectations of what msa.cuda accepts less of) -- to be added by the cuda owner
+}
+CASES = [pytest.param(b, name, id=f"{b}-{name}") for b, (specs, _) in BACKENDS.items()
+         for name in specs]
+
+
+# --- the checks --------------------------------------------------------------------------------
+
+def same(a, b) -> bool:
+    """Bitwise-equal results (NaN equal to NaN), through tuples, dicts and dataclasses."""
+    if isinstance(a, torch.nn.Module):
+        return isinstance(b, torch.nn.Module) and a.extra_repr() == b.extra_repr()
+    if dataclasses.is_dataclass(a):
+        return same(dataclasses.astuple(a), dataclasses.astuple(b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        a, b = a.detach().numpy(), b.detach().numpy()
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.kind in "fc":
+        return bool(np.array_equal(a, b, equal_nan=True))
+    return bool(np.array_equal(a, b))
+
+
+def names(arg, related):
+    return (arg,) + tuple(related)
+
+
+def check(fn, args, keywords, arg, label, value, outcome, related, baseline):
+    call = dict(args)
+    call[arg] = value
+    what = f"{arg} = {label}"
+    named = re.compile("|".join(rf"(?<![\w]){re.escape(n)}(?![\w])" for n in names(arg, related)))
+    start = time.perf_counter()
+    try:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = fn(**call)
+    except (ValueError, TypeError) as e:
+        if outcome in ("same", "runs"):
+            raise AssertionError(f"{what}: valid input refused: {type(e).__name__}: {e}") from e
+        if outcome == "same_or_type" and not isinstance(e, TypeError):
+            raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        if outcome != "raises_any" and not named.search(str(e)):
+            raise AssertionError(f"{what}: the error does not name {names(arg, related)}: "
+                                 f"{type(e).__name__}: {e}") from e
+        return
+    except RuntimeError as e:
+        if outcome == "raises_any" and "device" in str(e):
+            return
+        raise AssertionError(f"{what}: raw {type(e).__name__}: {e}") from e
+    except Exception as e:  # IndexError, MemoryError, OverflowError, ...: never
+        raise AssertionError(f"{what}: raw {type(e).__name__}: {e}") from e
+    elapsed = time.perf_counter() - start
+    if outcome in ("raises", "raises_named", "raises_any"):
+        raise AssertionError(f"{what}: accepted (expected a ValueError/TypeError)")
+    if outcome in ("same", "same_or_type"):
+        assert same(got, baseline), f"{what}: a different result"
+    if outcome == "fast":
+        assert elapsed < FAST_SECONDS, f"{what}: {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("backend,name", CASES)
+@settings(max_examples=EXAMPLES)
+@given(P=problems())
+def test_invalid_inputs_are_refused_by_name(backend, name, P):
+    specs, ops = BACKENDS[backend]
+    spec = specs[name]
+    arguments = spec.args(P, ops)
+    args = {a: v for a, v, _ in arguments}
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        baseline = spec.fn(**args)
+    for arg, value, mutations in arguments:
+        if mutations is None:
+            continue
+        for label, bad, outcome, related in mutations(arg, value, ops):
+            check(spec.fn, args, spec.keywords, arg, label, bad, outcome, related, baseline)
+
+
+@pytest.mark.parametrize("backend,name", [c for c in CASES if BACKENDS[c.values[0]][0][c.values[1]].knob])
+def test_knobs_are_keyword_only(backend, name):
+    """A FlashAttention habit (``max_seqlen_q`` passed after the offsets) must not become a
+    scale: every knob is keyword-only, so one more positional argument is a TypeError."""
+    specs, ops = BACKENDS[backend]
+    spec = specs[name]
+    P = build((3,), (5,), 2, 1, 4, 2, 4, "float64", 0)
+    arguments = spec.args(P, ops)
+    positional = [v for _, v, _ in arguments[:len(arguments) - spec.keywords]]
+    knob, value = spec.knob
+    with pytest.raises(TypeError, match="positional"):
+        spec.fn(*positional, value)
+
+
+# --- the cases of issue 23, pinned --------------------------------------------------------------
+
+def _issue_problem():
+    return build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float64", 1)
+
+
+def _torch_args(P, **change):
+    a = dict(q=T(P.q), k=T(P.k), v=T(P.v), block_indices=T(P.I), cu_seqlens_q=P.cu_q,
+             cu_seqlens_k=P.cu_k, block_size=P.bk)
+    a.update(change)
+    return a
+
+
+def T(x):
+    return torch.from_numpy(np.array(x))
+
+
+ISSUE = {
+    "torch backward: a block twice": (lambda P: MT.sparse_attention_backward(
+        T(P.q), T(P.k), T(P.v), T(P.o), T(P.lse), T(P.do),
+        T(np.where(np.arange(P.topk) == 1, P.I[..., :1], P.I)), P.cu_q, P.cu_k, P.bk),
+        ValueError, "block_indices"),
+    "torch backward: id 99": (lambda P: MT.sparse_attention_backward(
+        T(P.q), T(P.k), T(P.v), T(P.o), T(P.lse), T(P.do), T(np.full_like(P.I, 99)), P.cu_q,
+        P.cu_k, P.bk), ValueError, "block_indices"),
+    "torch backward: int do": (lambda P: MT.sparse_attention_backward(
+        T(P.q), T(P.k), T(P.v), T(P.o), T(P.lse), T(P.do).long(), T(P.I), P.cu_q, P.cu_k, P.bk),
+        TypeError, "do"),
+    "torch backward: -inf lse": (lambda P: MT.sparse_attention_backward(
+        T(P.q), T(P.k), T(P.v), T(P.o), T(np.full_like(P.lse, -np.inf)), T(P.do), T(P.I), P.cu_q,
+        P.cu_k, P.bk), ValueError, r"lse\[0, 0\] = -inf"),
+    "reference backward: nan lse": (lambda P: R.sparse_attention_backward(
+        P.q, P.k, P.v, P.o, np.full_like(P.lse, np.nan), P.do, P.I, P.cu_q, P.cu_k, P.bk),
+        ValueError, r"lse\[0, 0\] = nan"),
+    "torch dense: int64 q, k, v": (lambda P: MT.dense_attention(
+        T(P.q).long(), T(P.k).long(), T(P.v).long(), P.cu_q, P.cu_k), TypeError, "q"),
+    "torch dense: scale nan": (lambda P: MT.dense_attention(
+        T(P.q), T(P.k), T(P.v), P.cu_q, P.cu_k, scale=float("nan")), ValueError, "scale"),
+    "select_blocks: topk 10**9": (lambda P: R.select_blocks(P.M, P.cu_q, P.cu_k, P.bk, 10**9),
+                                  ValueError, "topk"),
+    "fixed_blocks: topk 10**8": (lambda P: R.fixed_blocks(P.cu_q, P.cu_k, P.bk, 10**8,
+                                                          num_kv_heads=2), ValueError, "topk"),
+    "attention_partials: topk 10**9": (lambda P: R.attention_partials(
+        P.q, P.k, P.v, P.work, P.q_indices, P.slots, P.cu_q, P.cu_k, P.bk, 10**9), ValueError,
+        "topk"),
+    "torch sparse: block_size 16.9": (lambda P: MT.sparse_attention(
+        **_torch_args(P, block_size=16.9)), TypeError, "block_size"),
+    "torch sparse: block_size '16'": (lambda P: MT.sparse_attention(
+        **_torch_args(P, block_size="16")), TypeError, "block_size"),
+    "torch kl: block_size True": (lambda P: MT.kl_loss(
+        T(P.q), T(P.k), T(P.q_idx), T(P.k_idx), T(P.I), T(P.lse), P.cu_q, P.cu_k, True),
+        TypeError, "block_size"),
+    "gqa_group(4.0, 2)": (lambda P: R.gqa_group(4.0, 2), TypeError, "num_q_heads"),
+    "uint64 id 2**64-1": (lambda P: R.check_block_indices(
+        np.where(np.arange(P.topk) == 0, np.uint64(2**64 - 1), P.I.astype(np.uint64)), P.cu_q,
+        P.cu_k, P.bk), ValueError, "18446744073709551615"),
+    "init_params(dtype=int32)": (lambda P: R.init_params(8, 4, 2, 4, 4, dtype=np.int32),
+                                 TypeError, "dtype"),
+    "max_blocks: decreasing": (lambda P: R.max_blocks(np.array([0, 5, 3]), 4), ValueError,
+                               "cu_seqlens_k"),
+    "block_row_offsets: shifted": (lambda P: R.block_row_offsets(np.array([1, 5]), 4), ValueError,
+                                   "cu_seqlens_k"),
+    "key_positions: 2-D": (lambda P: R.key_positions(np.array([[0, 5]]), 5), ValueError,
+                           "cu_seqlens_k"),
+    "max_blocks: float": (lambda P: R.max_blocks(np.array([0.0, 5.0]), 4), TypeError,
+                          "cu_seqlens_k"),
+    "dense_attention(q, k, v, cu_q, cu_k, max_seqlen_q)": (lambda P: R.dense_attention(
+        P.q, P.k, P.v, P.cu_q, P.cu_k, 70), TypeError, "positional"),
+    "MSAAttention: float32 x into a float64 layer": (lambda P: MT.MSAAttention.from_params(
+        P.params, block_size=4, topk=2)(T(P.x).float(), P.cu_k), TypeError, r"\bx\b"),
+    "MSAAttention(dtype=torch.int32)": (lambda P: MT.MSAAttention(8, 4, 2, 4, 4,
+                                                                  dtype=torch.int32),
+                                        TypeError, "dtype"),
+    "MSAAttention: x with the wrong length": (lambda P: MT.MSAAttention.from_params(
+        P.params, block_size=4, topk=2)(T(P.x)[:-1], P.cu_k), ValueError, r"cu_seqlens\b"),
+    "MSAAttention(device='cuda') without CUDA": (lambda P: MT.MSAAttention(
+        8, 4, 2, 4, 4, device="cuda"), RuntimeError, "device"),
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE), ids=list(ISSUE))
+def test_issue_23_cases(case):
+    run, error, match = ISSUE[case]
+    if "without CUDA" in case and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(error, match=match):
+        run(_issue_problem())
+
+
+def test_from_params_keeps_the_params_dtype():
+    P = build((3,), (5,), 2, 1, 4, 2, 4, "float32", 0)
+    assert MT.MSAAttention.from_params(P.params, block_size=4, topk=2).w_q.dtype == torch.float32
+    assert MT.MSAAttention.from_params(P.params, block_size=4, topk=2,
+                                       dtype=torch.float64).w_q.dtype == torch.float64
