@@ -91,10 +91,10 @@ def bench_topk(nb):
         default = " (default)" if version == S.DEFAULT_VERSION else ""
         row = dict(case=f"topk NB={nb}", impl=f"msa v{version}{default}", version=version)
         try:
-            I = S.select_blocks(M, cu_q, cu_k, TOPK, bk, version=version)
+            I = S.select_blocks(M, cu_q, cu_k, bk, TOPK, version=version)
             _gate_topk(I, M)
             reps = 3 if version == 1 else 10
-            ms = cuda_time_ms(lambda: S.select_blocks(M, cu_q, cu_k, TOPK, bk, version=version),
+            ms = cuda_time_ms(lambda: S.select_blocks(M, cu_q, cu_k, bk, TOPK, version=version),
                               reps=reps)
             row.update(ms=ms, GBps=nbytes / ms / 1e6, frac_hbm=nbytes / ms / 1e9 / HBM_COPY_TBPS)
             if version != 1:  # the launch alone: no validation, no host read of cu_seqlens
@@ -246,7 +246,7 @@ def bench_index(n, with_torch=True):
     for version in (3,) if heavy else S.FUSED_VERSIONS:
         row = dict(case=case, impl=f"msa select_blocks_fused (v{version})")
         try:
-            fused = lambda: S.select_blocks_fused(q, k, cu, cu, TOPK, BK, version=version)  # noqa: E731
+            fused = lambda: S.select_blocks_fused(q, k, cu, cu, BK, TOPK, version=version)  # noqa: E731
             ms, peak, I = _time_ours(fused, reps, heavy=heavy)
             row["gate_tol"] = _gate_index(I, q, k)
             row.update(ms=ms, TFLOPs=flops / ms / 1e9, peak_GiB=peak)
@@ -274,7 +274,7 @@ def bench_index(n, with_torch=True):
                 continue
             row = dict(case=case, impl=f"msa select_blocks (v{version}) on that M")
             try:
-                ms = cuda_time_ms(lambda: S.select_blocks(M, cu, cu, TOPK, BK, version=version),
+                ms = cuda_time_ms(lambda: S.select_blocks(M, cu, cu, BK, TOPK, version=version),
                                   reps=reps)
                 row.update(ms=ms, GBps=nbytes / ms / 1e6,
                            frac_hbm=nbytes / ms / 1e9 / HBM_COPY_TBPS)

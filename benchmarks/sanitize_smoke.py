@@ -55,19 +55,19 @@ def main() -> int:
         report(stage, good)
 
     m_ref = R.block_scores(p.q_idx, p.k_idx, cq, ck, bk)
-    idx_ref = R.select_blocks(m_ref, cq, ck, k, bk)
+    idx_ref = R.select_blocks(m_ref, cq, ck, bk, k)
     m = C.block_scores(dev(p.q_idx), dev(p.k_idx), dev(cq), dev(ck), bk)
     report("block_scores fp32", np.allclose(m.cpu().numpy(), m_ref, rtol=1e-4, atol=1e-4))
     m_bf = C.block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk)
     report("block_scores bf16 (v3)", np.isfinite(m_bf.cpu().numpy()).sum() == np.isfinite(m_ref).sum())
-    idx = C.select_blocks(dev(m_ref), cq, ck, k, bk)
+    idx = C.select_blocks(dev(m_ref), cq, ck, bk, k)
     report("select_blocks (v3)", np.array_equal(idx.cpu().numpy(), idx_ref))
-    fused = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk)
+    fused = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, k)
     report("select_blocks_fused", fused.shape == idx_ref.shape)
     # the index's tensor-core fallback (Bk % 16 != 0, unaligned k_idx): v3's scores, bit for bit
     m_v2 = C.block_scores(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, version=2)
     report("block_scores bf16 (v2)", torch.equal(m_v2, m_bf))
-    fused2 = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), k, bk, version=2)
+    fused2 = C.select_blocks_fused(bf(p.q_idx), bf(p.k_idx), dev(cq), dev(ck), bk, k, version=2)
     report("select_blocks_fused (v2)", torch.equal(fused2, fused))
 
     row_ptr_ref, q_ind_ref, slots_ref = R.build_csr(idx_ref, cq, ck, bk)
@@ -82,7 +82,7 @@ def main() -> int:
                                                                    slots_ref))))
     # ... and over two row groups (150 rows of Bk = 4), where its second pass loops over groups.
     cu600 = np.array([0, 600], np.int32)
-    i_fix = R.fixed_blocks(cu600, cu600, 2, 4, 4)
+    i_fix = R.fixed_blocks(cu600, cu600, 4, 4, num_kv_heads=2)
     got_v3 = C.csr._build_csr(dev(i_fix), dev(cu600), dev(cu600), 4, scatter_version=3,
                               tile_queries=128)
     report("build_csr (v3, 2 row groups)", all(

@@ -137,8 +137,8 @@ for r in range(Hkv):
     q_idx[:, r, r * D:(r + 1) * D] = q[:, r * G:(r + 1) * G].mean(axis=1)
 k_idx = k.reshape(N, Hkv * D)
 M = R.block_scores(q_idx, k_idx, cu, cu, Bk)  # [Hkv, Tq, NB]
-I_content = R.select_blocks(M, cu, cu, K, Bk)  # [Tq, Hkv, K]
-I_fixed = R.fixed_blocks(cu, cu, Hkv, K, Bk, num_sink=1)  # [Tq, Hkv, K]
+I_content = R.select_blocks(M, cu, cu, Bk, K)  # [Tq, Hkv, K]
+I_fixed = R.fixed_blocks(cu, cu, Bk, K, num_kv_heads=Hkv, num_sink=1)  # [Tq, Hkv, K]
 print("query 900, group 0: content", I_content[900, 0], " fixed", I_fixed[900, 0],
       " asked needle in block", needle_pos[asked[900 - N // 2, 0]] // Bk)
 

@@ -89,7 +89,7 @@ for r in range(Hkv):
     k_idx[stripes[r] * Bk + rng.integers(0, Bk, size=8)] += 12.0 * w_group[r]  # one token per stripe block
 
 M = R.block_scores(q_idx, k_idx, cu, cu, Bk)  # eq 6: [Hkv, N, NB], S never materialised
-I = R.select_blocks(M, cu, cu, K, Bk)  # eq 7: [N, Hkv, K]
+I = R.select_blocks(M, cu, cu, Bk, K)  # eq 7: [N, Hkv, K]
 
 # %% [markdown]
 # msa's layouts: `q_idx [N, Hkv, Didx]`, the shared `k_idx [N, Didx]` (the paper's
@@ -143,7 +143,7 @@ ab_k = scores[:, None]  # [257, 1]
 ab_q = np.ones((1, 1, 1))  # one query at position 256, one group
 cu_q1, cu_k1 = np.array([0, 1], dtype=np.int32), np.array([0, 257], dtype=np.int32)
 pooled = {pool: R.block_scores(ab_q, ab_k, cu_q1, cu_k1, 128, scale=1.0, pool=pool)[0, 0] for pool in ("max", "mean")}
-chosen = {pool: R.select_blocks(m[None, None], cu_q1, cu_k1, 2, 128)[0, 0] for pool, m in pooled.items()}
+chosen = {pool: R.select_blocks(m[None, None], cu_q1, cu_k1, 128, 2)[0, 0] for pool, m in pooled.items()}
 names = {0: "A", 1: "B", 2: "local"}
 nbtools.table(["pool", "M[A]", "M[B]", "selected (K=2)"],
               [(pool, f"{m[0]:+.2f}", f"{m[1]:+.2f}", [names[b] for b in chosen[pool]]) for pool, m in pooled.items()])

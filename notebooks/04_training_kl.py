@@ -86,7 +86,7 @@ p = make_problem(seq_lens_k=(40, 25), num_q_heads=4, num_kv_heads=2, head_dim=8,
 args = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
 Tq, Hkv = p.q.shape[0], p.num_kv_heads
 M = R.block_scores(p.q_idx, p.k_idx, *args)
-I = R.select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+I = R.select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
 o, lse = R.sparse_attention(p.q, p.k, p.v, I, *args)
 kl, loss = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse, *args)
 P = R.teacher_probs(p.q, p.k, I, lse, *args)  # [Hkv, Tq, Tk], 0 off the support
@@ -256,7 +256,7 @@ for step in range(steps):
         w -= lr * (m / (1 - 0.9 ** (step + 1))) / (np.sqrt(s / (1 - 0.999 ** (step + 1))) + 1e-8)
     history.append((step, warmup, loss_kl, recall(I_step)))
 
-fixed = R.fixed_blocks(cu, cu, Hkv, K, Bk)
+fixed = R.fixed_blocks(cu, cu, Bk, K, num_kv_heads=Hkv)
 print(f"recall: step 0 {history[0][3]:.3f}, last step {history[-1][3]:.3f}; "
       f"sink + sliding window with the same budget {recall(fixed):.3f}")
 

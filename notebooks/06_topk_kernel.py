@@ -52,7 +52,7 @@ from msa.testing.tolerance import assert_exact
 # %%
 p = make_problem(seq_lens_k=(300, 170), num_kv_heads=2, num_q_heads=4, index_dim=16, block_size=16,
                  topk=5, seed=6)
-args = (p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+args = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
 M = R.block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)  # [Hkv, Tq, NB]
 I = R.select_blocks(M, *args)
 with np.errstate(invalid="ignore"):
@@ -112,7 +112,7 @@ nbtools.table(["round", "offers per lane (score, block)", "winning lane", "block
 trace_row = sorted(winners) + [20]
 # The same row for msa: block size 1, so block b is token b; the query is token 20 (its local block).
 one_row = R.select_blocks(np.append(scores, 0.0).reshape(1, 1, 21), np.array([0, 1], dtype=np.int32),
-                          np.array([0, 21], dtype=np.int32), kk + 1, 1)[0, 0]
+                          np.array([0, 21], dtype=np.int32), 1, kk + 1)[0, 0]
 print("trace:", trace_row, "  msa.reference.select_blocks:", one_row.tolist())
 
 fig, ax = plt.subplots(figsize=(9, 3))
@@ -210,7 +210,7 @@ if nbtools.ON_GPU:
 else:
     kp = make_problem(seq_lens_k=(20, 13), num_q_heads=2, num_kv_heads=2, head_dim=16, index_dim=16,
                       block_size=4, topk=3, dtype=np.float32, seed=7)
-kargs = (kp.cu_seqlens_q, kp.cu_seqlens_k, kp.topk, kp.block_size)
+kargs = (kp.cu_seqlens_q, kp.cu_seqlens_k, kp.block_size, kp.topk)
 M_k = np.round(2 * R.block_scores(kp.q_idx, kp.k_idx, kp.cu_seqlens_q, kp.cu_seqlens_k, kp.block_size))
 I_ref = R.select_blocks(M_k, *kargs)
 kernel_results = {}

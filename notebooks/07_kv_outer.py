@@ -139,7 +139,7 @@ pop[0] = 6.0  # sink
 pop[rng.choice(np.arange(1, NBs), 5, replace=False)] = 2.0  # hot blocks
 M_s = pop[None, None, :] + rng.standard_normal((Hkvs, Ns, NBs))
 M_s[:, np.arange(Ns)[:, None] // Bks < np.arange(NBs)[None, :]] = -np.inf  # only the visible blocks
-I_s = R.select_blocks(M_s, cu_s, cu_s, Ks, Bks)
+I_s = R.select_blocks(M_s, cu_s, cu_s, Bks, Ks)
 row_ptr_s, q_idx_s, slots_s = R.build_csr(I_s, cu_s, cu_s, Bks)
 per_row = np.diff(row_ptr_s, axis=1)  # [Hkv, rows] queries per (head, block)
 chunk = 2 * Ks * Bks  # the paper's rule: 128 queries here
@@ -187,7 +187,7 @@ else:
                      topk=3, seed=9)
 pargs = (p.cu_seqlens_q, p.cu_seqlens_k)
 M = R.block_scores(p.q_idx, p.k_idx, *pargs, p.block_size)
-I = R.select_blocks(M, *pargs, p.topk, p.block_size)
+I = R.select_blocks(M, *pargs, p.block_size, p.topk)
 rp, qi, sl = R.build_csr(I, *pargs, p.block_size)
 work = R.build_schedule(rp, p.cu_seqlens_k, p.block_size, chunk_size=2 * p.topk * p.block_size)
 o_part, lse_part = R.attention_partials(p.q, p.k, p.v, work, qi, sl, *pargs, p.block_size, p.topk)  # K1
@@ -289,7 +289,7 @@ if prefill_cuda is None:
 else:
     qi32, ki32 = p.q_idx.astype(np.float32), p.k_idx.astype(np.float32)
     o_pf, lse_pf, I_pf = prefill_cuda(q32, k32, v32, qi32, ki32, *pargs, p.block_size, p.topk)
-    I_pf_ref = R.select_blocks(R.block_scores(qi32, ki32, *pargs, p.block_size), *pargs, p.topk, p.block_size)
+    I_pf_ref = R.select_blocks(R.block_scores(qi32, ki32, *pargs, p.block_size), *pargs, p.block_size, p.topk)
     assert_exact(I_pf, I_pf_ref, name="msa_prefill block_indices")
     oracle, baseline = oracle_and_baseline(R.sparse_attention, q32, k32, v32, I_pf_ref, *pargs, p.block_size)
     for name, got, o_, b_ in (("o", o_pf, oracle[0], baseline[0]), ("lse", lse_pf, oracle[1], baseline[1])):
@@ -343,8 +343,8 @@ if backward_cuda is not None:
     p16 = p if p.block_size % 16 == 0 else make_problem(
         seq_lens_k=(40, 25), num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, topk=2, seed=9)
     a16 = (p16.cu_seqlens_q, p16.cu_seqlens_k)
-    I16 = R.select_blocks(R.block_scores(p16.q_idx, p16.k_idx, *a16, p16.block_size), *a16, p16.topk,
-                          p16.block_size)
+    I16 = R.select_blocks(R.block_scores(p16.q_idx, p16.k_idx, *a16, p16.block_size), *a16,
+                          p16.block_size, p16.topk)
     q16, k16, v16 = (x.astype(np.float16) for x in (p16.q, p16.k, p16.v))
     o_f, lse16 = R.sparse_attention(*(x.astype(np.float32) for x in (q16, k16, v16)), I16, *a16,
                                     p16.block_size)

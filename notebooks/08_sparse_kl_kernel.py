@@ -57,7 +57,7 @@ p = make_problem(seq_lens_k=(96, 50), num_q_heads=4, num_kv_heads=2, head_dim=16
                  block_size=8, topk=3, seed=11)
 args = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
 M = R.block_scores(p.q_idx, p.k_idx, *args)
-I = R.select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.topk, p.block_size)
+I = R.select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
 _, lse_sparse = R.sparse_attention(p.q, p.k, p.v, I, *args)
 _, lse_dense = R.dense_attention(p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k)
 kl_reused, loss_reused = R.kl_loss(p.q, p.k, p.q_idx, p.k_idx, I, lse_sparse, *args)
@@ -107,7 +107,7 @@ nbtools.table(["part (N = 2^20)", "FLOPs"], [("teacher scores Q K^T", f"{teacher
                                              ("student scores", f"{student:.2e}"),
                                              ("gradients", f"{grads:.2e}"),
                                              ("main branch forward (eq 13), for scale",
-                                              f"{R.attention_flops(Nc, Hq, d_h, 16, 128):.2e}")])
+                                              f"{R.attention_flops(Nc, Hq, d_h, 128, 16):.2e}")])
 
 # %% [markdown]
 # ## The kernel against the reference
@@ -136,7 +136,7 @@ if kl_loss_cuda is not None or kl_backward_cuda is not None:
                           block_size=8, topk=2, dtype=np.float32, seed=12)
     kargs = (kp.cu_seqlens_q, kp.cu_seqlens_k, kp.block_size)
     kI = R.select_blocks(R.block_scores(kp.q_idx, kp.k_idx, *kargs), kp.cu_seqlens_q, kp.cu_seqlens_k,
-                         kp.topk, kp.block_size)
+                         kp.block_size, kp.topk)
     for phase, sel in (("sparse", kI), ("warmup", None)):
         if sel is None:
             klse = R.dense_attention(kp.q, kp.k, kp.v, kp.cu_seqlens_q, kp.cu_seqlens_k)[1]

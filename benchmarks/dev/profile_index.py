@@ -23,7 +23,7 @@ def main(argv=None):
     q_idx, k_idx = B.index_inputs(n)
     cu = B._offsets(n, argparse.Namespace(offsets="host"))
     for _ in range(2):
-        sel = select_blocks_fused(q_idx, k_idx, cu, cu, B.TOPK, B.BK)
+        sel = select_blocks_fused(q_idx, k_idx, cu, cu, B.BK, B.TOPK)
     torch.cuda.synchronize()
     print("selected", tuple(sel.shape))
 

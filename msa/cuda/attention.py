@@ -1428,8 +1428,8 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
     spec = _Spec(q, k, v)
     check_array("q_idx", q_idx, ndim=3, shape=(spec.tq, spec.hkv, None))
     check_array("k_idx", k_idx, ndim=2, shape=(spec.tk, None))
-    block_indices = select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk,
-                                        block_size, index_scale, version=index_version)
+    block_indices = select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size,
+                                        topk, scale=index_scale, version=index_version)
     o, lse = sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
                               scale, version=version, tile_rows=tile_rows, groups=groups,
                               chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,

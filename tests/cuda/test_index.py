@@ -78,7 +78,8 @@ _FUZZ_SHAPES = dict(KERNEL_SHAPES, max_len=40) if SIMULATOR else KERNEL_SHAPES
 
 def _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype, warps=None):
     q, k = args
-    M = cuda_index._block_scores(q, k, cu_q, cu_k, block_size, scale, pool=pool, version=version,
+    M = cuda_index._block_scores(q, k, cu_q, cu_k, block_size, scale=scale, pool=pool,
+                                 version=version,
                                  bf16_bits=dtype == "bf16", warps=warps)
     M = to_numpy(M)
     assert M.dtype == (np.float64 if dtype == "float64" else np.float32)
@@ -100,7 +101,7 @@ def _check_exact(lq, lk, hkv, d_idx, block_size, dtype, pool, seed=0, versions=N
     (qv, kv), args = _inputs(q64, k64, dtype)
     # The reference in the kernel's compute precision: exact dot products, then the same
     # rounding of `dot * scale` (float32 unless the inputs are float64).
-    want = ref_index.block_scores(qv, kv, cu_q, cu_k, block_size, scale, pool=pool)
+    want = ref_index.block_scores(qv, kv, cu_q, cu_k, block_size, scale=scale, pool=pool)
     for version in versions or _versions(dtype, d_idx, block_size):
         got = _run(args, cu_q, cu_k, block_size, scale, pool, version, dtype, warps)
         assert got.shape == want.shape
@@ -334,5 +335,5 @@ def test_tc_kernels_with_the_gpu_tile_of_8_warps():
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = to_numpy(cuda_index.block_scores(q, k, cu_q, cu_k, 16))
     for version in versions:
-        got = cuda_select._select_blocks_fused(q, k, cu_q, cu_k, 2, 16, version=version, warps=8)
-        np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 2, 16))
+        got = cuda_select._select_blocks_fused(q, k, cu_q, cu_k, 16, 2, version=version, warps=8)
+        np.testing.assert_array_equal(to_numpy(got), ref_select.select_blocks(M, cu_q, cu_k, 16, 2))

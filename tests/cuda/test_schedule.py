@@ -109,7 +109,7 @@ def test_literal_schedule_of_paper_example():
 def test_hot_sink_row_from_gpu_csr():
     # Everyone selects block 0 (sink + window): the GPU CSR feeds the GPU scheduler directly.
     lq = lk = [100]
-    I = fixed_blocks(cu(lq), cu(lk), 2, 3, 8)
+    I = fixed_blocks(cu(lq), cu(lk), 8, 3, num_kv_heads=2)
     row_ptr, _, _ = gpu_csr.build_csr(I, cu(lq), cu(lk), 8)
     got = gpu.build_schedule(row_ptr, cu(lk), 8, 16, max_edges=I.shape[0] * I.shape[2])
     want = build_schedule(build_csr(I, cu(lq), cu(lk), 8)[0], cu(lk), 8, 16)
@@ -131,7 +131,7 @@ def test_launch_schedule_on_query_chunks():
     # What other stages call: the unchecked CSR build and schedule on the chunks of a validated
     # batch (Batch.chunks), each against the reference on the chunk's own offsets.
     lq, lk, bk, chunk = [30, 0, 21], [40, 9, 21], 4, 3
-    I = fixed_blocks(cu(lq), cu(lk), 2, 3, bk)
+    I = fixed_blocks(cu(lq), cu(lk), bk, 3, num_kv_heads=2)
     ctx = ArrayContext(I)
     dI = ctx.input("block_indices", I)
     for t0, t1, _, _, sub in Batch.of(cu(lq), cu(lk), bk).chunks(16):

@@ -72,8 +72,8 @@ def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
 
 
 def _check(M, cu_q, cu_k, topk, block_size, version):
-    want = ref_select.select_blocks(M, cu_q, cu_k, topk, block_size)
-    got = cuda_select.select_blocks(M, cu_q, cu_k, topk, block_size, version=version)
+    want = ref_select.select_blocks(M, cu_q, cu_k, block_size, topk)
+    got = cuda_select.select_blocks(M, cu_q, cu_k, block_size, topk, version=version)
     got = to_numpy(got)
     assert got.dtype == np.int32 and got.shape == want.shape
     assert_exact(got, want, name=f"select_blocks[{version}]")
@@ -149,7 +149,7 @@ def test_select_blocks_hand_written_rows(version):
     M = np.zeros((1, 1, 6), np.float32)
     for scores, want in rows.items():
         M[0, 0] = scores
-        got = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, 3, 4, version=version))
+        got = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, 4, 3, version=version))
         np.testing.assert_array_equal(got[0, 0], want)
 
 
@@ -167,15 +167,15 @@ def test_select_blocks_v3_unaligned_scores():
         view = cuda.to_device(buf)[1:].reshape(M.shape)
         cu_q, cu_k = cuda.to_device(cu_q), cuda.to_device(cu_k)
     assert not is_aligned16(view)
-    want = ref_select.select_blocks(M, to_numpy(cu_q), to_numpy(cu_k), 5, 4)
-    got = to_numpy(cuda_select.select_blocks(view, cu_q, cu_k, 5, 4, version=3))
+    want = ref_select.select_blocks(M, to_numpy(cu_q), to_numpy(cu_k), 4, 5)
+    got = to_numpy(cuda_select.select_blocks(view, cu_q, cu_k, 4, 5, version=3))
     assert_exact(got, want, name="select_blocks[3, unaligned]")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_select_blocks_empty_batch(version):
     cu = _cu([0, 0])
-    got = to_numpy(cuda_select.select_blocks(np.zeros((3, 0, 0), np.float32), cu, cu, 4, 8,
+    got = to_numpy(cuda_select.select_blocks(np.zeros((3, 0, 0), np.float32), cu, cu, 8, 4,
                                              version=version))
     assert got.shape == (0, 3, 4) and got.dtype == np.int32
 
@@ -251,7 +251,7 @@ def test_select_blocks_reads_offsets_of_any_library():
         from numba import cuda
 
         got = cuda_select.select_blocks(cuda.to_device(kw["block_scores"]), kw["cu_seqlens_q"],
-                                        cuda.to_device(kw["cu_seqlens_k"]), 3, 4)
+                                        cuda.to_device(kw["cu_seqlens_k"]), 4, 3)
     assert_exact(to_numpy(got), want, name="select_blocks[host offsets]")
 
 
@@ -266,7 +266,7 @@ def _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, topk, block_size, *, 
     float32 reference's error against float64 plus a few ulps, per row (4: tensor cores truncate
     where float32 sums round, see tests/cuda/test_index.py).
     """
-    want = ref_select.select_blocks(M64, cu_q, cu_k, topk, block_size)
+    want = ref_select.select_blocks(M64, cu_q, cu_k, block_size, topk)
     got = to_numpy(got)
     assert got.shape == want.shape and got.dtype == np.int32
     assert_exact(got == -1, want == -1, name="padding")  # same counts, -1 only at the tail
@@ -323,7 +323,7 @@ def test_select_blocks_fused_matches_reference_up_to_near_ties(lq, lk, hkv, d_id
     M64 = ref_index.block_scores(q.astype(np.float64), k.astype(np.float64), cu_q, cu_k, block_size)
     M32 = ref_index.block_scores(q, k, cu_q, cu_k, block_size)
     for version, budget in _fused_versions(dtype, d_idx, block_size):
-        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, block_size, version=version,
+        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, block_size, topk, version=version,
                                               memory_budget=budget)
         _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, topk, block_size)
 
@@ -335,9 +335,9 @@ def test_select_blocks_fused_versions_equal_the_two_stages(topk, lq, lk):
     q64, k64, cu_q, cu_k = _index_problem(lq, lk, 2, 16, 16, seed=3)
     q, k = q64.astype(np.float16), k64.astype(np.float16)
     M = cuda_index.block_scores(q, k, cu_q, cu_k, 16)
-    want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, topk, 16))
+    want = to_numpy(cuda_select.select_blocks(M, cu_q, cu_k, 16, topk))
     for version, budget in ((1, 1), (2, None), (3, None)):
-        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, topk, 16, version=version,
+        got = cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 16, topk, version=version,
                                               memory_budget=budget)
         assert_exact(to_numpy(got), want, name=f"fused[{version}]")
 
@@ -346,19 +346,19 @@ def test_select_blocks_fused_rejects_bad_input():
     q64, k64, cu_q, cu_k = _index_problem([4], [8], 1, 16, 4, seed=0)
     q, k = q64.astype(np.float32), k64.astype(np.float32)
     with pytest.raises(ValueError, match="topk"):
-        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 65, 4)
+        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 4, 65)
     with pytest.raises(ValueError, match="memory_budget"):
-        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, memory_budget=0)
+        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 4, 2, memory_budget=0)
     with pytest.raises(TypeError, match="k_idx"):
-        cuda_select.select_blocks_fused(q, k.astype(np.float64), cu_q, cu_k, 2, 4)
+        cuda_select.select_blocks_fused(q, k.astype(np.float64), cu_q, cu_k, 4, 2)
     with pytest.raises(ValueError, match="version 2 cannot run.*float32"):
-        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version=2)
+        cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 4, 2, version=2)
     with pytest.raises(ValueError, match="version 3 cannot run.*% 16"):
         cuda_select.select_blocks_fused(q.astype(np.float16), k.astype(np.float16), cu_q, cu_k,
-                                        2, 8, version=3)  # Bk % 16 != 0
+                                        8, 2, version=3)  # Bk % 16 != 0
     for version in ("heap3", 4, 0, True, 3.0):
         with pytest.raises(ValueError, match="version"):
-            cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 2, 4, version=version)
+            cuda_select.select_blocks_fused(q, k, cu_q, cu_k, 4, 2, version=version)
 
 
 # -- production sizes (real GPU only) -----------------------------------------------------------
@@ -397,7 +397,7 @@ def test_select_blocks_fused_production_sizes_bf16():
     M32 = ref_index.block_scores(qf, kf, cu_q, cu_k, 128)
     results = {}
     for version, budget in ((1, 1 << 20), (2, None), (3, None)):
-        got = cuda_select.select_blocks_fused(q, k, cq, ck, 16, 128, version=version,
+        got = cuda_select.select_blocks_fused(q, k, cq, ck, 128, 16, version=version,
                                               memory_budget=budget)
         _assert_near_tie_equivalent(got, M64, M32, cu_q, cu_k, 16, 128)
         results[version] = got.cpu().numpy()

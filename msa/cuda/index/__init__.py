@@ -95,7 +95,7 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
                                             topk, out)
 
 
-def _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale=None, *,
+def _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, *, scale=None,
                   pool="max", version=None, bf16_bits=False, warps=None):
     """``block_scores`` with the plan's test knobs (bf16 bit patterns, warps a CTA)."""
     p = IndexPlan.of(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool=pool,
@@ -105,7 +105,7 @@ def _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale=No
     return p.ctx.output(out)
 
 
-def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scale=None, *,
+def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, *, scale=None,
                  pool="max", version=None):
     """Paper eq 6 (right): causal block pooling ``M[r, t, b] = max_{j in block b, j <= pos_t} S``.
 
@@ -136,5 +136,5 @@ def block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, scal
         libraries, non-contiguous arrays, bad ``cu_seqlens``, ``block_size < 1``, a bad scale,
         a version that cannot run on these inputs.
     """
-    return _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale,
+    return _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale=scale,
                          pool=pool, version=version)

@@ -99,7 +99,7 @@ def launch_select_blocks(M, batch: Batch, t0: int, topk: int, out, *,
         v3_warp_list.launch(*args, wide)
 
 
-def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_size: int, *,
+def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, topk: int, *,
                   version=None):
     """Paper eq 7 (§3.2 final recipe) with a warp top-k (§4.1): forced local block + top-(K-1).
 
@@ -109,8 +109,8 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_siz
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums, any library (``Lq <= Lk``;
             bottom-right alignment), read on the host once: NumPy arrays spare a
             device-to-host read.
-        topk: ``K`` in ``[1, 64]``, blocks per row, the local block included.
         block_size: ``Bk`` >= 1.
+        topk: ``K`` in ``[1, 64]``, blocks per row, the local block included.
         version: a kernel of ``VERSIONS`` (the table above; default ``DEFAULT_VERSION``).
 
     Returns:
@@ -146,8 +146,8 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, topk: int, block_siz
     return ctx.output(out)
 
 
-def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk, block_size,
-                         scale=None, *, version=None, memory_budget=None, warps=None):
+def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, *,
+                         scale=None, version=None, memory_budget=None, warps=None):
     """``select_blocks_fused`` with the index plan's ``warps`` (tests)."""
     version = _check_version("version", version, FUSED_VERSIONS)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
@@ -182,11 +182,11 @@ def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk, block_s
     return ctx.output(out)
 
 
-def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, block_size: int,
-                        scale=None, *, version=None, memory_budget: int | None = None):
+def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size: int, topk: int,
+                        *, scale=None, version=None, memory_budget: int | None = None):
     """Paper §3.1-§4.1, eq 6-7: the index branch end to end, ``block_scores`` then ``select_blocks``.
 
-    Equal to ``select_blocks(block_scores(q_idx, k_idx, ...), ..., topk, block_size)`` but never
+    Equal to ``select_blocks(block_scores(q_idx, k_idx, ...), ..., block_size, topk)`` but never
     holds the whole ``M [Hkv, Tq, NB]`` (128 GiB at 1M tokens, Hkv=4, Bk=128).
 
     Args:
@@ -194,7 +194,7 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
         k_idx: [Tk, Didx], same dtype: the shared index key head.
         cu_seqlens_q, cu_seqlens_k: [B+1] int prefix sums (``Lq <= Lk``; bottom-right alignment),
             any library, read on the host once: NumPy arrays spare a device-to-host read.
-        topk: ``K`` in ``[1, 64]``. block_size: ``Bk`` >= 1.
+        block_size: ``Bk`` >= 1. topk: ``K`` in ``[1, 64]``.
         scale: multiplies the dot products; default ``1 / sqrt(Didx)``.
         version: one of ``FUSED_VERSIONS`` (the table above); default 3 where index v3 applies
             (bf16/fp16, ``Didx % 16 == 0``, ``Bk % 16 == 0``, 16-byte aligned ``k_idx``, key
@@ -213,5 +213,5 @@ def select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk: int, blo
         whose scores differ by less than that rounding may swap against a float64 reference;
         every version computes the same block scores, hence the same selection.
     """
-    return _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, topk, block_size,
-                                scale, version=version, memory_budget=memory_budget)
+    return _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk,
+                                scale=scale, version=version, memory_budget=memory_budget)
