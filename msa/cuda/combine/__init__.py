@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._checks import check_array, dtype_of
-from .._core.arrays import SIMULATOR, ArrayContext, is_bf16
+from ..._checks import check_array
+from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .v1_warp import launch_v1
 from .v2_vector import launch_v2, vector_path_ok
 
@@ -116,10 +116,7 @@ def combine_partials(o_part, lse_part, out_dtype=None, *, version: int = DEFAULT
         ``o_part.shape[:3]``, non-contiguous arrays, a bad ``version``.
     """
     check_array("o_part", o_part, ndim=4)
-    bf16_part = is_bf16(o_part)
-    if not bf16_part and dtype_of(o_part) != np.float32:
-        raise TypeError(f"o_part must have dtype float32 or bfloat16 on the GPU, got "
-                        f"{dtype_of(o_part)}")
+    bf16_part = float_kind("o_part", o_part, ("float32", "bfloat16")) == "bfloat16"
     num_slots, tq, hq, d = (int(s) for s in o_part.shape)
     if num_slots < 1:
         raise ValueError(f"o_part must have K >= 1 slots on axis 0, got shape "
