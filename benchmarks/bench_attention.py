@@ -254,8 +254,12 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     result; ValueError above ``GATE_REL``, before any timing)."""
     import numpy as np
     import torch
+    from numba import cuda
 
-    from msa.cuda import attention as A
+    from msa.cuda._core.arrays import ArrayContext
+    from msa.cuda._core.launch import device_copy, kernel_array
+    from msa.cuda.attention._plan import K1Plan, Spec
+    from msa.cuda.combine import launch_combine
     from msa.cuda.csr import build_csr
     from msa.cuda.schedule import build_schedule
 
@@ -264,11 +268,11 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     ref = gather_attention(q, k, v, I, n - min(c, 512), n) if gate else None
     q, I = q[n - c:], I[n - c:]
     cu_q, cu_k = np.array([0, c], np.int32), np.array([0, n], np.int32)
-    spec = A._Spec(q, k, v)
-    plan = A._K1Plan(spec, BK, version, tile_rows, groups)
+    spec = Spec(q, k, v)
+    plan = K1Plan(spec, BK, version, tile_rows, groups)
     chunk = -(-2 * TOPK * BK // plan.positions) * plan.positions
     scale = 1.0 / math.sqrt(D)
-    ctx = A.ArrayContext(q, k, v, I)
+    ctx = ArrayContext(q, k, v, I)
     qa, ka, va = plan.inputs(ctx, q, k, v)
     bf16_partials = partials == "bfloat16"
     o_part = torch.empty((TOPK, c, HQ, D), device=DEVICE,
@@ -276,10 +280,10 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     lse_part = torch.empty((TOPK, c, HQ), dtype=torch.float32, device=DEVICE)
     o = torch.empty_like(q)
     lse = torch.empty((c, HQ), dtype=torch.float32, device=DEVICE)
-    d_cu_q, d_cu_k = A._device_copy(cu_q), A._device_copy(cu_k)
+    d_cu_q, d_cu_k = device_copy(cu_q), device_copy(cu_k)
     o_part_bits = o_part.view(torch.int16) if bf16_partials else o_part
-    args = [A.cuda.as_cuda_array(x, sync=False) for x in (o_part_bits, lse_part,
-                                                          o.view(torch.int16), lse)]
+    args = [cuda.as_cuda_array(x, sync=False) for x in (o_part_bits, lse_part,
+                                                        o.view(torch.int16), lse)]
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
     def run():
@@ -288,11 +292,11 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
         work, _ = build_schedule(row_ptr, cu_k, BK, chunk, max_edges=c * TOPK, validate=False)
         ev[1].record()
         lse_part.fill_(-math.inf)
-        plan.launch(qa, ka, va, A._kernel_array(work), A._kernel_array(qi), A._kernel_array(sl),
+        plan.launch(qa, ka, va, kernel_array(work), kernel_array(qi), kernel_array(sl),
                     d_cu_q, d_cu_k, scale, args[0], args[1], bf16_partials)
         ev[2].record()
-        A.launch_combine(ctx, args[0], args[1], args[2], args[3], head_dim=D,
-                         bf16_part=bf16_partials, bf16_out=True)
+        launch_combine(args[0], args[1], args[2], args[3], head_dim=D,
+                       bf16_part=bf16_partials, bf16_out=True)
         ev[3].record()
         torch.cuda.synchronize()
         return [ev[i].elapsed_time(ev[i + 1]) for i in range(3)]
@@ -460,23 +464,6 @@ def index_inputs(n, seed=2):
     q_idx = torch.randn((n, HKV, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
     k_idx = torch.randn((n, D_IDX), device=DEVICE, generator=g, dtype=torch.bfloat16)
     return q_idx, k_idx
-
-
-def prefill_rounds(out, names, use, n, rounds):
-    """An in-process A/B of ``msa_prefill`` at ``n`` (the benchmark's inputs, one causal
-    sequence): ``time_rounds`` over ``names`` into ``out["prefill_ms"]``, then dense SDPA once
-    into ``out["dense_sdpa_ms"]``."""
-    from benchmarks.common import time_rounds
-    from msa.cuda.attention import msa_prefill
-
-    q, k, v = _qkv(n, seed=1)
-    q_idx, k_idx = index_inputs(n)
-    cu = _offsets(n, argparse.Namespace(offsets="host"))
-    time_rounds(out.setdefault("prefill_ms", {}), names, use,
-                lambda: msa_prefill(q, k, v, q_idx, k_idx, cu, cu, BK, TOPK),
-                rounds=rounds, label=f"msa_prefill {n}", reps=3)
-    out["dense_sdpa_ms"] = cuda_time_ms(lambda: dense_sdpa(q, k, v), warmup=1, reps=2)
-    print(f"dense SDPA {n}: {out['dense_sdpa_ms']:.1f} ms", flush=True)
 
 
 def bench_prefill(n, args):

@@ -13,7 +13,7 @@
 # of its 813 tests in 533 s, so within the 10-minute limit of one device call give the test
 # paths in two calls, e.g.
 #     ... gpu_session.sh tests tests/cuda/test_select.py tests/cuda/test_kl.py
-#     ... gpu_session.sh tests tests/cuda/test_attention.py tests/cuda/test_csr.py ...
+#     ... gpu_session.sh tests tests/cuda/test_attention_*.py tests/cuda/test_csr.py ...
 # The device tool brings back at most 8 files, so everything is also packed into
 # $OUT/session.tar.gz and the loose files are removed at the end (MSA_KEEP_FILES=1 keeps them).
 set -uo pipefail

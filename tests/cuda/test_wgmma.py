@@ -2,7 +2,7 @@
 
 The ``wgmma`` instructions themselves run only on a GPU of compute capability 9.0 (no simulator
 twin); the kernels that use them (K1 v4, the index kernel ``tc4``) are tested against the
-reference in ``test_attention.py`` and ``test_index.py`` there. What is plain arithmetic is
+reference in ``test_attention_*.py`` and ``test_index.py`` there. What is plain arithmetic is
 tested here, in the simulator too, through the device functions' Python bodies.
 """
 

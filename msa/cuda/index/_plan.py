@@ -73,12 +73,14 @@ class IndexPlan:
 
     @classmethod
     def of(cls, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale=None, *,
-           pool="max", version=None, bf16_bits=False, warps=None) -> IndexPlan:
+           pool="max", version=None, bf16_bits=False, warps=None, batch=None) -> IndexPlan:
         """Check eq 6's inputs (errors name the argument) and choose the kernel.
 
         ``version``: 1, 2, 3 or None (the fastest that applies). ``bf16_bits``: int16/uint16
         inputs hold bf16 bit patterns (the simulator's stand-in). ``warps``: warps a CTA of
         the tensor-core kernels (default ``TC_WARPS``; tests run the GPU's 8 in the simulator).
+        ``batch``: the ``msa._batch.Batch`` a caller already validated (then ``cu_seqlens_q``,
+        ``cu_seqlens_k`` and ``block_size`` are not looked at again).
         """
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
@@ -98,7 +100,11 @@ class IndexPlan:
         check_array("k_idx", k_idx, shape=(None, d_idx))
         tk = int(k_idx.shape[0])
         # offsets from any library, read on the host once
-        batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+        if batch is None:
+            batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+        elif (batch.tq, batch.tk) != (tq, tk):
+            raise ValueError(f"q_idx and k_idx must have the batch's Tq={batch.tq} and "
+                             f"Tk={batch.tk} rows, got {tq} and {tk}")
         scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
         ctx = ArrayContext(q_idx, k_idx)
         p = cls()

@@ -146,15 +146,23 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, top
     return ctx.output(out)
 
 
+def launch_select_blocks_fused(q_idx, k_idx, batch: Batch, topk: int, *, scale=None,
+                               version=None):
+    """``select_blocks_fused`` on a ``Batch`` a caller validated (``msa_prefill``): the offsets
+    are not checked again; ``q_idx``, ``k_idx``, ``topk`` and the knobs are."""
+    return _select_blocks_fused(q_idx, k_idx, None, None, None, topk, scale=scale,
+                                version=version, batch=batch)
+
+
 def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, *,
-                         scale=None, version=None, memory_budget=None, warps=None):
+                         scale=None, version=None, memory_budget=None, warps=None, batch=None):
     """``select_blocks_fused`` with the index plan's ``warps`` (tests)."""
     version = _check_version("version", version, FUSED_VERSIONS)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
     memory_budget = check_positive_int(
         "memory_budget", FUSED_MEMORY_BUDGET if memory_budget is None else memory_budget)
     p = IndexPlan.of(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool="max",
-                     warps=warps)
+                     warps=warps, batch=batch)
     if version is None:  # the fused kernel of the index's default, else the chunks
         version = p.version if p.version >= 2 else 1
     elif version >= 2:  # index version n with the top-k epilogue

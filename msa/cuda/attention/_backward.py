@@ -1,0 +1,256 @@
+"""The main branch's backward on the GPU: validation once, then version 1 or 2 per query chunk.
+
+``sparse_attention_backward`` checks everything (``Spec``, ``Batch.of``, the knobs, the rung's
+limits, the selection with ``validate``) and launches: ``D = rowsum(dO O)``, then version 1
+(``v1_backward_cuda_cores``: dQ Q-outer, the CSR of the whole batch, dK/dV per part of a row)
+or version 2 (``v2_backward_tensor_cores``: per query chunk whose dQ partials fit
+``max_partial_bytes``, its CSR, one kernel per part of a row, the hot rows' sums and the dQ
+sum). The rows are cut into parts by ``_backward_parts``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._checks import check_array, check_positive_int, cu_to_host
+from ...reference.select import check_block_indices
+from .._core import mma as _mma
+from .._core.arrays import INT32_MAX, ArrayContext, device_constant, device_offsets
+from .._core.launch import kernel_array, launch_smem
+from .._core.memops import is_aligned16
+from .._core.packed import LOG2E
+from ..csr import exclusive_prefix_sum, launch_build_csr
+from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
+from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
+from ._plan import MAX_PARTIAL_BYTES, Spec, element_view, selection_args
+
+VERSIONS = (1, 2)
+
+
+def _why_not_v2(spec, block_size):
+    """Why version 2 cannot run this problem (``None`` if it can), its tile rows and its shared
+    memory bytes."""
+    d, g, bk = spec.d, spec.g, block_size
+    rows = max(1, v2.TILE_ROWS // g) * g
+    smem = v2.layout(bk, d, rows)[-1]
+    if spec.kind == "float32":
+        return "float32 inputs (tensor cores take float16/bfloat16)", rows, smem
+    if d % 16 or d > v2.MAX_HEAD_DIM:
+        return (f"head dim D={d} (a multiple of 16, at most {v2.MAX_HEAD_DIM}: dK, dV live in "
+                f"registers)"), rows, smem
+    if bk % 16 or bk > v2.MAX_BLOCK_SIZE:
+        return (f"block_size={bk} (a multiple of 16, at most {v2.MAX_BLOCK_SIZE}: a warp per 16 "
+                f"keys, 8 warps of ~220 registers)"), rows, smem
+    if rows % 16:
+        return f"G={g} (tiles of whole 16-row mma fragments)", rows, smem
+    if smem > _mma.DYNAMIC_SMEM_LIMIT:
+        return f"{smem} bytes of shared memory", rows, smem
+    return None, rows, smem
+
+
+def default_backward_version(q, k, v, block_size) -> int:
+    """The version ``sparse_attention_backward(version=None)`` runs for these inputs: 2 (tensor
+    cores) where it applies (float16/bfloat16, D and Bk multiples of 16 up to 128), else 1."""
+    return backward_version(Spec(q, k, v), check_positive_int("block_size", block_size))
+
+
+def backward_version(spec, block_size) -> int:
+    """``default_backward_version`` of validated shapes (``Spec``) and block size."""
+    return 1 if _why_not_v2(spec, block_size)[0] else 2
+
+
+def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
+    """Cut the CSR rows into parts of at most ``part_size`` entries, without a host read:
+    ``(part_ptr, per_head, num_split)``. One scan gives both the parts' offsets per head (rows
+    0 .. Hkv-1 of ``part_ptr``) and the scratch slots of the rows with more than one part (rows
+    Hkv ..). The grid and the scratch are sized by bounds, for heads of at most ``entries``
+    entries: a head has ``sum ceil(c / part_size) <= rows + entries // part_size`` parts (CTAs
+    past its last part exit at once), and its split rows (``c > part_size`` each) fewer than
+    ``2 * entries / part_size`` parts, and at most ``entries``."""
+    parts = ctx.empty((2 * hkv, rows), np.int32)
+    parts_kernel[-(-(hkv * rows) // THREADS), THREADS](row_ptr, part_size, ctx.arg(parts))
+    part_ptr = exclusive_prefix_sum(parts, validate=False)
+    per_head = rows + entries // part_size
+    num_split = hkv * min(entries, 2 * (entries // part_size))
+    return kernel_array(part_ptr), per_head, num_split
+
+
+def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
+                              block_size, scale=None, *, version=None, part_size=None,
+                              max_partial_bytes=None, validate=True):
+    """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
+
+    Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
+    math), with ``P`` rebuilt from the forward's LSE and ``D = rowsum(dO * O)``. ``dK, dV`` are
+    KV-outer: a CTA per part of a k2q CSR row (``msa.cuda.csr.build_csr``), walking the part's
+    queries in ascending order. A row has one part unless it holds more than ``part_size``
+    queries (a hot row: a sink block every query picks); a hot row's parts write scratch slots
+    that a second kernel adds in part order. No atomics: bitwise identical on reruns.
+
+    Versions (the package docstring has the table):
+
+    1. CUDA cores, float32 throughout (any dtype): ``dQ`` Q-outer (a CTA per query and KV
+       head), ``dK, dV`` accumulated in shared memory. The tested fallback; slow.
+    2. tensor cores (float16/bfloat16, ``D`` and ``Bk`` multiples of 16 up to 128; the
+       default where it applies): one kernel does all five products per tile of
+       ``64/G`` queries x G heads with ``mma.sync``, dK and dV in registers, and writes each
+       (query, head, slot)'s ``dQ`` share to a float32 partial that a second kernel sums in
+       slot order (as K2 sums the forward's). The partials take ``K*Tq*Hq*D*4`` bytes, so the
+       queries go in chunks of at most ``max_partial_bytes`` (default 4 GiB), each with its
+       own CSR, adding to ``dk, dv`` in turn. P and dS are rounded to the inputs' 16-bit type
+       before their products (FlashAttention's backward).
+
+    Args:
+        q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
+        o: the forward's output [Tq, Hq, D] (q's dtype); lse: its float32 [Tq, Hq];
+            do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
+        block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
+        version: 1, 2 or ``None`` (2 where it applies, else 1).
+        part_size: most CSR entries (queries) one dK/dV CTA takes (default ``2*K*Bk``, the
+            forward's hot-row cut); a row with more is split, and its parts' sums are added in
+            a fixed order (so a different ``part_size`` may change the last bits).
+        max_partial_bytes: version 2's memory for one query chunk's dQ partials.
+        validate: check ``block_indices`` on a host copy first; ``False`` skips it (invalid
+            entries are then skipped by the kernels: memory safe, result unspecified).
+
+    Returns:
+        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``, float32, in the caller's library.
+        Keys no query sees get 0; a query with an empty support (``lse = -inf``) gets ``dq = 0``.
+
+    Raises:
+        TypeError/ValueError as ``sparse_attention``, plus ``o``, ``do`` or ``lse`` of the wrong
+        shape or dtype, ``version=2`` where it does not apply, and ``Bk``, ``D``, ``G`` too
+        large for version 1's shared memory (the paper's Bk = D = 128, G = 16 fit; so does
+        D = 256 with Bk = 64, G <= 8).
+    """
+    return _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
+                                      cu_seqlens_k, block_size, scale, version=version,
+                                      part_size=part_size, max_partial_bytes=max_partial_bytes,
+                                      validate=validate)
+
+
+def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
+                               block_size, scale=None, *, version=None, part_size=None,
+                               max_partial_bytes=None, validate=True, bf16_bits=False):
+    """``sparse_attention_backward``; ``bf16_bits``: int16/uint16 inputs hold bf16 bits."""
+    spec = Spec(q, k, v, bf16_bits=bf16_bits)
+    tq, hq, d = spec.tq, spec.hq, spec.d
+    for name, x in (("o", o), ("do", do)):
+        check_array(name, x, ndim=3, shape=(tq, hq, d))
+        spec.same_kind(name, x)
+    check_array("lse", lse, ndim=2, dtypes=(np.float32,), shape=(tq, hq))
+    batch, scale, topk = selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k,
+                                        block_size, scale)
+    bs = batch.block_size
+    part_size = check_positive_int("part_size", 2 * topk * bs if part_size is None
+                                   else part_size, high=INT32_MAX)
+    max_partial_bytes = check_positive_int(
+        "max_partial_bytes", MAX_PARTIAL_BYTES if max_partial_bytes is None
+        else max_partial_bytes)
+    why_not, tc_rows, tc_smem = _why_not_v2(spec, bs)
+    if version is None:
+        version = 1 if why_not else 2
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+    if version == 2 and why_not:
+        raise ValueError(f"version=2 (tensor cores) does not support {why_not}; use version=1")
+    smem = v1.dkdv_layout(bs, d, spec.g)[-1]
+    if version == 1:
+        for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
+                                    ("dQ", v1.dq_smem(bs, d, spec.g), _mma.STATIC_SMEM_LIMIT)):
+            if need > limit:
+                raise ValueError(f"block_size={bs} with head dim D={d} and G={spec.g}: "
+                                 f"the {kernel} kernel needs {need} bytes of shared memory, "
+                                 f"more than {limit}")
+    if validate:
+        check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, bs)
+
+    ctx = ArrayContext(q, k, v, o, lse, do, block_indices)
+    dq = ctx.empty((tq, hq, d), np.float32)
+    dk = ctx.empty((spec.tk, spec.hkv, d), np.float32, fill=0)
+    dv = ctx.empty((spec.tk, spec.hkv, d), np.float32, fill=0)
+    if tq == 0 or spec.tk == 0:
+        return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+    oa, doa = (element_view(ctx, name, x, spec.bf16) for name, x in (("o", o), ("do", do)))
+    I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
+                                                                      block_indices)
+    delta = ctx.empty((tq, hq), np.float32)
+    arrays = (ctx.input("lse", lse), ctx.arg(delta), ctx.arg(dq), ctx.arg(dk), ctx.arg(dv))
+    # D = rowsum(dO O), a warp per row
+    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS](oa, doa, arrays[1])
+    if version == 1:
+        _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)
+    else:
+        _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
+                  tc_rows, tc_smem, *arrays)
+    return ctx.output(dq), ctx.output(dk), ctx.output(dv)
+
+
+def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, lse_a, delta_a,
+              dq_a, dk_a, dv_a):
+    """Backward version 1 on the whole batch: dQ Q-outer, then dK/dV per part of a CSR row."""
+    bs, d, hkv, nt = batch.block_size, spec.d, spec.hkv, THREADS
+    qa, ka, va = (element_view(ctx, name, x, spec.bf16)
+                  for name, x in (("q", q), ("k", k), ("v", v)))
+    d_cu_q, d_cu_k = device_offsets(batch)
+    v1.dq_kernel(bs, d, spec.g, spec.bf16, nt)[spec.tq * hkv, nt](
+        qa, ka, va, doa, lse_a, delta_a, kernel_array(I), d_cu_q, d_cu_k, np.float32(scale),
+        dq_a)
+    if batch.rows == 0:
+        return
+    row_ptr, q_indices, _ = launch_build_csr(batch, I, ctx)
+    d_row_ptr = kernel_array(row_ptr)
+    d_row_offsets = device_constant(batch.row_offsets.astype(np.int32))
+    part_ptr, per_head, num_split = _cut_rows(ctx, d_row_ptr, hkv, batch.rows, part_size,
+                                              spec.tq * topk)
+    dk_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
+    dv_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
+    launch_smem(v1.dkdv_kernel(bs, d, spec.g, spec.bf16, nt), hkv * per_head, nt, smem, qa, ka,
+                va, doa, lse_a, delta_a, d_row_ptr, kernel_array(q_indices), d_row_offsets,
+                d_cu_q, d_cu_k, np.float32(scale), part_ptr, part_size, dk_a, dv_a, dk_part,
+                dv_part)
+    dkdv_sum_kernel(bs, d, THREADS)[hkv * batch.rows, THREADS](
+        part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
+
+
+def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
+              tc_rows, tc_smem, lse_a, delta_a, dq_a, dk_a, dv_a):
+    """Backward version 2 per query chunk whose dQ partials fit ``max_partial_bytes`` (as
+    ``sparse_attention``)."""
+    bs, d, hq, hkv = batch.block_size, spec.d, spec.hq, spec.hkv
+    qw, kw, vw, dow = (ctx.input(name, x).view(np.uint32)
+                       for name, x in (("q", q), ("k", k), ("v", v), ("do", do)))
+    aligned = all(is_aligned16(x) for x in (qw, kw, vw, dow))
+    k_tc = v2.backward_kernel_v2(bs, d, spec.g, tc_rows, spec.bf16, aligned)
+    k_sum = dkdv_sum_kernel(bs, d, THREADS)
+    k_dq_sum = v2.dq_sum_kernel(d, spec.g)
+    q_chunk = max(1, min(spec.tq, max_partial_bytes // (topk * hq * d * 4)))
+    dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * d,), np.float32))
+    # Every chunk's offsets go to the device before the first launch (a host-to-device copy
+    # inside the loop would wait for the previous chunk's kernels); no host read after that.
+    chunks = [(t0, t1, k_lo, k_hi, sub, device_constant(sub.row_offsets.astype(np.int32)),
+               *device_offsets(sub)) for t0, t1, k_lo, k_hi, sub in batch.chunks(q_chunk)]
+    for t0, t1, k_lo, k_hi, sub, d_row_offsets, d_cu_q, d_cu_k in chunks:
+        tc = t1 - t0
+        I_c = I[t0:t1]
+        dq_part = dq_buf[:topk * tc * hq * d].reshape(topk, tc, hq, d)
+        if sub.rows:
+            row_ptr, q_indices, slots = launch_build_csr(sub, I_c, ctx)
+            d_row_ptr = kernel_array(row_ptr)
+            part_ptr, per_head, num_split = _cut_rows(ctx, d_row_ptr, hkv, sub.rows, part_size,
+                                                      tc * topk)
+            dk_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
+            dv_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
+            dk_c, dv_c = dk_a[k_lo:k_hi], dv_a[k_lo:k_hi]
+            launch_smem(k_tc, hkv * per_head, 2 * bs, tc_smem, qw[t0:t1], kw[k_lo:k_hi],
+                        vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1], delta_a[t0:t1], d_row_ptr,
+                        kernel_array(q_indices), kernel_array(slots), d_row_offsets, d_cu_q,
+                        d_cu_k, np.float32(scale), np.float32(scale * LOG2E), part_ptr,
+                        part_size, dk_c, dv_c, dk_part, dv_part, dq_part)
+            # rows of one part return at once
+            k_sum[hkv * sub.rows, THREADS](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
+                                           dk_c, dv_c)
+        # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
+        k_dq_sum[-(-(tc * hq * 32) // THREADS), THREADS](kernel_array(I_c), d_cu_q,
+                                                         d_row_offsets, dq_part,
+                                                         np.float32(scale), dq_a[t0:t1])

@@ -1,0 +1,275 @@
+"""The register-resident query tile that K1 versions 3 and 4 share (FlashAttention-2 style).
+
+Both rungs run the same tile: warp ``w`` owns rows ``16w .. 16w+15`` of a tile of ``R = P*G``
+rows (``P`` query positions x the ``G`` heads of a KV head) and keeps their scores (``Bk/2``
+fp32 a lane), the probabilities and the output in registers, in the accumulator layout of
+``mma.sync.m16n8k16`` (which ``wgmma`` shares): lane ``(g4, t4)`` holds rows ``r_top = 16w +
+g4`` and ``r_bot = r_top + 8``, columns ``8i + 2t4`` and the next of each n-tile ``i``. What
+differs between the rungs is how ``S = Q Kᵀ`` and ``O = P V`` are multiplied and how K and V
+sit in shared memory (their own mainloop files); this module holds the rest, by role:
+
+* ``layout`` / ``o_parts`` / ``smem16``: the shared memory and the column parts of O;
+* ``gather``: a thread's half of a query row into a Q buffer (``cp.async`` or plain loads);
+* ``softmax``: the causal mask, the row max and sum over the quad, ``P = 2**(S s log2 e - m)``
+  packed to 16-bit pairs (already the A fragments of ``O = P V``);
+* ``o_offsets`` / ``store_o``: the rows' ``O_s = O / l`` into their slots (16-byte stores of bf16
+  partials after a quad transpose, where a part of O has a multiple of 4 n-tiles);
+* ``store_lse``: the rows' ``L_s = ln 2 (m + log2 l)``.
+
+``tile(...)`` builds them for one specialisation (compile-time sizes as closure constants).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from numba import cuda, float32, int32, uint32, uint64
+
+from .._core import mma as _mma
+from .._core.arrays import SIMULATOR
+from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
+                            no_op, store_u32x4)
+from .._core.mma import exp2, pack_bf16x2, pack_f16x2
+from .._core.packed import LN2
+
+MAX_HEAD_DIM = 128  # O lives in registers
+MAX_BLOCK_SIZE = 128  # S lives in registers
+_NEG_INF = float32(-math.inf)
+
+
+@cuda.jit(device=True, inline=True)
+def quad_transpose(t4, v0, v1, v2, v3):
+    """4 x 4 transpose across the four lanes of a quad (``t4 = lane % 4``): lane ``t4`` gives
+    ``v_j`` and receives, as ``u_k``, lane k's ``v_{t4}``. Two butterfly steps of two shuffles
+    each; every lane of the warp must call it. Words travel as int32 (shuffles take no
+    uint32)."""
+    v0, v1, v2, v3 = int32(v0), int32(v1), int32(v2), int32(v3)
+    odd = (t4 & 1) != 0
+    r0 = cuda.shfl_xor_sync(0xFFFFFFFF, v0 if odd else v1, 1)
+    r1 = cuda.shfl_xor_sync(0xFFFFFFFF, v2 if odd else v3, 1)
+    w0 = r0 if odd else v0
+    w1 = v1 if odd else r0
+    w2 = r1 if odd else v2
+    w3 = v3 if odd else r1
+    high = (t4 & 2) != 0
+    r0 = cuda.shfl_xor_sync(0xFFFFFFFF, w0 if high else w2, 2)
+    r1 = cuda.shfl_xor_sync(0xFFFFFFFF, w1 if high else w3, 2)
+    if high:
+        return r0, r1, w2, w3
+    return w0, w1, r0, r1
+
+
+def layout(block_size, head_dim, rows, groups=1):
+    """Row stride (32-bit words), word offsets of sV and sQ, and total bytes of the shared
+    memory: sK [Bk rows] and sV [Bk rows] (row-major in version 3, 8 x 8 core matrices in
+    version 4, the same bytes), then for each of the CTA's ``groups`` warp groups two sQ
+    buffers of R rows (tile i+1 is gathered while tile i computes).
+    Rows of ``D/2 + 4`` words: 16-byte aligned for ``cp.async``, and the 8 rows x 16 bytes of
+    an ``ldmatrix`` phase hit 32 different banks."""
+    ld = head_dim // 2 + 4
+    off_v = block_size * ld
+    off_q = 2 * block_size * ld
+    total = off_q + groups * 2 * rows * ld
+    return ld, off_v, off_q, 4 * total
+
+
+def o_parts(head_dim):
+    """Column parts of O: two above D = 64 (at D = 128 all 64 accumulators at once take 255
+    registers on sm_90, in two parts of 32 the kernel takes 168; offline ptxas)."""
+    return 2 if head_dim > 64 and (head_dim // 8) % 4 == 0 else 1
+
+
+if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
+    @cuda.jit(device=True)
+    def smem16():
+        return cuda.shared.array(0, uint32)
+else:
+    @cuda.jit(device=True, inline=True)
+    def smem16():
+        """The dynamic shared memory, 16-byte aligned (``cp.async``, ``ldmatrix``)."""
+        return cuda.shared.array(0, uint32, alignment=16)
+
+
+def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_async, parts,
+         groups, vector_stores):
+    """Sizes and device functions of one tile specialisation (see the module docstring).
+
+    Returns a namespace of the constants the mainloops use (``R``, ``NT``, ``NG``, ``LD``,
+    ``OFF_V``, ``OFF_Q``, ``DW``, ``QBUF``, ``PIECES``, ``NS``, ``NO``, ``KS``, ``KP``,
+    ``NO_PART``, ``S_REGS``, ``P_REGS``, ``O_REGS``, ``CTA_THREADS``, ``UNIFORM``, ``JIT``) and
+    the functions ``copy16``, ``commit``, ``wait_all``, ``gather``, ``softmax``, ``o_offsets``,
+    ``store_o``, ``store_lse``."""
+    Bk, D, G, P = block_size, head_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    NG = groups
+    assert R % 16 == 0 and NW * NG <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
+    assert 1 <= NG <= 15
+    LD, OFF_V, OFF_Q, _ = layout(Bk, D, R, NG)
+    DW = D // 2  # words per row of Q/K/V
+    PIECES = DW // 4  # 16-byte pieces per row
+    HALF = PIECES // 2  # pieces a thread gathers: two threads per query row (NT = 2R)
+    NS = Bk // 8  # n-tiles of S (8 keys each): 4 fp32 registers per lane each
+    NO = D // 8  # n-tiles of O (8 dims each)
+    NO_PART = NO // parts  # n-tiles of O per part (even: ldmatrix.x4.trans loads two)
+    assert NO_PART % 2 == 0 and NO_PART * parts == NO
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    copy16 = cp_async16 if use_async else copy16_plain3
+    BF16_PARTIALS = bf16_partials
+    O_ROW = DW if bf16_partials else D  # elements of one O_s row in o_part
+    # bf16 partials: a quad's lanes hold words t4, 4 + t4, ... of a row; transposed across the
+    # quad in groups of four n-tiles, each lane stores 16 contiguous bytes (one st.global.v4
+    # instead of four 4-byte stores a lane: a quarter of the scattered store instructions).
+    STORE_V4 = bf16_partials and vector_stores and NO_PART % 4 == 0
+
+    @cuda.jit(device=True, inline=True)
+    def gather(smem, q, h, row, half, t, dst_buf):
+        """Start copying this thread's half of query row ``row`` (token ``t``, zeros if -1)
+        into the Q buffer at word ``dst_buf``."""
+        src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
+        dst = dst_buf + row * LD + half * HALF * 4
+        for u in range(HALF):
+            copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(s_acc, p_frag, pos_top, pos_bot, key_pos0, nk, col, scale_log2):
+        """Mask the raw scores ``s_acc``, then ``P = 2**(S scale_log2 - m)`` into ``p_frag``;
+        returns the rows' base-2 maxima and sums ``(mb_top, mb_bot, l_top, l_bot)``."""
+        # Token-level causal mask (and keys past the sequence): key c of the block is
+        # visible to a row iff c <= lim; rows without a query have pos = -1: nothing.
+        # Only a block that reaches past a row's position (its local block, or the last,
+        # partial one) needs it: int32 compares, skipped when both rows see every key.
+        lim_top = int32(min(pos_top - key_pos0, nk - 1))
+        lim_bot = int32(min(pos_bot - key_pos0, nk - 1))
+        if lim_top < Bk - 1 or lim_bot < Bk - 1:
+            # key 8 i + e of this lane's n-tile i is col + 8 i + e: hidden iff
+            # 8 i + e > lim - col, compared in float32 (exact: |lim - col| < 2**24)
+            thr_top = float32(lim_top - col)
+            thr_bot = float32(lim_bot - col)
+            for i in range(NS):
+                for e in range(2):
+                    if float32(8 * i + e) > thr_top:
+                        s_acc[4 * i + e] = _NEG_INF
+                    if float32(8 * i + e) > thr_bot:
+                        s_acc[4 * i + 2 + e] = _NEG_INF
+        # m = rowmax(S)
+        m_top = _NEG_INF
+        m_bot = _NEG_INF
+        for i in range(NS):
+            for e in range(2):
+                m_top = max(m_top, s_acc[4 * i + e])
+                m_bot = max(m_bot, s_acc[4 * i + 2 + e])
+        # the quad's four lanes hold the row: combine their maxima
+        m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 1))
+        m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
+        m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
+        m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
+        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN)
+        mb_top = m_top * scale_log2 if m_top > _NEG_INF else float32(0.0)
+        mb_bot = m_bot * scale_log2 if m_bot > _NEG_INF else float32(0.0)
+        # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
+        # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
+        l_top = float32(0.0)
+        l_bot = float32(0.0)
+        for i in range(NS):  # one fused multiply-add a score
+            p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
+            p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
+            p2 = exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot))
+            p3 = exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot))
+            l_top += p0 + p1
+            l_bot += p2 + p3
+            p_frag[2 * i] = pack(p0, p1)
+            p_frag[2 * i + 1] = pack(p2, p3)
+        l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 1)
+        l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 1)
+        l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 2)
+        l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 2)
+        return mb_top, mb_bot, l_top, l_bot
+
+    @cuda.jit(device=True, inline=True)
+    def o_offsets(lane_col, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, q_total, hq_total):
+        """First element of each row's O_s in the flat o_part (0 for a row without a query: not
+        stored) plus this lane's first column (its word with bf16 partials), so that a store
+        adds only a constant; unsigned, so no negative-index checks."""
+        at_top = lane_col
+        at_bot = lane_col
+        if t_top >= 0:
+            at_top += uint64(((s_top * q_total + t_top) * hq_total + hq_top) * O_ROW)
+        if t_bot >= 0:
+            at_bot += uint64(((s_bot * q_total + t_bot) * hq_total + hq_bot) * O_ROW)
+        return at_top, at_bot
+
+    @cuda.jit(device=True, inline=True)
+    def store_o(o_part, o_acc, part, t4, t_top, t_bot, at_top, at_bot, inv_top, inv_bot):
+        """O_s = O / l of part ``part`` of the columns (0 where nothing is visible)."""
+        if STORE_V4:
+            for i4 in range(NO_PART // 4):
+                a = 16 * i4  # o_acc index of n-tile 4 i4 of this part
+                x0, x1, x2, x3 = quad_transpose(
+                    t4, pack_bf16x2(o_acc[a] * inv_top, o_acc[a + 1] * inv_top),
+                    pack_bf16x2(o_acc[a + 4] * inv_top, o_acc[a + 5] * inv_top),
+                    pack_bf16x2(o_acc[a + 8] * inv_top, o_acc[a + 9] * inv_top),
+                    pack_bf16x2(o_acc[a + 12] * inv_top, o_acc[a + 13] * inv_top))
+                y0, y1, y2, y3 = quad_transpose(
+                    t4, pack_bf16x2(o_acc[a + 2] * inv_bot, o_acc[a + 3] * inv_bot),
+                    pack_bf16x2(o_acc[a + 6] * inv_bot, o_acc[a + 7] * inv_bot),
+                    pack_bf16x2(o_acc[a + 10] * inv_bot, o_acc[a + 11] * inv_bot),
+                    pack_bf16x2(o_acc[a + 14] * inv_bot, o_acc[a + 15] * inv_bot))
+                # lane t4 stores n-tile 4 i4 + t4 of the part: words 4 (that n-tile)
+                # .. + 3 of the row, i.e. at_* - t4 + 4 (part NO_PART + 4 i4 + t4)
+                d = uint64(3 * t4 + 4 * (part * NO_PART + 4 * i4))
+                if t_top >= 0:
+                    store_u32x4(o_part, at_top + d, x0, x1, x2, x3)
+                if t_bot >= 0:
+                    store_u32x4(o_part, at_bot + d, y0, y1, y2, y3)
+            return
+        for i in range(NO_PART):
+            # output columns 8 (part NO_PART + i) + col and the next one
+            if BF16_PARTIALS:  # one word (two bf16) per column pair
+                d = uint64(4 * (part * NO_PART + i))
+                if t_top >= 0:
+                    o_part[at_top + d] = pack_bf16x2(o_acc[4 * i] * inv_top,
+                                                     o_acc[4 * i + 1] * inv_top)
+                if t_bot >= 0:
+                    o_part[at_bot + d] = pack_bf16x2(o_acc[4 * i + 2] * inv_bot,
+                                                     o_acc[4 * i + 3] * inv_bot)
+            else:
+                d = uint64(8 * (part * NO_PART + i))
+                if t_top >= 0:
+                    o_part[at_top + d] = o_acc[4 * i] * inv_top
+                    o_part[at_top + d + uint64(1)] = o_acc[4 * i + 1] * inv_top
+                if t_bot >= 0:
+                    o_part[at_bot + d] = o_acc[4 * i + 2] * inv_bot
+                    o_part[at_bot + d + uint64(1)] = o_acc[4 * i + 3] * inv_bot
+
+    @cuda.jit(device=True, inline=True)
+    def store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
+                  l_top, l_bot):
+        """L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible)."""
+        if t4 == 0:
+            if t_top >= 0:
+                lse = _NEG_INF
+                if l_top > float32(0.0):
+                    lse = (mb_top + math.log2(l_top)) * float32(LN2)
+                lse_part[s_top, t_top, hq_top] = lse
+            if t_bot >= 0:
+                lse = _NEG_INF
+                if l_bot > float32(0.0):
+                    lse = (mb_bot + math.log2(l_bot)) * float32(LN2)
+                lse_part[s_bot, t_bot, hq_bot] = lse
+
+    return SimpleNamespace(
+        R=R, NT=NT, NG=NG, LD=LD, OFF_V=OFF_V, OFF_Q=OFF_Q, DW=DW, QBUF=R * LD, PIECES=PIECES,
+        NS=NS, NO=NO, KS=D // 16, KP=Bk // 16, NO_PART=NO_PART, S_REGS=4 * NS, P_REGS=2 * NS,
+        O_REGS=4 * NO_PART, CTA_THREADS=NG * NT,
+        # The twin mma on a GPU (MSA_MMA=twin) runs syncthreads inside: every group then walks
+        # the same number of tiles (a group past the end computes on stale rows and stores
+        # nothing); the simulator's twin, which meets only its warp, does the same so that both
+        # twins run one path.
+        UNIFORM=_mma.MMA_BACKEND == "twin",
+        JIT={} if SIMULATOR or NG == 1 else {"launch_bounds": (NG * NT, 1)},
+        copy16=copy16, commit=cp_async_commit if use_async else no_op,
+        wait_all=cp_async_wait_all if use_async else no_op, gather=gather, softmax=softmax,
+        o_offsets=o_offsets, store_o=store_o, store_lse=store_lse)

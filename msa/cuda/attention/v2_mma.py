@@ -1,0 +1,321 @@
+"""K1 version 2: tensor cores (``mma.sync.m16n8k16``), S and P through shared memory.
+
+Over version 1 (one thread per dot product): bf16/fp16 in, fp32 accumulate
+(``msa.cuda._core.mma``) on 16-row warp tiles: ``R = P*G`` rows (a multiple of 16, at most 128;
+8 warps at R = 128) x ``Bk`` keys. K row-major and V transposed in shared memory (loaded once
+per item), S (fp32) and P (16-bit, unnormalised ``2**(S - m)``) through shared memory, the
+softmax in base 2 (``ex2.approx``) by two threads per row, ``1/l`` applied to the fp32
+accumulators. Pipelined across tiles: the CSR entries of tile i+2 load into registers and the
+query rows of tile i+1 are prefetched into L1 while tile i computes. fp16/bf16 only, ``D`` and
+``Bk`` multiples of 16 (up to 256). About 168 KB of dynamic shared memory at D = Bk = 128,
+R = 128 (one CTA of 8 warps per SM); 168 registers, no spills (sm_90, offline ptxas).
+
+Where it runs: the tensor-core default where version 3 does not fit (D or Bk above 128: S or O
+would not fit in registers). Verdict (H200, paper configuration): the sparse attention at 128K
+took 216 ms against version 3's 51.8 in the same run, whose scores and probabilities stay in
+registers, with no CTA barrier around the softmax.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, uint16, uint32
+
+from .._core import mma as _mma
+from .._core.mma import (exp2, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
+                         mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
+from .._core.packed import LN2, check_entry, item_fields, load_entry
+
+MAX_BLOCK_SIZE = 256
+_NEG_INF = float32(-math.inf)
+
+
+def layout(block_size, head_dim, rows):
+    """Word offsets and row strides (32-bit words) of sK, sVt, sQ/P, sS; total bytes.
+
+    sK [Bk rows of D/2 words] (row-major K: the B operand of S = Q Kᵀ, stored as Bᵀ),
+    sVt [D rows of Bk/2 words] (V transposed: the B operand of O = P V stored as Bᵀ),
+    sQP [R rows]: Q for the score mma, then P (16-bit) for the value mma,
+    sS [R rows of Bk fp32 scores].
+    Strides of ``n/2 + 4`` words make the 8 rows x 4 words of a fragment load hit 32 banks.
+    """
+    ld_k = head_dim // 2 + 4
+    ld_v = block_size // 2 + 4
+    ld_qp = max(head_dim, block_size) // 2 + 4
+    ld_s = block_size + 4
+    off_v = block_size * ld_k
+    off_qp = off_v + head_dim * ld_v
+    off_s = off_qp + rows * ld_qp
+    total = off_s + rows * ld_s
+    return (ld_k, ld_v, ld_qp, ld_s), (off_v, off_qp, off_s), 4 * total
+
+
+@functools.lru_cache(maxsize=None)
+def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
+                 bf16_partials: bool = False):
+    """K1 v2 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out).
+
+    Arguments as version 1's kernel, except q, k, v: uint32 views ``[T, H, D/2]`` of the 16-bit
+    inputs, ``scale`` times log2(e), with ``bf16_partials`` ``o_part`` a uint32 view ``[K, Tq,
+    Hq, D/2]`` of bf16 partials (a lane's two neighbouring outputs are one word), and two more:
+    ``keys_rt = Bk`` and ``dw_rt = D/2``, two constants as run-time values: as loop bounds they
+    stop the compiler from unrolling the outer mma loops completely (which spills registers)."""
+    Bk, D, G, P = block_size, head_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    R2 = 2 * R  # softmax: two threads per row
+    assert R % 16 == 0 and NW <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
+    (LDK, LDV, LDQP, LDS), (OFF_V, OFF_QP, OFF_S), _ = layout(Bk, D, R)
+    DW = D // 2  # words per row of Q/K/V
+    NG_S = 4 if Bk % 32 == 0 else 2  # n-tiles (8 keys each) per A-fragment load in S = Q Kᵀ
+    NG_O = 4 if D % 32 == 0 else 2  # n-tiles (8 dims each) per A-fragment load in O = P V
+    ACC_S = 4 * NG_S  # accumulator registers per lane
+    ACC_O = 4 * NG_O
+    QW = D // 4  # Q words per thread and tile: R rows x D/2 words over 2R threads
+    Q_BATCH = 4 if QW % 8 else 8
+    KV_BATCH = 8
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    BF16_PARTIALS = bf16_partials
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h, tid):
+        """The K/V block, once: K row-major, V transposed (keys past the sequence: zero).
+        KV_BATCH loads are issued before the first store, so that they are in flight together."""
+        for base in range(0, Bk * DW, NT * KV_BATCH):
+            for u in range(KV_BATCH):
+                i = base + u * NT + tid
+                kv_k[u] = uint32(0)
+                kv_v[u] = uint32(0)
+                if i < Bk * DW and i // DW < nk:
+                    kv_k[u] = uint32(k[key0 + i // DW, h, i % DW])
+                    kv_v[u] = uint32(v[key0 + i // DW, h, i % DW])
+            for u in range(KV_BATCH):
+                i = base + u * NT + tid
+                if i < Bk * DW:
+                    c = i // DW
+                    w = i % DW
+                    smem[c * LDK + w] = kv_k[u]
+                    # V[c, 2w], V[c, 2w+1] go to rows 2w, 2w+1 of Vᵀ, column c (16-bit halves)
+                    sh[2 * (OFF_V + 2 * w * LDV) + c] = uint16(kv_v[u] & uint32(0xFFFF))
+                    sh[2 * (OFF_V + (2 * w + 1) * LDV) + c] = uint16(kv_v[u] >> uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def gather_q(smem, q, row_t, cur, h, tid, q_words):
+        """The tile's queries into sQP (the G heads of a position are contiguous in q), in
+        batches of loads issued before their stores."""
+        for base in range(0, QW, Q_BATCH):
+            for u in range(Q_BATCH):
+                i = (base + u) * NT + tid
+                r = i // DW
+                t = row_t[cur + r]
+                q_words[u] = uint32(q[t, h * G + r % G, i % DW]) if t >= 0 else uint32(0)
+            for u in range(Q_BATCH):
+                i = (base + u) * NT + tid
+                smem[OFF_QP + (i // DW) * LDQP + i % DW] = q_words[u]
+
+    @cuda.jit(device=True, inline=True)
+    def scores(smem, sf, a_base, r_top, r_bot, pos_top, pos_bot, key_pos0, nk, scale_log2, t4,
+               keys_rt, dw_rt):
+        """S = Q Kᵀ on tensor cores for the warp's 16 rows, scaled to base 2 and causally
+        masked, into sS."""
+        for n0 in range(0, keys_rt, 8 * NG_S):
+            acc = cuda.local.array(ACC_S, float32)
+            for i in range(ACC_S):
+                acc[i] = float32(0.0)
+            for kk in range(0, dw_rt, 8):
+                a0, a1, a2, a3 = load_a_frag(smem, a_base + kk, LDQP)
+                for i in range(NG_S):
+                    b0, b1 = load_b_frag(smem, (n0 + 8 * i) * LDK + kk, LDK)
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * i], acc[4 * i + 1],
+                                         acc[4 * i + 2], acc[4 * i + 3])
+                    acc[4 * i] = d0
+                    acc[4 * i + 1] = d1
+                    acc[4 * i + 2] = d2
+                    acc[4 * i + 3] = d3
+            # scale to base 2 and apply the token-level causal mask
+            for i in range(NG_S):
+                c = n0 + 8 * i + 2 * t4
+                for e in range(2):
+                    cc = c + e
+                    visible = cc < nk
+                    score_top = _NEG_INF
+                    score_bot = _NEG_INF
+                    if visible and key_pos0 + cc <= pos_top:
+                        score_top = acc[4 * i + e] * scale_log2
+                    if visible and key_pos0 + cc <= pos_bot:
+                        score_bot = acc[4 * i + 2 + e] * scale_log2
+                    sf[OFF_S + r_top * LDS + cc] = score_top
+                    sf[OFF_S + r_bot * LDS + cc] = score_bot
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(smem, sf, half_m, half_l, row_m, tid):
+        """Two threads per row (halves of the words of the row, interleaved): m = rowmax(S);
+        P = 2**(S - m) as 16-bit into sQP (Q is no longer needed); l = rowsum(P) by halves."""
+        r = tid // 2
+        half = tid % 2
+        m_local = _NEG_INF
+        for w in range(half, Bk // 2, 2):
+            m_local = max(m_local, max(sf[OFF_S + r * LDS + 2 * w],
+                                       sf[OFF_S + r * LDS + 2 * w + 1]))
+        half_m[tid] = m_local
+        cuda.syncthreads()
+        m = max(half_m[2 * r], half_m[2 * r + 1])
+        # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN)
+        m_use = m if m > _NEG_INF else float32(0.0)
+        l_local = float32(0.0)
+        for w in range(half, Bk // 2, 2):
+            p0 = exp2(sf[OFF_S + r * LDS + 2 * w] - m_use)
+            p1 = exp2(sf[OFF_S + r * LDS + 2 * w + 1] - m_use)
+            l_local += p0 + p1
+            smem[OFF_QP + r * LDQP + w] = pack(p0, p1)
+        half_l[tid] = l_local
+        if half == 0:
+            row_m[r] = m
+
+    @cuda.jit(device=True, inline=True)
+    def store_o(o_part, acc, i, d, t_top, s_top, hq_top, inv_top, t_bot, s_bot, hq_bot,
+                inv_bot):
+        """O_s = O / l of n-tile ``i`` of a group (columns ``d``, ``d + 1``) of both rows."""
+        if BF16_PARTIALS:
+            if t_top >= 0:
+                o_part[s_top, t_top, hq_top, d // 2] = pack_bf16x2(
+                    acc[4 * i] * inv_top, acc[4 * i + 1] * inv_top)
+            if t_bot >= 0:
+                o_part[s_bot, t_bot, hq_bot, d // 2] = pack_bf16x2(
+                    acc[4 * i + 2] * inv_bot, acc[4 * i + 3] * inv_bot)
+        else:
+            if t_top >= 0:
+                o_part[s_top, t_top, hq_top, d] = acc[4 * i] * inv_top
+                o_part[s_top, t_top, hq_top, d + 1] = acc[4 * i + 1] * inv_top
+            if t_bot >= 0:
+                o_part[s_bot, t_bot, hq_bot, d] = acc[4 * i + 2] * inv_bot
+                o_part[s_bot, t_bot, hq_bot, d + 1] = acc[4 * i + 3] * inv_bot
+
+    @cuda.jit(device=True, inline=True)
+    def values(smem, o_part, a_base, t4, t_top, s_top, hq_top, inv_top, t_bot, s_bot, hq_bot,
+               inv_bot, keys_rt, dw_rt):
+        """O = P V on tensor cores, divided by l, into the rows' slots."""
+        for n0 in range(0, 2 * dw_rt, 8 * NG_O):
+            acc = cuda.local.array(ACC_O, float32)
+            for i in range(ACC_O):
+                acc[i] = float32(0.0)
+            for kk in range(0, keys_rt // 2, 8):
+                a0, a1, a2, a3 = load_a_frag(smem, a_base + kk, LDQP)
+                for i in range(NG_O):
+                    b0, b1 = load_b_frag(smem, OFF_V + (n0 + 8 * i) * LDV + kk, LDV)
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * i], acc[4 * i + 1],
+                                         acc[4 * i + 2], acc[4 * i + 3])
+                    acc[4 * i] = d0
+                    acc[4 * i + 1] = d1
+                    acc[4 * i + 2] = d2
+                    acc[4 * i + 3] = d3
+            for i in range(NG_O):
+                store_o(o_part, acc, i, n0 + 8 * i + 2 * t4, t_top, s_top, hq_top, inv_top,
+                        t_bot, s_bot, hq_bot, inv_bot)
+
+    @cuda.jit(device=True, inline=True)
+    def store_lse(lse_part, row_m, r, t, s, hq, l):
+        """L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible)."""
+        if t >= 0:
+            lse = _NEG_INF
+            if l > float32(0.0):
+                lse = (row_m[r] + math.log2(l)) * float32(LN2)
+            lse_part[s, t, hq] = lse
+
+    @cuda.jit
+    def _k1_kernel_v2(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part,
+                      keys_rt, dw_rt):
+        smem = cuda.shared.array(0, uint32)
+        sf = cuda.shared.array(0, float32)  # the same bytes, as float32 (for sS)
+        sh = cuda.shared.array(0, uint16)  # the same bytes, as 16-bit halves (for sVt)
+        # Row tables of two consecutive tiles (tile parity picks the half).
+        row_t = cuda.shared.array(R2, int32)
+        row_slot = cuda.shared.array(R2, int32)
+        row_pos = cuda.shared.array(R2, int32)
+        row_m = cuda.shared.array(R, float32)
+        half_m = cuda.shared.array(R2, float32)
+        half_l = cuda.shared.array(R2, float32)
+        kv_k = cuda.local.array(KV_BATCH, uint32)
+        kv_v = cuda.local.array(KV_BATCH, uint32)
+        q_words = cuda.local.array(Q_BATCH, uint32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = o_part.shape[0]
+        h, q_begin, q_count, b, j, key0, nk = item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        if q_count <= 0:
+            return  # the whole CTA: padding item
+        key_pos0 = j * Bk
+        scale_log2 = scale  # the launcher passes scale * log2(e): exp(x) = 2**(x log2 e)
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)  # Lk - Lq: bottom-right
+        num_tiles = (q_count + P - 1) // P
+
+        load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h, tid)
+
+        # Pipeline: while tile i computes, the CSR entries of tile i+2 load into registers (row r
+        # of the table is thread r's) and tile i+1's query rows are prefetched into L1.
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, tid, R)
+        if tid < R:
+            t, s, pos = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+            row_t[tid] = t  # tile 0's table: the half its "cur" points to
+            row_slot[tid] = s
+            row_pos[tid] = pos
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, tid, R)
+
+        for tile in range(num_tiles):
+            cur = (tile % 2) * R
+            nxt = R - cur
+            cuda.syncthreads()  # (A) the previous tile is done with sQP, sS and its row table
+            gather_q(smem, q, row_t, cur, h, tid, q_words)
+            if tid < R:
+                t, s, pos = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                row_t[nxt + tid] = t
+                row_slot[nxt + tid] = s
+                row_pos[nxt + tid] = pos
+            cuda.syncthreads()  # (B)
+            t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                      tid, R)
+            # two threads per row of the next tile, one half-row (D words / 2) each
+            t_next = row_t[nxt + tid // 2]
+            if t_next >= 0:
+                prefetch_l1(q, t_next, h * G + (tid // 2) % G, (tid % 2) * (DW // 2))
+
+            # S = Q Kᵀ on tensor cores; warp w owns rows 16w .. 16w+15.
+            r_top = 16 * warp + g4
+            r_bot = r_top + 8
+            pos_top = row_pos[cur + r_top]
+            pos_bot = row_pos[cur + r_bot]
+            a_base = OFF_QP + 16 * warp * LDQP
+            scores(smem, sf, a_base, r_top, r_bot, pos_top, pos_bot, key_pos0, nk, scale_log2,
+                   t4, keys_rt, dw_rt)
+            cuda.syncthreads()
+            softmax(smem, sf, half_m, half_l, row_m, tid)
+            cuda.syncthreads()
+
+            # O = P V on tensor cores, divided by l; write O_s and L_s into the row's slot.
+            t_top = row_t[cur + r_top]
+            t_bot = row_t[cur + r_bot]
+            l_top = half_l[2 * r_top] + half_l[2 * r_top + 1]
+            l_bot = half_l[2 * r_bot] + half_l[2 * r_bot + 1]
+            inv_top = float32(1.0) / l_top if l_top > float32(0.0) else float32(0.0)
+            inv_bot = float32(1.0) / l_bot if l_bot > float32(0.0) else float32(0.0)
+            hq_top = h * G + r_top % G
+            hq_bot = h * G + r_bot % G
+            s_top = row_slot[cur + r_top]
+            s_bot = row_slot[cur + r_bot]
+            values(smem, o_part, a_base, t4, t_top, s_top, hq_top, inv_top, t_bot, s_bot,
+                   hq_bot, inv_bot, keys_rt, dw_rt)
+            if t4 == 0:
+                store_lse(lse_part, row_m, r_top, t_top, s_top, hq_top, l_top)
+                store_lse(lse_part, row_m, r_bot, t_bot, s_bot, hq_bot, l_bot)
+
+    return _k1_kernel_v2
