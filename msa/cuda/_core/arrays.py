@@ -24,6 +24,8 @@ import os
 import numpy as np
 from numba import cuda
 
+from ..._checks import dtype_of
+
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 INT32_MAX = np.iinfo(np.int32).max
 # Kernel outputs are filled with poison (NaN, -2**31) before a launch under the simulator, or on
@@ -47,6 +49,27 @@ def library_of(x) -> str:
 
 def is_bf16(x) -> bool:
     return "bfloat16" in str(getattr(x, "dtype", ""))
+
+
+FLOAT_KINDS = ("bfloat16", "float16", "float32", "float64")
+
+
+def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> str:
+    """The floating-point kind of an array (``'bfloat16'``, ``'float16'``, ``'float32'`` or
+    ``'float64'``), one of ``kinds``; a TypeError naming ``name`` for any other dtype.
+
+    ``bf16_bits``: int16/uint16 arrays hold bf16 bit patterns (tests under the simulator, where
+    NumPy has no bf16); torch bf16 tensors are recognised by their dtype.
+    """
+    if is_bf16(x) or (bf16_bits and dtype_of(x).name in ("int16", "uint16")):
+        kind = "bfloat16"
+    else:
+        dt = dtype_of(x)
+        kind = dt.name if dt.kind == "f" else None
+    if kind not in kinds:
+        want = ", ".join(kinds[:-1]) + (" or " if len(kinds) > 1 else "") + kinds[-1]
+        raise TypeError(f"{name} must have dtype {want}, got {getattr(x, 'dtype', None)}")
+    return kind
 
 
 class ArrayContext:
@@ -202,3 +225,15 @@ def device_constant(host):
 @functools.lru_cache(maxsize=256)
 def _cached_constant(data: bytes, dtype: str, shape: tuple, device_id: int):
     return cuda.to_device(np.frombuffer(data, dtype=dtype).reshape(shape))
+
+
+def device_offsets(batch):
+    """``(cu_q, cu_k)`` of a validated ``msa._batch.Batch`` as int32 device constants (the
+    memoised uploads of ``device_constant``), made once per batch (``batch.memo``); ``cu_q`` is
+    None for a batch of keys only."""
+    got = batch.memo.get("device_offsets")
+    if got is None:
+        got = batch.memo["device_offsets"] = tuple(
+            None if cu is None else device_constant(cu.astype(np.int32))
+            for cu in (batch.cu_q, batch.cu_k))
+    return got
