@@ -13,7 +13,8 @@ Timed, each the median of several runs between CUDA events after a warm-up:
   ``msa_loss_and_backward``: ``kl_loss_and_backward``, the training step's one call (v3 scores
   the support with the teacher once: its FLOPs count the scores once). Every version of
   ``msa.cuda.kl.VERSIONS`` (v1 only up to ``--v1-max-n``, default 0 = never: it is the simple
-  one and takes minutes; v2 up to ``--v2-max-n``, default 32K);
+  one and takes minutes; v2 up to ``--v2-max-n``, default 32K). v3, the tensor-core default,
+  was numbered v4 before the stage layout: results of older commits call it ``msa_v4``;
 * ``attention_fwd``: ``msa.cuda.attention.sparse_attention`` on the same selection (CSR +
   schedule + K1 + K2), the main branch's forward that produces the ``lse`` the KL reuses; the
   target is KL forward + backward <= 1.5x this;

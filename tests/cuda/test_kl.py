@@ -23,26 +23,18 @@ from numba import cuda
 import msa.cuda.kl as gpu
 import msa.reference.kl as ref
 from msa.cuda._core.arrays import SIMULATOR
+from msa.cuda._core.memops import is_aligned16
 from msa.problems import make_problem
 from msa.reference.attention import dense_attention, sparse_attention
 from msa.reference.blocks import local_blocks, max_blocks, query_positions
 from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
 from msa.testing.backends import to_numpy
-from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
 from msa.testing.strategies import (block_indices_for, fewer_in_simulator, problem_shapes,
                                     problems_with_indices)
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 
-VERSIONS = gpu.VERSIONS
-# v4 is the default tensor-core version and v3 is kept beside it. Every tensor-core test costs
-# seconds in the simulator (the mma twin pays two barriers a call). There v3 runs the hostile
-# cases (its share of V3_CASES below), the fuzz and the refusals; the GPU runs all of it.
-V3_ON_GPU = pytest.param(3, marks=pytest.mark.skipif(
-    SIMULATOR, reason="v3 in the simulator: hostile cases and fuzz only (CI time); on the GPU all"))
-VERSIONS_V3_ON_GPU = [V3_ON_GPU if v == 3 else v for v in VERSIONS]
-
-
+VERSIONS = gpu.VERSIONS  # 1 thread rows, 2 CTA rows, 3 tensor cores (the default it applies)
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -213,46 +205,42 @@ V3_CASES = {
 }
 
 
-V3_SIM_CASES = ("G=16", "varlen-empty-seqs", "future-and-empty-supports", "G=1")
-
-
-@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("case", V3_CASES.keys())
-def test_v3_matches_reference(case, version):
-    if SIMULATOR and version == 3 and case not in V3_SIM_CASES:
-        pytest.skip("v3 in the simulator: four of the cases (CI time); on the GPU all")
+def test_v3_matches_reference(case):
     lq, lk, hq, hkv, topk, mode, dtype = V3_CASES[case]
     p = case_problem(lq, lk, hq, hkv, 16, 16, 16, topk, seed=1)
-    check(p, selection(p, mode), version, dtype)
+    check(p, selection(p, mode), 3, dtype)
 
 
 @pytest.mark.parametrize("hq", [16, pytest.param(8, marks=pytest.mark.sim_heavy)])
-def test_v4_head_sum_on_blocks_of_eight_n_tiles(hq):
-    """Bk = 64 (8 n-tiles, as many as the lanes sharing a position's row half): v4's head sum
+def test_v3_head_sum_on_blocks_of_eight_n_tiles(hq):
+    """Bk = 64 (8 n-tiles, as many as the lanes sharing a position's row half): v3's head sum
     is the production one, a reduce-scatter over all of g4's bits (Bk = 16 mixes in the
     all-reduce); G = 8 keeps two positions per lane (the teacher through sT)."""
     p = case_problem([3], [128], hq, 1, 16, 16, 64, 2, seed=21)  # 3 queries x 2 blocks: slow sim
-    check(p, selection(p, "random"), 4, "bf16")
+    check(p, selection(p, "random"), 3, "bf16")
 
 
-@pytest.mark.parametrize("version", [V3_ON_GPU, 4])
-def test_v3_hot_block_split_over_work_items(version):
+def test_v3_hot_block_split_over_work_items():
     """Block 0 chosen by every query: its CSR row is longer than a work item (2 K Bk = 64
     queries), so the schedule cuts it and several CTAs write the row's partials."""
     p = case_problem([90], [90], 2, 1, 16, 16, 16, 2, seed=3)
     local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, 90, 90, 16)
     I = np.stack([np.zeros(90, np.int64), np.where(local > 0, local, -1)], axis=1)
-    check(p, I[:, None, :].astype(np.int32), version, "float16")
+    check(p, I[:, None, :].astype(np.int32), 3, "float16")
 
 
-@pytest.mark.parametrize("version", [V3_ON_GPU, 4])
-def test_v3_unaligned_inputs_take_plain_loads(monkeypatch, version):
+def test_v3_unaligned_inputs_take_plain_loads():
     """Inputs whose rows are not 16-byte aligned (views 4 bytes into their buffers) cannot be
     copied by ``cp.async``: v3 falls back to plain loads, with bitwise the same results."""
     p = case_problem([9], [20], 4, 2, 16, 16, 16, 2, seed=12)
     I = selection(p, "random")
     vals, kin = rounded(p, "float16")
     lse = main_lse(vals, I, p)
+
+    def words(x):  # the kernels' uint32 view, on the device
+        return (x if SIMULATOR or hasattr(x, "copy_to_host") else cuda.to_device(x)).view(
+            np.uint32)
 
     def shifted(x):  # a view 4 bytes into its buffer, on the GPU where the kernels read it
         if not SIMULATOR:
@@ -264,22 +252,19 @@ def test_v3_unaligned_inputs_take_plain_loads(monkeypatch, version):
         out[...] = x
         return out
 
-    seen = []
-    real = gpu.is_aligned16
-    monkeypatch.setattr(gpu, "is_aligned16", lambda x: seen.append(real(x)) or seen[-1])
-    aligned = run_kernels(version, kin, I, lse, p, "float16")
-    assert seen and all(seen)
-    seen.clear()
+    shifted_kin = tuple(shifted(x) for x in kin)
+    # the launchers' test (the chunk slices of aligned rows stay aligned: D, Didx % 16 == 0)
+    assert all(is_aligned16(words(x)) for x in kin)
+    assert not any(is_aligned16(words(x)) for x in shifted_kin)
+    aligned = run_kernels(3, kin, I, lse, p, "float16")
     moved = (lambda x: x) if SIMULATOR else cuda.to_device  # all inputs where the views are
-    plain = run_kernels(version, tuple(shifted(x) for x in kin), moved(I), moved(lse), p,
-                        "float16")
-    assert seen and not any(seen)
+    plain = run_kernels(3, shifted_kin, moved(I), moved(lse), p, "float16")
     for a, b in zip(aligned, plain):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("version", [3, 4])
-def test_v3_refuses_what_it_cannot_run(version):
+def test_v3_refuses_what_it_cannot_run():
+    version = 3
     p = case_problem([5], [5], 2, 1, 8, 16, 16, 1)
     vals, kin = rounded(p, "float16")
     I = selection(p, "select")
@@ -295,27 +280,38 @@ def test_v3_refuses_what_it_cannot_run(version):
         gpu.kl_loss(*f32, I, None, p.cu_seqlens_q, p.cu_seqlens_k, 16, version=version)
 
 
-@pytest.mark.parametrize("version", VERSIONS_V3_ON_GPU)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("dtype", ["float16", "bf16"])
 @pytest.mark.parametrize("mode", ["select", "warmup"])
 def test_half_precision_inputs(mode, dtype, version):
     """fp16 and bf16 inputs (bf16 as bit patterns) accumulate in float32 like the reference."""
     if version >= 3 and mode == "warmup":
-        pytest.skip("v3 and v4 need a selection (the warmup runs v2)")
+        pytest.skip("v3 needs a selection (the warmup runs v2)")
     p = case_problem([21, 6], [21, 16], 4, 2, 16, 16, 16, 2, seed=3)
     check(p, selection(p, mode), version, dtype)
 
 
 @pytest.mark.parametrize("dtype, d, mode, want", [
-    ("float16", 16, "select", 4), ("bf16", 32, "select", 4), ("float16", 16, "warmup", 2),
+    ("float16", 16, "select", 3), ("bf16", 32, "select", 3), ("float16", 16, "warmup", 2),
     ("float32", 16, "select", 2), ("bf16", 8, "select", 2)],
     ids=["fp16", "bf16", "warmup", "fp32", "D=8"])
 def test_default_version_is_the_fastest_that_applies(dtype, d, mode, want):
     p = case_problem([9], [9], 4, 2, d, 16, 16, 2)
     vals, kin = rounded(p, dtype)
-    plan = gpu._Plan(*kin, selection(p, mode), None, p.cu_seqlens_q, p.cu_seqlens_k, 16, None,
-                     None, None, True, dtype == "bf16")
+    plan = gpu._validated(*kin, selection(p, mode), None, p.cu_seqlens_q, p.cu_seqlens_k, 16,
+                          None, None, None, True, dtype == "bf16")
     assert plan.version == want
+
+
+def test_default_is_v2_where_the_tensor_core_tiles_do_not_fit():
+    """Shapes v3 takes in principle (multiples of 16) whose tiles exceed shared memory (here
+    its key block alone, K and K_idx of Bk = 256 keys of D = Didx = 208) run v2 by default;
+    ``version=3`` names the limit."""
+    version, tiles = gpu._version(None, "bfloat16", False, 256, 208, 208, 16)
+    assert version == 2 and tiles is None
+    with pytest.raises(ValueError, match="version=3 .*shared memory"):
+        gpu._version(3, "bfloat16", False, 256, 208, 208, 16)
+    assert gpu._version(None, "bfloat16", False, 128, 128, 128, 16)[0] == 3
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -394,10 +390,10 @@ def test_matches_reference_fuzz(problem, version):
 @fewer_in_simulator(2)  # the simulated mma costs seconds per example
 @given(problems_with_indices(max_seqs=2, max_len=32, max_heads=8, max_topk=3, block_sizes=(16,),
                              dims=(16,)),
-       st.sampled_from(["float16", "bf16"]), st.sampled_from([3, 4]))
-def test_v3_matches_reference_fuzz(problem, dtype, version):
+       st.sampled_from(["float16", "bf16"]))
+def test_v3_matches_reference_fuzz(problem, dtype):
     p, I = problem
-    check(p, I, version, dtype)
+    check(p, I, 3, dtype)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -425,7 +421,7 @@ def test_warmup_equals_selecting_every_visible_block(version):
     assert_close_to_oracle(warm[3], dk64, dk32, name="dk_idx, warmup")
 
 
-@pytest.mark.parametrize("version", VERSIONS_V3_ON_GPU)
+@pytest.mark.parametrize("version", VERSIONS)
 def test_reruns_are_bitwise_identical(version):
     if version >= 3:
         p, dtype, modes = case_problem([11, 4], [17, 9], 4, 2, 16, 16, 16, 2, seed=4), "float16", \
@@ -443,16 +439,15 @@ def test_reruns_are_bitwise_identical(version):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("version", VERSIONS_V3_ON_GPU)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("mode", ["random", "warmup"])
 def test_loss_and_backward_in_one_call(mode, version):
-    """``kl_loss_and_backward`` = ``kl_loss`` then ``kl_backward``: the gradients bitwise, the
-    loss bitwise for v1/v2 (the same kernels) and v4 (its forward is its backward's passes
-    without the gradients); v3 sums the KL in its backward pass (it knows ``LSE^idx`` there)
-    but not in its forward, so its ``kl`` is held to the float rule instead."""
+    """``kl_loss_and_backward`` = ``kl_loss`` then ``kl_backward``: the gradients and the loss
+    bitwise (v1/v2 run the same kernels; v3's forward is its backward's passes without the
+    gradients), and the loss within the float rule of the reference."""
     if version >= 3:
         if mode == "warmup":
-            pytest.skip("v3 and v4 need a selection (the warmup runs v2)")
+            pytest.skip("v3 needs a selection (the warmup runs v2)")
         p, dtype = case_problem([11, 4], [27, 9], 4, 2, 16, 16, 16, 2, seed=9), "float16"
     else:
         p, dtype = case_problem([11, 4], [11, 9], 4, 2, 8, 8, 4, 3, seed=9), "float32"
@@ -465,9 +460,8 @@ def test_loss_and_backward_in_one_call(mode, version):
     kl1, loss1, dq1, dk1 = run_kernels(version, kin, I, lse, p, dtype, grad_loss=0.5)
     np.testing.assert_array_equal(dq, dq1)
     np.testing.assert_array_equal(dk, dk1)
-    if version != 3:
-        np.testing.assert_array_equal(kl, kl1)
-        assert np.float32(loss) == loss1
+    np.testing.assert_array_equal(kl, kl1)
+    assert np.float32(loss) == loss1
     (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *vals, *tail)
     floor = floor_ulps_for(kl64, 1.0)
     assert_close_to_oracle(kl, kl64, kl32, name="kl, one call", floor_ulps=floor)
@@ -482,7 +476,7 @@ def test_loss_and_backward_refuses_bad_input():
         gpu.kl_loss_and_backward(**bad(), grad_loss="1")
 
 
-@pytest.mark.parametrize("version", VERSIONS_V3_ON_GPU)
+@pytest.mark.parametrize("version", VERSIONS)
 def test_query_chunks_of_the_ds_buffer(version):
     """Buffers for 5 queries at a time (many chunks, each with its own CSR, chunks cutting
     sequences) give the same result within the float rule; ``kl`` and ``dq_idx`` do not depend
@@ -502,7 +496,7 @@ def test_query_chunks_of_the_ds_buffer(version):
 
 
 @pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.sim_heavy) if v == 2 else v
-                                     for v in VERSIONS_V3_ON_GPU])
+                                     for v in VERSIONS])
 def test_gradient_through_the_kernels_end_to_end(version):
     """The training path (float32; float16 for v3): ``lse`` from
     ``msa.cuda.attention.sparse_attention`` (the kernel, not the reference), selection from
@@ -587,14 +581,14 @@ def bad(**change):
     (dict(scale=-1.0), ValueError, "scale"),
     (dict(index_scale=float("inf")), ValueError, "index_scale"),
     (dict(version=3), ValueError, "version=3"),
-    (dict(version=4), ValueError, "version=4"),
-    (dict(version=5), ValueError, "version must be one of"),
+    (dict(version=4), ValueError, "version must be one of"),
+    (dict(version=True), ValueError, "version must be one of"),
 ], ids=["q-rank", "q-int", "q-float64", "k-dim", "k-dtype", "k_idx-dtype", "G-not-int",
         "q_idx-heads", "q_idx-length", "k_idx-dim", "k_idx-length", "lse-heads", "lse-length",
         "lse-float64", "lse-float16", "lse-nan", "lse-inf-on-support", "I-heads", "I-length",
         "I-K=0", "I-float", "I-out-of-range", "I-duplicate", "cu_q-total", "Lq>Lk", "Bk=0",
-        "scale<0", "index_scale-inf", "version=3-float32", "version=4-float32",
-        "version-unknown"])
+        "scale<0", "index_scale-inf", "version=3-float32", "version=4-deleted",
+        "version-bool"])
 def test_bad_inputs(change, error, match):
     for fn in (gpu.kl_loss, gpu.kl_backward):
         with pytest.raises(error, match=match):
@@ -657,7 +651,7 @@ def test_production_sizes_bf16(mode, version):
     I_t = None if I is None else torch.tensor(I, device="cuda")
     lse_t = torch.tensor(lse, device="cuda")
     a = (*tens, I_t, lse_t, cu_q, cu_k, p.block_size)
-    if mode == "warmup" and version >= 3:  # tensor cores need a selection (a CSR to walk)
+    if mode == "warmup" and version == 3:  # tensor cores need a selection (a CSR to walk)
         for fn in (gpu.kl_loss, gpu.kl_backward):
             with pytest.raises(ValueError, match=f"version={version}"):
                 fn(*a, version=version)
@@ -678,36 +672,3 @@ def test_production_sizes_bf16(mode, version):
     assert_close_to_oracle(kl1, kl64, kl32, name="kl, kl_loss_and_backward")
     assert_close_to_oracle(np.array(float(loss1)), np.array(loss64), np.array(loss32),
                            name="loss, kl_loss_and_backward")
-
-
-# --- offline compile checks (a GPU or NVVM; not the simulator) -----------------------------------
-
-@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90: not in the simulator")
-@pytest.mark.parametrize("kernel", ["v4-grad-bf16-G16", "v4-grad-fp16-G1-plain",
-                                    "v4-grad-bf16-G4", "v4-kl-bf16-G16", "v4-student-bf16",
-                                    "v4-keys-bf16"])
-def test_v4_kernels_compile_for_sm90_without_f64_or_local_memory(kernel):
-    """v4's kernels compile for sm_90 (paper sizes) with no float64 instruction and no local
-    memory: the teacher's scores, the student's and dk_idx's accumulators stay in registers."""
-    from numba import types
-
-    i32, f32 = types.int32, types.float32
-    w3, w2 = types.uint32[:, :, ::1], types.uint32[:, ::1]
-    index = (i32[:, ::1], i32[:, ::1], i32[:, ::1], i32[::1], i32[::1])
-    f4 = f32[:, :, :, ::1]
-    if kernel == "v4-student-bf16":
-        fn = gpu._kl_kernel_student_reg(True, 128, 128, 4, True)
-        sig = (w3, w2, *index, f32, f4)
-    elif kernel == "v4-keys-bf16":
-        fn = gpu._kl_kernel_keys_mma(128, 128, True)
-        sig = (w3, f4, *index[:3], i32[::1], i32[::1], f32, f32[:, ::1])
-    else:
-        bf16, group, use_async = {"v4-grad-bf16-G16": (True, 16, True),
-                                  "v4-grad-fp16-G1-plain": (False, 1, False),
-                                  "v4-grad-bf16-G4": (True, 4, True),
-                                  "v4-kl-bf16-G16": (True, 16, True)}[kernel]
-        rows = 32 if group == 1 else 64  # as _Plan._plan_v4 picks them
-        fn = gpu._kl_kernel_grad_reg(bf16, 128, 128, 128, group, rows // group, use_async,
-                                     not kernel.startswith("v4-kl"))
-        sig = (w3, w3, w3, w2, f32[:, ::1], f32[:, ::1], *index, f32, f32, f32, f4, f4, f4)
-    assert_no_f64_or_local(sm90_ptx(fn, sig))

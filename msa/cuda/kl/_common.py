@@ -1,0 +1,147 @@
+"""The KL launchers' kernels that are no rung's own, on CUDA cores, one thread per output (the
+mean: one CTA, a fixed tree): the teacher's own LSE (``lse=None``, every rung), the mean of
+eq 10 (every rung), and the slot-order combines of v3's per-slot partials."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32
+
+from ._state import NEG_INF, block_range, loader, merge, query_row, slot_valid, student_lse
+
+@functools.lru_cache(maxsize=None)
+def kl_kernel_teacher_lse(kind: str, group: int, head_dim: int):
+    """``lse[t, h]`` over the support, one thread per (query, head): the ``lse=None`` path."""
+    G, D = group, head_dim
+    to_f32 = loader(kind)
+
+    @cuda.jit
+    def _kl_kernel_teacher_lse_rows(q, k, I, cu_q, cu_k, block_size, warmup, scale, lse):
+        hq = lse.shape[1]
+        i = cuda.grid(1)
+        if i >= lse.shape[0] * hq:
+            return
+        t = i // hq
+        h = i % hq
+        r = h // G
+        key0, pos, _ = query_row(cu_q, cu_k, t)
+        m = NEG_INF
+        l = float32(0.0)
+        nslots = pos // block_size + 1 if warmup else I.shape[2]
+        for s in range(nslots):
+            kk0, kk1 = block_range(I, t, r, s, warmup, block_size, pos)
+            for kp in range(kk0, kk1):
+                x = float32(0.0)
+                for d in range(D):
+                    x += to_f32(q[t, h, d]) * to_f32(k[key0 + kp, r, d])
+                x *= scale
+                if x > m:
+                    if m > NEG_INF:
+                        l *= math.exp(m - x)
+                    m = x
+                l += math.exp(x - m)
+        lse[t, h] = m + math.log(l) if l > float32(0.0) else NEG_INF
+
+    return _kl_kernel_teacher_lse_rows
+
+
+@functools.lru_cache(maxsize=None)
+def kl_kernel_mean(threads: int):
+    """eq 10: ``out[0] = sum(x) / n`` by one CTA: Kahan-compensated strided sums per thread, then
+    a fixed tree (deterministic, no atomics)."""
+    NT = threads
+
+    @cuda.jit
+    def _kl_kernel_mean_tree(x, out):
+        red = cuda.shared.array(NT, float32)
+        tid = cuda.threadIdx.x
+        n = x.shape[0]
+        total = float32(0.0)
+        comp = float32(0.0)
+        for i in range(tid, n, NT):
+            y = x[i] - comp
+            nxt = total + y
+            comp = (nxt - total) - y
+            total = nxt
+        red[tid] = total
+        cuda.syncthreads()
+        stride = NT // 2
+        while stride > 0:
+            if tid < stride:
+                red[tid] += red[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tid == 0:
+            out[0] = red[0] / float32(n)
+
+    return _kl_kernel_mean_tree
+
+
+@cuda.jit
+def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
+    """v3: merge the per-slot states of (query t0 + i, group r) in slot order; ``out[t, r]`` =
+    KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk."""
+    hkv = out.shape[1]
+    i = cuda.grid(1)
+    if i >= part.shape[2] * hkv:
+        return
+    tl = i // hkv
+    r = i % hkv
+    t = t0 + tl
+    _, _, lk = query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    m = NEG_INF
+    l = float32(0.0)
+    c = float32(0.0)
+    k = float32(0.0)
+    for s in range(I.shape[2]):
+        if slot_valid(I, t, r, s, nblocks):
+            m, l, c, k = merge(m, l, c, k, part[0, s, tl, r], part[1, s, tl, r],
+                                part[2, s, tl, r], part[3, s, tl, r])
+    if want_kl:
+        out[t, r] = k
+    else:
+        out[t, r] = student_lse(m, l)
+
+
+@cuda.jit
+def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
+    """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per element."""
+    hkv = dq.shape[1]
+    di = dq.shape[2]
+    i = cuda.grid(1)
+    if i >= dq_part.shape[1] * hkv * di:
+        return
+    tl = i // (hkv * di)
+    r = (i // di) % hkv
+    d = i % di
+    t = t0 + tl
+    _, _, lk = query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    acc = float32(0.0)
+    for s in range(I.shape[2]):
+        if slot_valid(I, t, r, s, nblocks):
+            acc += dq_part[s, tl, r, d]
+    dq[t, r, d] = acc
+
+
+@cuda.jit
+def kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
+    """v3 ``kl_loss_and_backward``: ``kl[t, r] = sum_s part[0, s, t, r]`` (the grad mode's
+    per-slot KL terms) in slot order, one thread per (query, group) of the chunk."""
+    hkv = kl.shape[1]
+    i = cuda.grid(1)
+    if i >= part.shape[2] * hkv:
+        return
+    tl = i // hkv
+    r = i % hkv
+    t = t0 + tl
+    _, _, lk = query_row(cu_q, cu_k, t)
+    nblocks = (lk + block_size - 1) // block_size
+    acc = float32(0.0)
+    for s in range(I.shape[2]):
+        if slot_valid(I, t, r, s, nblocks):
+            acc += part[0, s, tl, r]
+    kl[t, r] = acc

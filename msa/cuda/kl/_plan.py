@@ -1,0 +1,350 @@
+"""Host planning of the KL stage: the rung that runs, its tiles, the kernel-ready views and the
+launches, per query chunk where the buffers are bounded. ``Plan`` takes what ``msa.cuda.kl``
+validated and checks nothing again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._checks import GQA_GROUP_SIZES
+from .._core import mma as _mma
+from .._core.arrays import SIMULATOR, ArrayContext, device_constant, device_offsets
+from .._core.launch import device_copy, kernel_array, launch_smem
+from .._core.memops import is_aligned16
+from .._core.packed import LOG2E
+from ..csr import build_csr
+from ..schedule import build_schedule, launch_rows
+from . import v1_thread_rows as v1
+from . import v2_cta_rows as v2
+from . import v3_dk_idx as v3dk
+from . import v3_tensor_cores as v3
+from ._common import (kl_kernel_combine_dq, kl_kernel_combine_kl, kl_kernel_combine_states,
+                      kl_kernel_mean, kl_kernel_teacher_lse)
+
+VERSIONS = (1, 2, 3)
+DEFAULT_VERSION = 3
+# Default budget of one query chunk's per-query buffers (dS, dq_idx partials, states), bytes.
+MAX_DS_BYTES = 4 << 30
+# Threads per CTA (powers of two). The simulator runs every thread as a Python thread and every
+# barrier costs milliseconds there, so it gets fewer; the kernels are the same.
+THREADS = 32 if SIMULATOR else 128  # one thread per output: v1, the combines, the teacher LSE
+ROW_THREADS = 8 if SIMULATOR else 128  # v2: one CTA per (query, group)
+MEAN_THREADS = 32 if SIMULATOR else 512
+
+
+def why_not_tensor_cores(kind, warmup, block_size, head_dim, index_dim, group):
+    """Why v3 (tensor cores, KV-outer) cannot run these inputs, or None (its tiles' fit in
+    shared memory is ``tensor_core_tiles``')."""
+    if warmup:
+        return "the warmup (block_indices=None: no selection to build a CSR from)"
+    if kind == "float32":
+        return "float32 inputs (tensor cores take float16/bfloat16)"
+    if head_dim % 16 or index_dim % 16:
+        return f"D={head_dim}, Didx={index_dim} (both must be multiples of 16)"
+    if block_size % 16 or block_size > v3.MAX_BLOCK_SIZE:
+        return (f"block_size={block_size} (must be a multiple of 16, at most "
+                f"{v3.MAX_BLOCK_SIZE})")
+    if group not in GQA_GROUP_SIZES:
+        return f"G={group} (must be one of {GQA_GROUP_SIZES})"
+    return None
+
+
+def tensor_core_tiles(block_size, head_dim, index_dim, group):
+    """``(positions, rows, smem, smem_student)`` of v3's grad tile (``R = P G`` rows, as K1 v3)
+    and student tile, or None if they do not fit shared memory."""
+    rows = max(v3.TILE_ROWS, group)
+    while True:  # fewer rows where the positions' buffers would not fit (G = 1: 32)
+        positions = rows // group
+        smem = v3.grad_layout(block_size, head_dim, index_dim, rows, positions)[2]
+        if smem <= _mma.DYNAMIC_SMEM_LIMIT or rows <= max(16, group):
+            break
+        rows //= 2
+    smem_s = v3.student_layout(block_size, index_dim, 16 * v3.STUDENT_WARPS)[2]
+    if max(smem, smem_s) > _mma.DYNAMIC_SMEM_LIMIT:
+        return None
+    return positions, rows, smem, smem_s
+
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+class Plan:
+    """Validated KL inputs as kernel arguments, the rung and its tiles, and the launches.
+
+    Attributes: ``batch`` (``msa._batch.Batch``), ``kind`` (``'float32' | 'float16' |
+    'bfloat16'``), ``tq, tk, hq, hkv, group, d, d_idx, topk, block_size``, ``warmup``,
+    ``scale, index_scale`` (floats), ``version``; ``ctx`` the caller's array library; ``q, k,
+    q_idx, k_idx`` kernel views (bf16 as uint16), ``I`` the selection (a dummy in the warmup),
+    ``lse`` (None if not given), ``d_cu_q, d_cu_k`` the offsets on the device; for v3 the tile
+    (``positions, rows, smem, smem_student``).
+    """
+
+    def __init__(self, batch, kind, arrays, block_indices, lse, shape, scale, index_scale,
+                 version, tiles):
+        q, k, q_idx, k_idx = arrays
+        self.batch = batch
+        self.kind = kind
+        self.tq, self.tk, self.hq, self.hkv, self.d, self.d_idx = shape
+        self.group = self.hq // self.hkv
+        self.block_size = batch.block_size
+        self.warmup = block_indices is None
+        self.topk = 1 if self.warmup else int(block_indices.shape[2])
+        self.scale, self.index_scale = scale, index_scale
+        self.version = version
+        if version == 3:
+            self.positions, self.rows, self.smem, self.smem_student = tiles
+        self.ctx = ArrayContext(q, k, q_idx, k_idx, block_indices, lse)
+        views = []
+        for name, x in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx)):
+            arr = self.ctx.input(name, x)
+            if kind == "bfloat16" and str(arr.dtype) != "uint16":
+                arr = arr.view(np.uint16)
+            views.append(arr)
+        self.q, self.k, self.q_idx, self.k_idx = views
+        if self.warmup:
+            self.I = device_copy(np.full((1, 1, 1), -1, dtype=np.int32))  # never read
+        else:
+            self.I = self.ctx.input("block_indices", block_indices)
+        self.lse = self.ctx.input("lse", lse)
+        self.d_cu_q, self.d_cu_k = device_offsets(batch)
+
+    # -- every rung ------------------------------------------------------------------------
+    def teacher_lse(self):
+        """The given ``lse`` (kernel view), or each head's own LSE over the support."""
+        if self.lse is not None:
+            return self.lse
+        lse = self.ctx.arg(self.ctx.empty((self.tq, self.hq), np.float32))
+        n = self.tq * self.hq
+        if n:
+            kernel = kl_kernel_teacher_lse(self.kind, self.group, self.d)
+            kernel[_blocks(n, THREADS), THREADS](
+                self.q, self.k, self.I, self.d_cu_q, self.d_cu_k, self.block_size, self.warmup,
+                np.float32(self.scale), lse)
+        return lse
+
+    def mean_into(self, kl, loss):
+        """eq 10: ``loss[0] = mean(kl)`` over the ``Tq Hkv`` elements (one CTA, fixed order)."""
+        kl_kernel_mean(MEAN_THREADS)[1, MEAN_THREADS](kl.reshape(self.tq * self.hkv), loss)
+
+    def chunks(self, bytes_per_query: int, budget: int):
+        """``Batch.chunks`` of at most ``budget`` bytes of per-query buffers each."""
+        return self.batch.chunks(max(1, min(self.tq, budget // bytes_per_query)))
+
+    # -- v1 and v2 behind one interface ------------------------------------------------------
+    def launch_kl(self, lse, kl):
+        """``kl [Tq, Hkv]`` (kernel argument) of every (query, group)."""
+        args = (self.q, self.k, self.q_idx, self.k_idx, self.I, lse, self.d_cu_q, self.d_cu_k,
+                self.block_size, self.warmup, np.float32(self.scale),
+                np.float32(self.index_scale), kl)
+        n = self.tq * self.hkv
+        if self.version == 1:
+            kernel = v1.kl_kernel_thread_rows(self.kind, self.group, self.d, self.d_idx)
+            kernel[_blocks(n, THREADS), THREADS](*args)
+        else:
+            kernel = v2.kl_kernel_cta_rows(self.kind, self.group, self.d, self.d_idx,
+                                           ROW_THREADS)
+            kernel[n, ROW_THREADS](*args)
+
+    def launch_rows_grad(self, lse, coef, t0, count, store_ds, lse_idx, dq, ds):
+        """Pass 1 of the backward for queries ``[t0, t0 + count)``."""
+        args = (self.q, self.k, self.q_idx, self.k_idx, self.I, lse, self.d_cu_q, self.d_cu_k,
+                self.block_size, self.warmup, np.float32(self.scale),
+                np.float32(self.index_scale), coef, t0, count, store_ds, lse_idx, dq, ds)
+        n = count * self.hkv
+        if self.version == 1:
+            kernel = v1.kl_kernel_thread_rows_grad(self.kind, self.group, self.d, self.d_idx)
+            kernel[_blocks(n, THREADS), THREADS](*args)
+        else:
+            kernel = v2.kl_kernel_cta_rows_grad(self.kind, self.group, self.d, self.d_idx,
+                                                ROW_THREADS)
+            kernel[n, ROW_THREADS](*args)
+
+    def launch_keys(self, lse, lse_idx, row_ptr, q_indices, slots, ds, cu_q, cu_k, row_offsets,
+                    num_rows, coef, q_idx, k_idx, dk):
+        """Pass 2 of the backward: ``dk += ...`` over the keys of ``cu_k`` (``num_rows`` blocks):
+        v1's kernel for version 1, else v2's (v3's too where its own does not apply)."""
+        args = (self.q, self.k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
+                cu_q, cu_k, row_offsets, self.block_size, np.float32(self.scale),
+                np.float32(self.index_scale), coef, dk)
+        if self.version == 1:
+            n = int(dk.shape[0])
+            kernel = v1.kl_kernel_thread_keys(self.kind, self.group, self.d, self.d_idx,
+                                              self.warmup)
+            kernel[_blocks(n, THREADS), THREADS](*args)
+        else:
+            entries = v2.KEY_ENTRIES
+            if self.warmup:
+                entries = max(1, min(v2.KEY_ENTRIES,
+                                     v2.KEY_STAGE_FLOATS // (self.group * self.d)))
+            kernel = v2.kl_kernel_cta_keys(self.kind, self.group, self.d, self.d_idx,
+                                           self.block_size, entries, self.warmup)
+            kernel[num_rows, v2.key_tiles(self.block_size, self.d_idx)[2]](*args)
+
+    def backward_rows(self, lse, coef, lse_idx, dq, dk, max_ds_bytes):
+        """v1/v2 backward: pass 1 per (query, group), pass 2 per key (the warmup, whole) or
+        per query chunk of the ``dS`` buffer (a selection: each chunk its own CSR)."""
+        ctx = self.ctx
+        if self.warmup:
+            dummy_ds = device_copy(np.zeros((1, 1, 1, 1), np.float32))
+            self.launch_rows_grad(lse, coef, 0, self.tq, False, lse_idx, dq, dummy_ds)
+            if self.tk:
+                dummy_csr = device_copy(np.zeros((1, 1), np.int32))
+                self.launch_keys(lse, lse_idx, dummy_csr, dummy_csr, dummy_csr, dummy_ds,
+                                 self.d_cu_q, self.d_cu_k, _row_offsets(self.batch),
+                                 self.batch.rows, coef, self.q_idx, self.k_idx, dk)
+            return
+        per_query = self.hkv * self.topk * self.block_size * 4
+        q_chunk = max(1, min(self.tq, max_ds_bytes // per_query))
+        ds_buf = ctx.arg(ctx.empty((q_chunk * self.hkv * self.topk * self.block_size,),
+                                   np.float32))
+        for t0, t1, k_lo, k_hi, sub in self.batch.chunks(q_chunk):
+            tc = t1 - t0
+            ds = ds_buf[:tc * self.hkv * self.topk * self.block_size].reshape(
+                tc, self.hkv, self.topk, self.block_size)
+            self.launch_rows_grad(lse, coef, t0, tc, True, lse_idx, dq, ds)
+            if k_hi == k_lo:
+                continue
+            row_ptr, q_indices, slots = self._csr(t0, t1, sub)
+            self.launch_keys(lse, lse_idx, row_ptr, q_indices, slots, ds, *device_offsets(sub),
+                             _row_offsets(sub), sub.rows, coef, self.q_idx[t0:t1],
+                             self.k_idx[k_lo:k_hi], dk[k_lo:k_hi])
+
+    # -- v3: per query chunk, CSR + schedule, KV-outer tiles, slot combine --------------------
+    def _csr(self, t0, t1, sub):
+        """The k2q CSR ``(row_ptr, q_indices, slots)`` of queries ``[t0, t1)`` (kernel args)."""
+        # TODO(issue 22 merge): csr's unchecked launch_build_csr(sub, I, ctx) once it lands.
+        row_ptr, q_indices, slots = build_csr(self.I[t0:t1], sub.cu_q, sub.cu_k,
+                                              self.block_size, validate=False)
+        return kernel_array(row_ptr), kernel_array(q_indices), kernel_array(slots)
+
+    def schedule(self, t0, t1, sub):
+        """``(work, row_ptr, q_indices, slots, d_cu)`` of queries ``[t0, t1)``: the k2q CSR and
+        the work items, and ``d_cu`` the chunk's ``(cu_q, cu_k)`` on the device."""
+        row_ptr, q_indices, slots = self._csr(t0, t1, sub)
+        chunk = 2 * self.topk * self.block_size  # the paper's hot-row cut, in whole tiles
+        chunk = -(-chunk // self.positions) * self.positions
+        # TODO(issue 22 merge): schedule's unchecked launch_schedule(sub, row_ptr, ...).
+        work = launch_rows(*build_schedule(row_ptr, sub.cu_k, self.block_size, chunk,
+                                           max_edges=max(1, (t1 - t0) * self.topk),
+                                           validate=False))
+        return kernel_array(work), row_ptr, q_indices, slots, device_offsets(sub)
+
+    def _words(self, t0, t1, k_lo, k_hi):
+        """The chunk's ``q, k, q_idx, k_idx`` as uint32 words (two 16-bit values each) and
+        whether they are all 16-byte aligned (``cp.async``; D, Didx % 16 == 0 keep slices of
+        aligned arrays aligned; inputs that are not take plain loads)."""
+        words = [x.view(np.uint32) for x in (self.q[t0:t1], self.k[k_lo:k_hi],
+                                             self.q_idx[t0:t1], self.k_idx[k_lo:k_hi])]
+        return words, all(is_aligned16(x) for x in words)
+
+    def launch_student(self, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part):
+        """v3's ``LSE^idx`` pass over one query chunk's work items: ``part`` = slot states."""
+        if int(work.shape[0]) == 0:
+            return
+        words, aligned = self._words(t0, t1, k_lo, k_hi)
+        kernel = v3.kl_kernel_student(self.kind == "bfloat16", self.block_size, self.d_idx,
+                                      v3.STUDENT_WARPS, aligned)
+        launch_smem(kernel, int(work.shape[0]), 32 * v3.STUDENT_WARPS, self.smem_student,
+                    words[2], words[3], work, q_indices, slots, *d_cu,
+                    np.float32(self.index_scale * LOG2E), part)
+
+    def launch_grad(self, grads, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
+                    lse_idx, coef, part, ds, dq_part):
+        """v3's grad pass over one query chunk's work items (``grads=False``: the KL terms
+        into ``part[0]`` only, ``kl_loss``'s pass; ``ds`` and ``dq_part`` untouched)."""
+        if int(work.shape[0]) == 0:
+            return
+        words, aligned = self._words(t0, t1, k_lo, k_hi)
+        kernel = v3.kl_kernel_grad(self.kind == "bfloat16", self.block_size, self.d,
+                                   self.d_idx, self.group, self.positions, aligned, grads)
+        launch_smem(kernel, int(work.shape[0]), 2 * self.rows, self.smem, *words, lse[t0:t1],
+                    lse_idx[t0:t1], work, q_indices, slots, *d_cu,
+                    np.float32(self.scale * LOG2E), np.float32(self.index_scale), coef, part,
+                    ds, dq_part)
+
+    def combine_states(self, part, t0, want_kl, out):
+        n = int(part.shape[2]) * self.hkv
+        kl_kernel_combine_states[_blocks(n, THREADS), THREADS](
+            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, want_kl, out)
+
+    def combine_kl(self, part, t0, kl):
+        """``kl[t, r] = sum_s part[0, s, t, r]`` over the chunk's queries (the KL terms)."""
+        n = int(part.shape[2]) * self.hkv
+        kl_kernel_combine_kl[_blocks(n, THREADS), THREADS](
+            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, kl)
+
+    def combine_dq(self, dq_part, t0, dq):
+        n = int(dq_part.shape[1]) * self.hkv * self.d_idx
+        kl_kernel_combine_dq[_blocks(n, THREADS), THREADS](
+            dq_part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, dq)
+
+    def forward_tensor_cores(self, lse, kl):
+        """v3 forward, per query chunk: ``LSE^idx`` (the backward's student pass and slot
+        merge), then each slot's ``sum_j P_j (log P_j - S^idx_j + LSE^idx)`` by the grad kernel
+        without gradients, summed over the slots in order (as ``kl_loss_and_backward``)."""
+        ctx = self.ctx
+        per_query = 4 * self.hkv * self.topk * 4
+        part_buf = None
+        lse_idx = ctx.arg(ctx.empty((self.tq, self.hkv), np.float32))
+        dummy4 = device_copy(np.zeros((1, 1, 1, 1), np.float32))
+        zero = np.float32(0.0)
+        for t0, t1, k_lo, k_hi, sub in self.chunks(per_query, MAX_DS_BYTES):
+            tc = t1 - t0
+            if part_buf is None:
+                part_buf = ctx.arg(ctx.empty((4 * self.topk * tc * self.hkv,), np.float32))
+            part = part_buf[:4 * self.topk * tc * self.hkv].reshape(4, self.topk, tc, self.hkv)
+            work, _, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
+            self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
+            self.combine_states(part, t0, False, lse_idx)
+            self.launch_grad(False, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
+                             lse_idx, zero, part, dummy4, dummy4)
+            self.combine_kl(part, t0, kl)
+
+    def backward_tensor_cores(self, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
+        """v3 backward, per query chunk: the student's LSE (index scores only, slots merged),
+        then dS, the per-slot dq_idx partials and KL terms, dq_idx (and ``kl`` if given) summed
+        over the slots in order, dk_idx from the dS buffer by a key-block kernel (v3's for
+        bf16 and ``Bk <= 128``, else v2's)."""
+        ctx = self.ctx
+        per_query = self.hkv * self.topk * (self.block_size + self.d_idx + 4) * 4
+        bufs = None
+        keys_tc = v3dk.keys_supported(self.kind, self.block_size, self.d_idx)
+        for t0, t1, k_lo, k_hi, sub in self.chunks(per_query, max_ds_bytes):
+            tc = t1 - t0
+            if bufs is None:
+                bufs = [ctx.arg(ctx.empty((n * tc * self.hkv * self.topk,), np.float32))
+                        for n in (4, self.block_size, self.d_idx)]
+            part = bufs[0][:4 * self.topk * tc * self.hkv].reshape(4, self.topk, tc, self.hkv)
+            ds = bufs[1][:tc * self.hkv * self.topk * self.block_size].reshape(
+                tc, self.hkv, self.topk, self.block_size)
+            dq_part = bufs[2][:self.topk * tc * self.hkv * self.d_idx].reshape(
+                self.topk, tc, self.hkv, self.d_idx)
+            work, row_ptr, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
+            self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
+            self.combine_states(part, t0, False, lse_idx)
+            self.launch_grad(True, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
+                             lse_idx, coef, part, ds, dq_part)
+            self.combine_dq(dq_part, t0, dq)
+            if kl is not None:
+                self.combine_kl(part, t0, kl)
+            if sub.rows == 0:
+                continue
+            d_rows = _row_offsets(sub)
+            if not keys_tc:
+                self.launch_keys(lse, lse_idx, row_ptr, q_indices, slots, ds, *d_cu, d_rows,
+                                 sub.rows, coef, self.q_idx[t0:t1], self.k_idx[k_lo:k_hi],
+                                 dk[k_lo:k_hi])
+                continue
+            qi_words = self.q_idx[t0:t1].view(np.uint32)
+            kernel = v3dk.kl_kernel_keys(self.block_size, self.d_idx, is_aligned16(qi_words))
+            _, _, _, smem, dims = v3dk.keys_layout(self.block_size, self.d_idx)
+            launch_smem(kernel, sub.rows * (self.d_idx // dims), 2 * self.block_size, smem,
+                        qi_words, ds, row_ptr, q_indices, slots, d_cu[1], d_rows,
+                        np.float32(self.index_scale), dk[k_lo:k_hi])
+
+
+def _row_offsets(batch):
+    """The batch's CSR row offsets as an int32 device constant."""
+    return device_constant(batch.row_offsets.astype(np.int32))

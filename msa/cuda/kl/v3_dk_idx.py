@@ -1,0 +1,205 @@
+"""KL v3's dk_idx pass on tensor cores (bf16): ``dk_idx = s_idx dSᵀ Q_idx`` per key block, from
+the ``dS`` buffer of the grad pass (``msa.cuda.kl.v3_tensor_cores``), in CSR order.
+
+``dS`` is split into three bf16 planes (``hi + mid + lo``: 3 x 8 significand bits, exact), so
+the mma's products are those of fp32; each step's 32 entries (6 mma deep) are folded into a
+Kahan-compensated total, as v2 folds its runs. fp16 planes would underflow (``dS`` is ``coef``
+times a probability difference): fp16 inputs, and blocks over 128 keys, take v2's kernel.
+Measured on the H200 (95f9895, the paper configuration, 32K): 2.8 ms against v2's 22 ms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32, uint32
+
+from .._core import mma as _mma
+from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
+                            ldmatrix_x4_trans, load_f32x4, no_op)
+from .._core.mma import bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, pack_bf16x2
+from ._state import kahan_add, sequence_of
+from .v3_tensor_cores import smem_words
+
+KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
+KEYS_DIMS = 64  # dims of dk_idx per CTA (a grid axis): 3 x 32 accumulators per lane
+
+
+def keys_layout(block_size, index_dim):
+    """The dk_idx kernel's shared memory: ``(LDE, LDQ, OFF_Q, bytes, dims)``. Words: three bf16
+    planes (hi, mid, lo) x two buffers of E entries x ``Bk/2 + 4``, then two buffers of E index
+    query rows of the CTA's ``dims`` dims (``dims/2 + 4`` words each)."""
+    dims = min(KEYS_DIMS, index_dim)
+    lde = block_size // 2 + 4
+    ldq = dims // 2 + 4
+    off_q = 6 * KEYS_ENTRIES * lde
+    return lde, ldq, off_q, 4 * (off_q + 2 * KEYS_ENTRIES * ldq), dims
+
+
+def keys_supported(kind, block_size, index_dim):
+    """The kernel needs bf16 (fp16 planes would underflow: ``dS`` is ``coef`` times
+    a probability difference), at most 8 warps of 16 keys and whole CTAs of dims."""
+    dims = min(KEYS_DIMS, index_dim)
+    return (kind == "bfloat16" and block_size % 16 == 0 and block_size <= 128
+            and index_dim % 16 == 0 and index_dim % dims == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
+    """Backward pass 2: ``dk_idx[key, d] += s_idx sum_{r, (t, s)} dS[t, r, s, key]
+    q_idx[t, r, d]`` for one key block and ``dims`` dims per CTA, on tensor cores.
+
+    The row's CSR entries of every group, in order, 32 at a time: their ``dS`` rows (fp32,
+    from the buffer) are split into ``hi + mid + lo`` bf16 planes (exact: 3 x 8 significand
+    bits) stored entry-major, their index queries copied by ``cp.async``; warp ``w`` owns keys
+    ``16w .. 16w + 15``: ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma
+    per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
+    folds its runs. The next step's ``dS`` rows are loaded into registers and its queries
+    copied while this step computes."""
+    mma_pair_bf16 = make_mma_pair(mma_bf16_m16n8k16)
+    Bk, DI = block_size, index_dim
+    NW = Bk // 16
+    NT = 32 * NW
+    E = KEYS_ENTRIES
+    LDE, LDQ, OFF_Q, _, DPC = keys_layout(Bk, DI)
+    assert Bk % 16 == 0 and NW <= _mma.MAX_WARPS and DPC % 16 == 0
+    NN = DPC // 8
+    ACC = 4 * NN
+    PLANE = E * LDE  # words per plane buffer
+    QB = E * LDQ
+    DSP = E * (Bk // 4)  # 16-byte pieces of a step's dS rows
+    DSPT = -(-DSP // NT)  # per thread
+    DSR = 4 * DSPT
+    QP = E * (DPC // 8)  # 16-byte pieces of a step's index queries
+    DIW = DI // 2
+    copy16 = cp_async16 if use_async else copy16_plain3
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+
+    @cuda.jit(device=True, inline=True)
+    def entry(q_indices, slots, r, first, count, e, tq, topk):
+        """``(t, slot)`` of entry ``e`` of the row of group ``r``; ``t = -1`` past the row or
+        for an entry outside the chunk (never out of bounds, even for a foreign CSR)."""
+        t = -1
+        s = 0
+        if e < count:
+            t = int(q_indices[r, first + e])
+            s = int(slots[r, first + e])
+            if t < 0 or t >= tq or s < 0 or s >= topk:
+                t = -1
+        return t, s
+
+    @cuda.jit
+    def _kl_kernel_keys_v3(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
+                           index_scale, dk):
+        smem = smem_words()
+        acc = cuda.local.array(ACC, float32)
+        tot = cuda.local.array(ACC, float32)
+        comp = cuda.local.array(ACC, float32)
+        dsr = cuda.local.array(DSR, float32)
+        afr = cuda.local.array(12, uint32)  # A fragments of the three planes
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        hkv = q_idx.shape[1]
+        tq = q_idx.shape[0]
+        topk = ds.shape[2]
+        nd = DI // DPC
+        row = cuda.blockIdx.x // nd
+        d0 = (cuda.blockIdx.x % nd) * DPC
+        b = sequence_of(row_offsets, row)
+        kk0 = (row - int(row_offsets[b])) * Bk
+        key0 = int(cu_k[b])
+        nk = min(Bk, int(cu_k[b + 1]) - key0 - kk0)
+        for i in range(ACC):
+            tot[i] = float32(0.0)
+            comp[i] = float32(0.0)
+        # ldmatrix row addresses: A = dSᵀ from the entry-major planes (matrices: entries 0-7 /
+        # 8-15 x keys 0-7 / 8-15 of the warp's 16), B = Q_idx as K1's V (.trans)
+        a_lane = ((lane & 7) + 8 * (lane >> 4)) * LDE + 4 * ((lane >> 3) & 1) + 8 * warp
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        b_lane = OFF_Q + l_rows * LDQ + (lane >> 4) * 4
+        for r in range(hkv):
+            first = int(row_ptr[r, row])
+            count = int(row_ptr[r, row + 1]) - first
+            steps = (count + E - 1) // E
+            for st in range(steps + 1):
+                # step st - 1 computes from buffer (st - 1) % 2 while step st is staged into
+                # st % 2: its index queries by cp.async, its dS rows into registers
+                buf = st % 2
+                if st < steps:
+                    for i in range(tid, QP, NT):
+                        e = i // (DPC // 8)
+                        w = 4 * (i % (DPC // 8))
+                        t, _ = entry(q_indices, slots, r, first, count, st * E + e, tq, topk)
+                        copy16(smem, OFF_Q + buf * QB + e * LDQ + w, q_idx,
+                               ((t if t >= 0 else 0) * hkv + r) * DIW + d0 // 2 + w,
+                               16 if t >= 0 else 0)
+                    commit()
+                    for u in range(DSPT):
+                        i = tid + u * NT
+                        x0 = x1 = x2 = x3 = float32(0.0)
+                        if i < DSP:
+                            e = i // (Bk // 4)
+                            c = 4 * (i % (Bk // 4))
+                            t, s = entry(q_indices, slots, r, first, count, st * E + e, tq,
+                                         topk)
+                            if t >= 0:
+                                x0, x1, x2, x3 = load_f32x4(ds, ((t * hkv + r) * topk + s) * Bk
+                                                            + c)
+                        dsr[4 * u] = x0
+                        dsr[4 * u + 1] = x1
+                        dsr[4 * u + 2] = x2
+                        dsr[4 * u + 3] = x3
+                if st > 0:
+                    pb = 1 - buf
+                    for i in range(ACC):
+                        acc[i] = float32(0.0)
+                    for ks in range(E // 16):
+                        for plane in range(3):
+                            a0, a1, a2, a3 = ldmatrix_x4_trans(
+                                smem, plane * 2 * PLANE + pb * PLANE + a_lane + 16 * ks * LDE)
+                            afr[4 * plane] = a0
+                            afr[4 * plane + 1] = a1
+                            afr[4 * plane + 2] = a2
+                            afr[4 * plane + 3] = a3
+                        for n2 in range(NN // 2):
+                            b0, b1, b2, b3 = ldmatrix_x4_trans(
+                                smem, b_lane + pb * QB + 16 * ks * LDQ + 8 * n2)
+                            n = 8 * n2
+                            for plane in range(3):
+                                a0 = afr[4 * plane]
+                                a1 = afr[4 * plane + 1]
+                                a2 = afr[4 * plane + 2]
+                                a3 = afr[4 * plane + 3]
+                                mma_pair_bf16(acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+                    for i in range(ACC):
+                        tot[i], comp[i] = kahan_add(tot[i], comp[i], acc[i])
+                if st < steps:
+                    # split the staged dS rows into hi + mid + lo, entry-major, into buffer buf
+                    for u in range(DSPT):
+                        i = tid + u * NT
+                        if i < DSP:
+                            e = i // (Bk // 4)
+                            w = e * LDE + 2 * (i % (Bk // 4)) + buf * PLANE
+                            for half in range(2):
+                                xa = dsr[4 * u + 2 * half]
+                                xb = dsr[4 * u + 2 * half + 1]
+                                for plane in range(3):
+                                    word = pack_bf16x2(xa, xb)
+                                    smem[plane * 2 * PLANE + w + half] = word
+                                    xa = xa - bf16_to_f32(word & uint32(0xFFFF))
+                                    xb = xb - bf16_to_f32(word >> uint32(16))
+                wait_all()
+                cuda.syncthreads()
+        # C layout: keys 16w + g4 (+8), dims 8n + 2t4 (+1)
+        for n in range(NN):
+            for e in range(4):
+                key = 16 * warp + g4 + 8 * (e // 2)
+                d = d0 + 8 * n + 2 * t4 + e % 2
+                if key < nk:
+                    dk[key0 + kk0 + key, d] += (tot[4 * n + e] - comp[4 * n + e]) * index_scale
+
+    return _kl_kernel_keys_v3

@@ -1,0 +1,716 @@
+"""KL v3 (was v4): KV-outer on tensor cores with the work in registers, the paper's K1 order.
+
+Per query chunk the launcher builds the k2q CSR of the selection and the hot-row schedule (work
+items of at most ``2 K Bk`` queries of one key block, ``msa.cuda.schedule``); one CTA per work
+item loads the key block once and walks the item's queries in tiles. Three passes, the first
+two here:
+
+* ``LSE^idx`` (``kl_kernel_student``): tiles of 64 index queries, ``S^idx`` in mma accumulators,
+  the row maximum and sum by quad shuffles; per (query, slot) the state ``(m, l, 0, 0)``,
+  merged in slot order (``msa.cuda.kl._common``).
+* the grad pass (``kl_kernel_grad``): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64 rows of
+  ``P`` positions x ``G`` heads, ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by a
+  reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term on
+  the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact 16-bit
+  planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (110 KB at the paper's sizes:
+  two CTAs per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
+  ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
+* ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
+  block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
+  ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
+  next step staged while one computes.
+
+Over v2: tensor cores, and every key block read once per work item instead of once per query.
+The default for fp16/bf16 with a selection, ``D``, ``Didx``, ``Bk`` multiples of 16,
+``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on the H200
+(f4aaa47, the paper configuration in bf16): ``kl_loss_and_backward`` 28.99 ms at 32K and 102.4
+ms at 128K, 1.47x and 1.39x the sparse attention forward of that run, 225x and 92x PyTorch
+(the deleted KV-outer rung that staged the teacher in shared memory: 92.9 and 324.4 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, uint32
+
+from ..._checks import GQA_GROUP_SIZES
+from .._core import mma as _mma
+from .._core.arrays import SIMULATOR
+from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
+                            cp_async_wait_all, ldmatrix_x4, ldmatrix_x4_trans, no_op)
+from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pair,
+                         mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
+from .._core.packed import LN2, LOG2E, check_entry, item_fields, load_entry
+from ._state import FULL_MASK, NEG_INF, finite_or_zero
+
+MAX_BLOCK_SIZE = 256
+# grad tile rows R = P x G (64 as K1 v3's default; the simulator's smallest)
+TILE_ROWS = 16 if SIMULATOR else 64
+STUDENT_WARPS = 1 if SIMULATOR else 4  # student pass: 16 query positions per warp
+
+
+if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
+    @cuda.jit(device=True)
+    def smem_words():
+        return cuda.shared.array(0, uint32)
+
+    @cuda.jit(device=True)
+    def smem_floats():
+        return cuda.shared.array(0, float32)
+else:
+    @cuda.jit(device=True, inline=True)
+    def smem_words():
+        """The dynamic shared memory as uint32, 16-byte aligned (``cp.async``)."""
+        return cuda.shared.array(0, uint32, alignment=16)
+
+    @cuda.jit(device=True, inline=True)
+    def smem_floats():
+        """The same bytes as float32."""
+        return cuda.shared.array(0, float32, alignment=16)
+
+
+def grad_layout(block_size, head_dim, index_dim, rows, positions):
+    """The grad kernel's shared memory: ``(LD, LDI, LDT, LDE), (OFF_KI, OFF_Q, OFF_QI, OFF_X,
+    OFF_T, OFF_E), bytes``.
+
+    Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
+    (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
+    rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
+    while its dS and dq_idx run; at the paper's sizes the footprint stays under half an SM's,
+    two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
+    zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid + lo`` of each
+    position's ``dS``, exact; rows past P zeros), the A operand of dq_idx. Floats: sX [Bk keys x
+    LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
+    LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row half) pairs of it
+    (the dS loop would index its registers at run time), each element written and read by the
+    same lane."""
+    ld = head_dim // 2 + 4
+    ldi = index_dim // 2 + 4
+    lde = block_size // 2 + 4
+    pp = -(-positions // 16) * 16
+    ldt = 4 * -(-positions // 4)
+    off_ki = block_size * ld
+    off_q = off_ki + block_size * ldi
+    off_qi = off_q + rows * ld
+    off_x = off_qi + 2 * pp * ldi
+    off_t = off_x + block_size * ldt
+    off_e = off_t + block_size * ldt
+    total = off_e + 3 * pp * lde
+    return (ld, ldi, ldt, lde), (off_ki, off_q, off_qi, off_x, off_t, off_e), 4 * total
+
+
+def student_layout(block_size, index_dim, positions):
+    """The student kernel: sKi [Bk rows] and two buffers of ``positions`` index query rows."""
+    ldi = index_dim // 2 + 4
+    return ldi, block_size * ldi, 4 * (block_size + 2 * positions) * ldi
+
+
+@functools.lru_cache(maxsize=None)
+def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int,
+                      use_async: bool = True):
+    """The ``LSE^idx`` pass: per work item, the slot states ``(m, l, 0, 0)`` of its queries.
+
+    One CTA per work item loads K_idx of the key block once; tiles of ``16 warps`` query
+    positions (no heads: the index branch has one query per group), each warp 16 of them:
+    ``S^idx`` in registers (fp32 mma accumulators), masked causally, the row's maximum and
+    ``l = sum exp(S^idx - m)`` by quad shuffles. ``part[0..3, slot, t, h] = (m, l, 0, 0)``
+    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``."""
+    Bk, DI = block_size, index_dim
+    NW = warps
+    PS = 16 * NW  # positions per tile
+    NT = 32 * NW
+    assert DI % 16 == 0 and Bk % 16 == 0 and NW <= _mma.MAX_WARPS
+    LDI, OFF_Q, _ = student_layout(Bk, DI, PS)
+    DIW = DI // 2
+    PIECES = DIW // 4
+    HALF = PIECES // 2 if PIECES >= 2 else 1
+    HALVES = PIECES // HALF  # threads per row: NT = 2 PS threads, two per row
+    QBUF = PS * LDI
+    NS = Bk // 8
+    S_REGS = 4 * NS  # (a local array's size must be a plain constant)
+    KS = DI // 16
+    mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
+    copy16 = cp_async16 if use_async else copy16_plain3
+    copy16_2d = cp_async16 if use_async else copy16_plain2
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+
+    @cuda.jit
+    def _kl_kernel_student_v3(q_idx, k_idx, work, q_indices, slots, cu_q, cu_k,
+                              index_scale_log2, part):
+        smem = smem_words()
+        s_acc = cuda.local.array(S_REGS, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = part.shape[1]
+        hkv = q_idx.shape[1]
+        h, q_begin, q_count, b, j, key0, nk = item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
+        if q_count <= 0:
+            return
+        key_pos0 = j * Bk
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
+        num_tiles = (q_count + PS - 1) // PS
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            copy16_2d(smem, c * LDI + w, k_idx, (key0 + (c if ok else 0)) * DIW + w,
+                      16 if ok else 0)
+        g_row = tid // 2
+        g_half = tid % 2
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, g_row, PS)
+        t_g, _, _ = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+        if g_half < HALVES:
+            src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
+            for u in range(HALF):
+                copy16(smem, OFF_Q + g_row * LDI + g_half * HALF * 4 + 4 * u, q_idx,
+                       src + 4 * u, 16 if t_g >= 0 else 0)
+        commit()
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 1, PS, 1, g_row, PS)
+        r_top = 16 * warp + g4
+        r_bot = r_top + 8
+        tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_top, PS)
+        tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_bot, PS)
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LDI + (lane >> 4) * 4
+        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
+
+        for tile in range(num_tiles):
+            buf = tile % 2
+            wait_all()
+            cuda.syncthreads()
+            if tile + 1 < num_tiles:
+                t_g, _, _ = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                if g_half < HALVES:
+                    src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
+                    dst = OFF_Q + (1 - buf) * QBUF + g_row * LDI + g_half * HALF * 4
+                    for u in range(HALF):
+                        copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t_g >= 0 else 0)
+            commit()
+            t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, PS, 1,
+                                       g_row, PS)
+            t_top, s_top, pos_top = check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
+            t_bot, s_bot, pos_bot = check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
+                                         r_top, PS)
+            tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
+                                         r_bot, PS)
+            for i in range(4 * NS):
+                s_acc[i] = float32(0.0)
+            qa = OFF_Q + buf * QBUF + a_lane
+            for ks in range(KS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                for n2 in range(NS // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LDI + 8 * ks)
+                    n = 8 * n2
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+            lim_top = min(pos_top - key_pos0, nk - 1)
+            lim_bot = min(pos_bot - key_pos0, nk - 1)
+            m_top = NEG_INF
+            m_bot = NEG_INF
+            for i in range(NS):
+                for e in range(2):
+                    c = 8 * i + 2 * t4 + e
+                    x_top = s_acc[4 * i + e] * index_scale_log2
+                    x_bot = s_acc[4 * i + 2 + e] * index_scale_log2
+                    if c > lim_top:
+                        x_top = NEG_INF
+                    if c > lim_bot:
+                        x_bot = NEG_INF
+                    s_acc[4 * i + e] = x_top
+                    s_acc[4 * i + 2 + e] = x_bot
+                    m_top = max(m_top, x_top)
+                    m_bot = max(m_bot, x_bot)
+            m_top = max(m_top, cuda.shfl_xor_sync(FULL_MASK, m_top, 1))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(FULL_MASK, m_bot, 1))
+            m_top = max(m_top, cuda.shfl_xor_sync(FULL_MASK, m_top, 2))
+            m_bot = max(m_bot, cuda.shfl_xor_sync(FULL_MASK, m_bot, 2))
+            mb_top = m_top if m_top > NEG_INF else float32(0.0)
+            mb_bot = m_bot if m_bot > NEG_INF else float32(0.0)
+            l_top = float32(0.0)
+            l_bot = float32(0.0)
+            for i in range(NS):
+                for e in range(2):
+                    l_top += exp2(s_acc[4 * i + e] - mb_top)
+                    l_bot += exp2(s_acc[4 * i + 2 + e] - mb_bot)
+            l_top += cuda.shfl_xor_sync(FULL_MASK, l_top, 1)
+            l_bot += cuda.shfl_xor_sync(FULL_MASK, l_bot, 1)
+            l_top += cuda.shfl_xor_sync(FULL_MASK, l_top, 2)
+            l_bot += cuda.shfl_xor_sync(FULL_MASK, l_bot, 2)
+            if t4 == 0:
+                if t_top >= 0:
+                    part[0, s_top, t_top, h] = m_top * float32(LN2) if l_top > 0 else NEG_INF
+                    part[1, s_top, t_top, h] = l_top
+                    part[2, s_top, t_top, h] = float32(0.0)
+                    part[3, s_top, t_top, h] = float32(0.0)
+                if t_bot >= 0:
+                    part[0, s_bot, t_bot, h] = m_bot * float32(LN2) if l_bot > 0 else NEG_INF
+                    part[1, s_bot, t_bot, h] = l_bot
+                    part[2, s_bot, t_bot, h] = float32(0.0)
+                    part[3, s_bot, t_bot, h] = float32(0.0)
+
+    return _kl_kernel_student_v3
+
+
+@functools.lru_cache(maxsize=None)
+def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
+                   group: int, positions: int, use_async: bool = True, grads: bool = True):
+    """The grad pass, the teacher in registers (``grads=False``: the KL terms only,
+    ``kl_loss``'s pass; ``ds`` and ``dq_part`` are not touched).
+
+    Per tile of ``R = P G`` rows (``P`` query positions x ``G`` heads, row ``r`` = position
+    ``r // G``, head ``r % G``), warp ``w`` owning rows ``16w .. 16w + 15``:
+
+    1. the student logits ``S^idx`` of the P positions (one mma m-tile per 16 positions, the
+       n-tiles dealt to the warps) into ``sX`` (key-major), ``-inf`` where hidden;
+    2. ``S = Q Kᵀ`` in registers as K1 v3, each head's ``P_h = exp(S scale - LSE_h)``;
+    3. the teacher ``P = mean_h P_h`` of each position, summed over the lanes holding the
+       position's rows by a reduce-scatter of shuffles (``log2 min(G, 8)`` steps, each halving
+       the keys a lane keeps; the two row halves added first at G = 16);
+    4. each lane, for the keys it keeps, ``dS = P^idx - P`` (into the planes of step 5 and,
+       times ``coef``, into the ``ds`` buffer for the ``dk_idx`` pass) and the slot's KL term
+       ``sum P (log P - S^idx + LSE^idx)`` (shuffled to one lane per position);
+    5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` on tensor cores:
+       ``dS`` split into three 16-bit planes (``hi + mid + lo``, exact; fp16 planes scaled by
+       2**14 so the residuals stay normal), three mma per product, fp32 accumulation.
+
+    Outputs: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``, ``dq_part[slot, t, h, :]``, merged
+    in slot order by ``msa.cuda.kl._common``'s combines."""
+    Bk, D, DI, G, P = block_size, head_dim, index_dim, group, positions
+    R = P * G
+    NW = R // 16
+    NT = 32 * NW
+    assert G in GQA_GROUP_SIZES and R % 16 == 0 and NW <= _mma.MAX_WARPS
+    assert D % 16 == 0 and DI % 16 == 0 and Bk % 16 == 0
+    (LD, LDI, LDT, LDE), (OFF_KI, OFF_Q, OFF_QI, OFF_X, OFF_T, OFF_E), _ = grad_layout(
+        Bk, D, DI, R, P)
+    PP = -(-P // 16) * 16
+    DW = D // 2
+    DIW = DI // 2
+    PIECES = DW // 4
+    PIECES_I = DIW // 4
+    HALF = PIECES // 2 if PIECES >= 2 else 1
+    HALVES = PIECES // HALF
+    QIBUF = PP * LDI
+    NS = Bk // 8
+    S_REGS = 4 * NS  # (a local array's size must be a plain constant)
+    KSTEPS = D // 16
+    KSTEPS_I = DI // 16
+    GG = min(G, 8)  # lanes (g4 values) sharing a position's row within one row half
+    STEPS = GG.bit_length() - 1  # lane bits to sum over (g4's low bits)
+    BOTH = G == 16  # the two row halves of a lane are the same position
+    # The head sum is a reduce-scatter over g4's high bits first (each step halves the n-tiles
+    # a lane keeps), then, when the block has fewer n-tiles than lanes to share them (small
+    # blocks), an all-reduce over the remaining low bits.
+    SCATTER = min(STEPS, NS.bit_length() - 1)
+    RB = STEPS - SCATTER
+    LEN = NS >> SCATTER  # n-tiles a lane keeps
+    LOW_MASK = (1 << RB) - 1
+    HALVES_DS = 1 if BOTH else 2
+    USE_ST = LEN * HALVES_DS > 2  # the teacher through sT (see grad_layout)
+    H1, H2, H3 = NS >> 1, NS >> 2, NS >> 3  # halves of the scatter steps (while used)
+    OFF1 = 4 << (STEPS - 1) if STEPS >= 1 else 0
+    OFF2 = 4 << (STEPS - 2) if STEPS >= 2 else 0
+    OFF3 = 4 << (STEPS - 3) if STEPS >= 3 else 0
+    MT = PP // 16
+    NPAIRS = Bk // 16
+    STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
+    PLANE = PP * LDE  # words per dS plane
+    NPD = DI // 16  # n-tile pairs of dq_idx (16 dims), dealt to the warps
+    DQ_ITERS = -(-(MT * NPD) // NW)
+    KP = Bk // 16  # k-steps of dq_idx = dS K_idx
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    # fp16 planes hold dS * 2**14 (|dS| <= 1): the residuals stay clear of fp16's subnormals
+    ds_up = float32(1.0) if bf16_in else float32(2.0 ** 14)
+    ds_down = float32(1.0) if bf16_in else float32(2.0 ** -14)
+    GRADS = grads
+    mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
+    mma_pair = make_mma_pair(mma)
+    half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
+    copy16 = cp_async16 if use_async else copy16_plain3
+    copy16_2d = cp_async16 if use_async else copy16_plain2
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+    inv_g = float32(1.0 / G)
+
+    @cuda.jit(device=True, inline=True)
+    def load_key_block(smem, k, k_idx, h, key0, nk, tid):
+        """The key block into sK and sKi (K and K_idx; keys past the sequence are 0), and
+        zeros into the pad rows of both sQi buffers and of the dS planes (never rewritten)."""
+        hkv = k.shape[1]
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            copy16(smem, c * LD + w, k, ((key0 + (c if ok else 0)) * hkv + h) * DW + w,
+                   16 if ok else 0)
+        for e in range(tid, Bk * PIECES_I, NT):
+            c = e // PIECES_I
+            w = (e % PIECES_I) * 4
+            ok = c < nk
+            copy16_2d(smem, OFF_KI + c * LDI + w, k_idx, (key0 + (c if ok else 0)) * DIW + w,
+                      16 if ok else 0)
+        for e in range(tid, 2 * (PP - P) * PIECES_I, NT):
+            bb = e // ((PP - P) * PIECES_I)
+            rr = P + (e // PIECES_I) % (PP - P)
+            copy16_2d(smem, OFF_QI + bb * QIBUF + rr * LDI + (e % PIECES_I) * 4, k_idx, 0, 0)
+        for e in range(tid, 3 * (PP - P) * LDE, NT):
+            smem[OFF_E + (e // ((PP - P) * LDE)) * PLANE + P * LDE + e % ((PP - P) * LDE)] = \
+                uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def gather(smem, q, q_idx, h, row, half, t, buf, pos_t, pos_s, pos_q, s, pos):
+        """This thread's half of query row ``row`` of a tile into sQ (zeros if ``t = -1``);
+        the thread with half 0 of a position's first row also copies the position's index
+        query into sQi buffer ``buf`` and records ``(t, slot, pos)`` in tables ``buf``."""
+        hkv = q_idx.shape[1]
+        if half < HALVES:
+            src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
+            dst = OFF_Q + row * LD + half * HALF * 4
+            for u in range(HALF):
+                copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
+        if half == 0 and row % G == 0:
+            p = row // G
+            pos_t[buf, p] = t
+            pos_s[buf, p] = s
+            pos_q[buf, p] = pos
+            src = ((t if t >= 0 else 0) * hkv + h) * DIW
+            dst = OFF_QI + buf * QIBUF + p * LDI
+            for u in range(PIECES_I):
+                copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t >= 0 else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def row_lses(lse, lse_idx, h, r_top, r_bot, t_top, t_bot):
+        """``(LSE_top, LSE_bot, LSE^idx_top, LSE^idx_bot)`` of this lane's two rows (the
+        heads' in log2 units, an empty support's as 0); 0 for rows without a query."""
+        lse_top = float32(0.0)
+        lse_bot = float32(0.0)
+        li_top = float32(0.0)
+        li_bot = float32(0.0)
+        if t_top >= 0:
+            lse_top = finite_or_zero(lse[t_top, h * G + r_top % G]) * float32(LOG2E)
+            li_top = lse_idx[t_top, h]
+        if t_bot >= 0:
+            lse_bot = finite_or_zero(lse[t_bot, h * G + r_bot % G]) * float32(LOG2E)
+            li_bot = lse_idx[t_bot, h]
+        return lse_top, lse_bot, li_top, li_bot
+
+    @cuda.jit(device=True, inline=True)
+    def student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
+                       index_scale):
+        """Step 1: ``S^idx`` of the tile's positions into sX[key, position], ``-inf`` on
+        hidden keys; the (m-tile, n-tile pair) units dealt to the warps, every warp running
+        the same mma count."""
+        for it in range(STUDENT_ITERS):
+            real, mt, n2 = _deal(warp, it, NW, MT * NPAIRS, NPAIRS)
+            c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = float32(0.0)
+            qa = OFF_QI + buf * QIBUF + 16 * mt * LDI + ai_lane
+            for ks in range(KSTEPS_I):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                b0, b1, b2, b3 = ldmatrix_x4(smem, ki_lane + 16 * n2 * LDI + 8 * ks)
+                c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                c4, c5, c6, c7 = mma(a0, a1, a2, a3, b2, b3, c4, c5, c6, c7)
+            if real:
+                pt = 16 * mt + g4
+                pb = pt + 8
+                for nn in range(2):
+                    for e in range(2):
+                        c = 16 * n2 + 8 * nn + 2 * t4 + e
+                        vt = (c0 if e == 0 else c1) if nn == 0 else (c4 if e == 0 else c5)
+                        vb = (c2 if e == 0 else c3) if nn == 0 else (c6 if e == 0 else c7)
+                        if pt < P:
+                            x = NEG_INF
+                            if c < nk and key_pos0 + c <= pos_q[buf, pt]:
+                                x = vt * index_scale
+                            sf[OFF_X + c * LDT + pt] = x
+                        if pb < P:
+                            x = NEG_INF
+                            if c < nk and key_pos0 + c <= pos_q[buf, pb]:
+                                x = vb * index_scale
+                            sf[OFF_X + c * LDT + pb] = x
+
+    @cuda.jit(device=True, inline=True)
+    def teacher_probs(smem, s_acc, a_lane, k_lane, t4, pos_top, pos_bot, key_pos0, nk,
+                      scale_log2, lse_top, lse_bot):
+        """Step 2: ``S = Q Kᵀ`` of the warp's 16 rows in ``s_acc`` (mma accumulators), then
+        each head's ``P_h = exp(S scale - LSE_h)`` on visible keys, 0 elsewhere (at G = 16
+        the bottom row half added into the top: the same position)."""
+        for i in range(4 * NS):
+            s_acc[i] = float32(0.0)
+        qa = OFF_Q + a_lane
+        for ks in range(KSTEPS):
+            a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+            for n2 in range(NS // 2):
+                b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
+                n = 8 * n2
+                mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+        lim_top = min(pos_top - key_pos0, nk - 1)
+        lim_bot = min(pos_bot - key_pos0, nk - 1)
+        for i in range(NS):
+            for e in range(2):
+                c = 8 * i + 2 * t4 + e
+                v_top = float32(0.0)
+                v_bot = float32(0.0)
+                if c <= lim_top:
+                    v_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
+                if c <= lim_bot:
+                    v_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                if BOTH:  # G = 16: both row halves are heads of the same position
+                    v_top += v_bot
+                s_acc[4 * i + e] = v_top
+                s_acc[4 * i + 2 + e] = v_bot
+
+    @cuda.jit(device=True, inline=True)
+    def scatter_step(s_acc, half_len, off):
+        """One reduce-scatter step over lane bit ``off``: n-tiles ``[0, 2 half_len)`` of both
+        row halves -> this lane keeps the lower half (its bit 0) or the upper, summed with its
+        partner's, in ``[0, half_len)``."""
+        upper = (cuda.threadIdx.x & off) != 0
+        for j in range(half_len):
+            for x in range(4):  # top e = 0, 1; bottom e = 0, 1
+                a = s_acc[4 * j + x]
+                b = s_acc[4 * (j + half_len) + x]
+                send = a if upper else b
+                keep = b if upper else a
+                if BOTH and x >= 2:
+                    continue  # G = 16: the bottom half was added into the top
+                s_acc[4 * j + x] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+
+    @cuda.jit(device=True, inline=True)
+    def head_sum(s_acc, sf, u_own, t4, p_top, p_bot):
+        """Step 3: ``sum_h P_h`` over the lanes holding a position's rows, a reduce-scatter
+        then an all-reduce (see SCATTER): n-tile ``j < LEN`` of ``s_acc`` becomes n-tile
+        ``(u_own >> RB) LEN + j`` of the block; through sT where USE_ST."""
+        if SCATTER >= 1:
+            scatter_step(s_acc, H1, OFF1)
+        if SCATTER >= 2:
+            scatter_step(s_acc, H2, OFF2)
+        if SCATTER >= 3:
+            scatter_step(s_acc, H3, OFF3)
+        off = 4
+        for _ in range(RB):
+            for j in range(LEN):
+                for x in range(4):
+                    if not (BOTH and x >= 2):
+                        s_acc[4 * j + x] += cuda.shfl_xor_sync(FULL_MASK, s_acc[4 * j + x],
+                                                               off)
+            off *= 2
+        if USE_ST:
+            for j in range(LEN):
+                c = 8 * ((u_own >> RB) * LEN + j) + 2 * t4
+                for x in range(2 * HALVES_DS):
+                    pp = p_top if x < 2 else p_bot
+                    sf[OFF_T + (c + x % 2) * LDT + pp] = s_acc[4 * j + x]
+
+    @cuda.jit(device=True, inline=True)
+    def ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
+                        li_bot, t_top, t_bot, s_top, s_bot):
+        """Step 4: on this lane's share of the keys ``dS = P^idx - P`` (times ``coef`` into
+        the ``ds`` buffer, and as ``hi + mid + lo`` 16-bit planes into sE for step 5) and the
+        slot's KL term ``sum P (log P - S^idx + LSE^idx)``, summed over the lanes sharing a
+        position into ``part[0, slot, t, h]``. Without GRADS the KL terms only."""
+        kl_top = float32(0.0)
+        kl_bot = float32(0.0)
+        own = (u_own & LOW_MASK) == 0  # one lane of those holding the same sums
+        for j in range(LEN):
+            c = 8 * ((u_own >> RB) * LEN + j) + 2 * t4
+            for half in range(1 if BOTH else 2):
+                pp = p_top if half == 0 else p_bot
+                li = li_top if half == 0 else li_bot
+                t = t_top if half == 0 else t_bot
+                sl = s_top if half == 0 else s_bot
+                ds0 = float32(0.0)
+                ds1 = float32(0.0)
+                for e in range(2):
+                    if USE_ST:
+                        pj = sf[OFF_T + (c + e) * LDT + pp] * inv_g
+                    else:
+                        pj = s_acc[4 * j + 2 * half + e] * inv_g
+                    x = sf[OFF_X + (c + e) * LDT + pp]
+                    dsv = float32(0.0)
+                    klv = float32(0.0)
+                    if own and x > NEG_INF:
+                        if GRADS:
+                            dsv = math.exp(x - li) - pj
+                        if pj > float32(0.0):
+                            klv = pj * (math.log(pj) - (x - li))
+                    if e == 0:
+                        ds0 = dsv
+                    else:
+                        ds1 = dsv
+                    if half == 0:
+                        kl_top += klv
+                    else:
+                        kl_bot += klv
+                if own and GRADS:
+                    if t >= 0:
+                        ds[t, h, sl, c] = coef * ds0
+                        ds[t, h, sl, c + 1] = coef * ds1
+                    # dS (keys c, c + 1) as hi + mid + lo 16-bit pairs, row pp of the planes
+                    xa = ds0 * ds_up
+                    xb = ds1 * ds_up
+                    for plane in range(3):
+                        word = pack(xa, xb)
+                        smem[OFF_E + plane * PLANE + pp * LDE + c // 2] = word
+                        xa = xa - half_to_f32(word & uint32(0xFFFF))
+                        xb = xb - half_to_f32(word >> uint32(16))
+        # over the lanes sharing a position: t4 (offsets 1, 2) and u_own (4 .. 2 GG)
+        off = 1
+        for _ in range(2 + STEPS):
+            kl_top += cuda.shfl_xor_sync(FULL_MASK, kl_top, off)
+            kl_bot += cuda.shfl_xor_sync(FULL_MASK, kl_bot, off)
+            off *= 2
+        if t4 == 0 and u_own == 0:
+            if t_top >= 0:
+                part[0, s_top, t_top, h] = kl_top
+            if t_bot >= 0 and not BOTH:
+                part[0, s_bot, t_bot, h] = kl_bot
+
+    @cuda.jit(device=True, inline=True)
+    def dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s, h,
+                    cqs, dq_part):
+        """Step 5: the slots' ``dq_idx`` partials ``coef s_idx dS K_idx`` on tensor cores, A =
+        the three planes of sE (exact products), B = K_idx by ``ldmatrix.trans`` (K1's V);
+        (m-tile, n-tile pair) units dealt to the warps, every warp running the same mma
+        count. ``acc``, ``afr``: the caller's register arrays."""
+        for it in range(DQ_ITERS):
+            real, mt, n2 = _deal(warp, it, NW, MT * NPD, NPD)
+            for i in range(8):
+                acc[i] = float32(0.0)
+            for kp in range(KP):
+                for plane in range(3):
+                    a0, a1, a2, a3 = ldmatrix_x4(
+                        smem, OFF_E + plane * PLANE + (16 * mt + l_rows) * LDE
+                        + (lane >> 4) * 4 + 8 * kp)
+                    afr[4 * plane] = a0
+                    afr[4 * plane + 1] = a1
+                    afr[4 * plane + 2] = a2
+                    afr[4 * plane + 3] = a3
+                b0, b1, b2, b3 = ldmatrix_x4_trans(smem, vi_lane + 16 * kp * LDI + 8 * n2)
+                for plane in range(3):
+                    c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
+                                         afr[4 * plane + 2], afr[4 * plane + 3], b0, b1,
+                                         acc[0], acc[1], acc[2], acc[3])
+                    acc[0] = c0
+                    acc[1] = c1
+                    acc[2] = c2
+                    acc[3] = c3
+                    c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
+                                         afr[4 * plane + 2], afr[4 * plane + 3], b2, b3,
+                                         acc[4], acc[5], acc[6], acc[7])
+                    acc[4] = c0
+                    acc[5] = c1
+                    acc[6] = c2
+                    acc[7] = c3
+            if real:
+                # C layout: positions 16 mt + g4 (+8), dims 16 n2 + 8 nn + 2 t4 (+1)
+                for r8 in range(2):
+                    p = 16 * mt + g4 + 8 * r8
+                    if p < P:
+                        t = pos_t[buf, p]
+                        if t >= 0:
+                            sl = pos_s[buf, p]
+                            for nn in range(2):
+                                d = 16 * n2 + 8 * nn + 2 * t4
+                                dq_part[sl, t, h, d] = acc[4 * nn + 2 * r8] * cqs
+                                dq_part[sl, t, h, d + 1] = acc[4 * nn + 2 * r8 + 1] * cqs
+
+    @cuda.jit
+    def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
+                           cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
+        smem = smem_words()
+        sf = smem_floats()
+        pos_t = cuda.shared.array((2, P), int32)
+        pos_s = cuda.shared.array((2, P), int32)
+        pos_q = cuda.shared.array((2, P), int32)
+        s_acc = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(8, float32)
+        afr = cuda.local.array(12, uint32)  # A fragments of the three dS planes
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        topk = part.shape[1]  # (ds is a dummy without gradients)
+        hkv = k.shape[1]
+        h, q_begin, q_count, b, j, key0, nk = item_fields(
+            work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
+        if q_count <= 0:
+            return
+        key_pos0 = j * Bk
+        q_lo = int(cu_q[b])
+        q_hi = int(cu_q[b + 1])
+        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
+        num_tiles = (q_count + P - 1) // P
+        cqs = coef * index_scale * ds_down
+
+        load_key_block(smem, k, k_idx, h, key0, nk, tid)
+        g_row = tid // 2
+        g_half = tid % 2
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
+        t_g, s_g, p_g = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+        gather(smem, q, q_idx, h, g_row, g_half, t_g, 0, pos_t, pos_s, pos_q, s_g, p_g)
+        commit()
+        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, g_row, R)
+
+        r_top = 16 * warp + g4
+        r_bot = r_top + 8
+        p_top = r_top // G  # the rows' positions in the tile
+        p_bot = r_bot // G
+        tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_top, R)
+        tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, r_bot, R)
+        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
+        a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
+        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+        ai_lane = l_rows * LDI + (lane >> 4) * 4
+        ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
+        vi_lane = OFF_KI + l_rows * LDI + (lane >> 4) * 4  # K_idx as the B of dq_idx (.trans)
+        u_own = g4 % GG  # this lane among the GG holding a position's rows (one row half)
+
+        for tile in range(num_tiles):
+            buf = tile % 2
+            wait_all()
+            cuda.syncthreads()  # tile's rows landed; every warp is past tile - 1
+            t_top, s_top, pos_top = check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
+            t_bot, s_bot, pos_bot = check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
+            # the rows' LSEs, loaded early (used after the mma)
+            lse_top, lse_bot, li_top, li_bot = row_lses(lse, lse_idx, h, r_top, r_bot, t_top,
+                                                        t_bot)
+            tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_top, R)
+            tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
+                                         r_bot, R)
+
+            # 1-3: S^idx into sX; P = mean_h exp(S scale - LSE_h), this lane's share of keys
+            student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
+                           index_scale)
+            teacher_probs(smem, s_acc, a_lane, k_lane, t4, pos_top, pos_bot, key_pos0, nk,
+                          scale_log2, lse_top, lse_bot)
+            head_sum(s_acc, sf, u_own, t4, p_top, p_bot)
+            cuda.syncthreads()  # sX holds every position's student logits; sQ is free
+            if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes
+                t_g, s_g, p_g = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
+                gather(smem, q, q_idx, h, g_row, g_half, t_g, 1 - buf, pos_t, pos_s, pos_q,
+                       s_g, p_g)
+            commit()
+            t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
+                                       g_row, R)
+
+            # 4-5: dS and the KL terms; dq_idx = dS K_idx
+            ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
+                            li_bot, t_top, t_bot, s_top, s_bot)
+            if not GRADS:
+                continue
+            cuda.syncthreads()  # the planes hold dS of every position
+            dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s,
+                        h, cqs, dq_part)
+
+    return _kl_kernel_grad_v3
