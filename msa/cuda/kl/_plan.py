@@ -13,8 +13,8 @@ from .._core.arrays import SIMULATOR, ArrayContext, device_constant, device_offs
 from .._core.launch import device_copy, kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
-from ..csr import build_csr
-from ..schedule import build_schedule, launch_rows
+from ..csr import launch_build_csr
+from ..schedule import launch_rows, launch_schedule
 from . import v1_thread_rows as v1
 from . import v2_cta_rows as v2
 from . import v3_dk_idx as v3dk
@@ -214,9 +214,7 @@ class Plan:
     # -- v3: per query chunk, CSR + schedule, KV-outer tiles, slot combine --------------------
     def _csr(self, t0, t1, sub):
         """The k2q CSR ``(row_ptr, q_indices, slots)`` of queries ``[t0, t1)`` (kernel args)."""
-        # TODO(issue 22 merge): csr's unchecked launch_build_csr(sub, I, ctx) once it lands.
-        row_ptr, q_indices, slots = build_csr(self.I[t0:t1], sub.cu_q, sub.cu_k,
-                                              self.block_size, validate=False)
+        row_ptr, q_indices, slots = launch_build_csr(sub, self.I[t0:t1], self.ctx)
         return kernel_array(row_ptr), kernel_array(q_indices), kernel_array(slots)
 
     def schedule(self, t0, t1, sub):
@@ -225,10 +223,8 @@ class Plan:
         row_ptr, q_indices, slots = self._csr(t0, t1, sub)
         chunk = 2 * self.topk * self.block_size  # the paper's hot-row cut, in whole tiles
         chunk = -(-chunk // self.positions) * self.positions
-        # TODO(issue 22 merge): schedule's unchecked launch_schedule(sub, row_ptr, ...).
-        work = launch_rows(*build_schedule(row_ptr, sub.cu_k, self.block_size, chunk,
-                                           max_edges=max(1, (t1 - t0) * self.topk),
-                                           validate=False))
+        work = launch_rows(*launch_schedule(sub, row_ptr, chunk, max(1, (t1 - t0) * self.topk),
+                                            self.ctx))
         return kernel_array(work), row_ptr, q_indices, slots, device_offsets(sub)
 
     def _words(self, t0, t1, k_lo, k_hi):
