@@ -322,6 +322,29 @@ def test_combine_all_rows_empty_v2_gives_zero_and_neg_inf():
     assert np.all(np.isneginf(lse)) and np.all(o == 0) and not np.signbit(o).any()
 
 
+@VERSIONS
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "+inf"])
+def test_combine_nan_or_inf_slot_as_the_reference(bad, version):
+    """A NaN L_s gives o = NaN, lse = NaN; a +inf one o = NaN, lse = +inf (never skipped, as
+    msa.reference.combine); -inf slots stay skipped and the other rows keep their bits."""
+    o_part, lse_part = partials(5, 4, 2, 16, seed=3)
+    clean = [to_numpy(x) for x in gpu.combine_partials(o_part, lse_part, version=version)]
+    lse_part[1, 2, 0] = bad
+    lse_part[3, 1, 1] = -np.inf
+    o_part[3, 1, 1] = np.nan  # an unused slot's garbage
+    o, lse = (to_numpy(x) for x in gpu.combine_partials(o_part, lse_part, version=version))
+    want_o, want_lse = ref.combine_partials(o_part.astype(np.float64),
+                                            lse_part.astype(np.float64))
+    assert np.isnan(o[2, 0]).all() and np.array_equal(lse[2, 0], want_lse[2, 0], equal_nan=True)
+    rest = np.ones((4, 2), bool)
+    rest[2, 0] = rest[1, 1] = False
+    np.testing.assert_array_equal(o[rest], clean[0][rest])
+    np.testing.assert_array_equal(lse[rest], clean[1][rest])
+    assert np.isfinite(o[1, 1]).all() and np.isfinite(lse[1, 1])
+    lse_part[0, 2, 0] = np.nan  # NaN wins over +inf
+    assert np.isnan(to_numpy(gpu.combine_partials(o_part, lse_part, version=version)[1])[2, 0])
+
+
 # --- production size (GPU) --------------------------------------------------------------------
 
 @pytest.mark.big

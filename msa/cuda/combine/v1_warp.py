@@ -3,7 +3,9 @@
 Every lane reduces the K slot LSEs itself (K broadcast loads, no shuffles), then the lanes split
 ``D`` and accumulate ``w_s * O_s`` slot by slot in registers, in slot order (deterministic, no
 atomics); unused slots (``L_s = -inf``) are skipped, so whatever their ``O_s`` holds (NaN,
-garbage) never reaches the output. Any ``D``, any partial alignment, any K.
+garbage) never reaches the output. A NaN ``L_s`` gives ``O = NaN, L = NaN``, else a ``+inf``
+one ``O = NaN, L = +inf`` (what eq 8 gives for such scores; ``msa.reference.combine``). Any
+``D``, any partial alignment, any K.
 
 Where it runs: the simulator's default (4 lanes a row there: 8x fewer Python threads than
 version 2's warp), and on a GPU wherever version 2's 16-byte loads do not apply.
@@ -24,6 +26,8 @@ from .._core.mma import bf16_to_f32, f32_to_bf16
 LANES = 4 if SIMULATOR else 32
 ROWS_PER_CTA = 4
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
+_NAN = float32(math.nan)
 
 
 def _identity_f32(x):
@@ -54,15 +58,21 @@ def combine_kernel_v1(head_dim: int, lanes: int, rows_per_cta: int, bf16_part: b
         h = row % num_heads
         # a = max_s L_s (unused slots are -inf and never win)
         a = _NEG_INF
+        any_nan = False
         for s in range(num_slots):
             l_s = lse_part[s, t, h]
+            any_nan |= l_s != l_s
             if l_s > a:
                 a = l_s
         acc = cuda.local.array(per_lane, float32)
         for i in range(per_lane):
             acc[i] = float32(0.0)
         lse = _NEG_INF
-        if a > _NEG_INF:
+        if any_nan or a == _POS_INF:  # a NaN or +inf slot: O = NaN, L = NaN or +inf
+            for i in range(per_lane):
+                acc[i] = _NAN
+            lse = _NAN if any_nan else _POS_INF
+        elif a > _NEG_INF:
             # L = a + log sum_s exp(L_s - a); the sum is >= 1, so the log is finite
             total = float32(0.0)
             for s in range(num_slots):

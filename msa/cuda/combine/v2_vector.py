@@ -35,6 +35,8 @@ from .._core.mma import bf16_to_f32, pack_bf16x2, pack_f16x2
 from .._core.warp import FULL_MASK, warp_max, warp_sum
 
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
+_NAN = float32(math.nan)
 # Warps (rows) per CTA.
 WARPS = 2 if SIMULATOR else 4
 # At least 6 CTAs (24 warps) per SM: caps ptxas at 80 registers (8 bytes spilled; at 8 CTAs,
@@ -156,7 +158,14 @@ def combine_kernel_v2(head_dim: int, bf16_part: bool, out_code: str, two_lse: bo
         for i in range(nacc):
             acc[i] = float32(0.0)
         lse = _NEG_INF
-        if a > _NEG_INF:  # warp-uniform
+        # a NaN or +inf slot (warp-uniform): O = NaN, L = NaN or +inf, as eq 8 gives
+        any_nan = cuda.any_sync(FULL_MASK, (l0 != l0) | (l1 != l1))
+        any_inf = cuda.any_sync(FULL_MASK, (l0 == _POS_INF) | (l1 == _POS_INF))
+        if any_nan or any_inf:
+            for i in range(nacc):
+                acc[i] = _NAN
+            lse = _NAN if any_nan else _POS_INF
+        elif a > _NEG_INF:  # warp-uniform
             e0 = float32(0.0)
             if l0 > _NEG_INF:
                 e0 = float32(math.exp(l0 - a))
