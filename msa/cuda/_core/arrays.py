@@ -25,6 +25,7 @@ import numpy as np
 from numba import cuda
 
 from ..._checks import dtype_of
+from .diskcache import kernel_jit
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 INT32_MAX = np.iinfo(np.int32).max
@@ -198,7 +199,7 @@ def fill(out, value):
     return out
 
 
-@cuda.jit
+@kernel_jit
 def _fill_kernel(flat, value):
     i = cuda.grid(1)
     if i < flat.size:

@@ -24,6 +24,7 @@ call compiles some twenty kernels). Two things make Numba's own ``cache=True`` u
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pathlib
@@ -46,8 +47,9 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
 def cache_dir() -> str | None:
-    """Where the kernels are cached, or None when the disk cache is off."""
+    """Where the kernels are cached, or None when the disk cache is off (computed once)."""
     if not ENABLED:
         return None
     if os.environ.get("NUMBA_CACHE_DIR"):
@@ -56,8 +58,9 @@ def cache_dir() -> str | None:
     return os.path.join(base, "msa", f"kernels-{source_hash()}")
 
 
+@functools.cache
 def configure() -> str | None:
-    """Point Numba's CUDA kernel cache at ``cache_dir()``; returns it."""
+    """Point Numba's CUDA kernel cache at ``cache_dir()`` (once); returns it."""
     path = cache_dir()
     if path is None or os.environ.get("NUMBA_CACHE_DIR"):
         return path
@@ -93,7 +96,10 @@ def stable_key(value, _seen=None) -> str:
 
         if isinstance(value, nbtypes.Type):
             return f"nb:{value}"
-        raise TypeError(f"no stable key for {type(value).__name__}")
+        text = repr(value)  # e.g. an llvmlite type; never an address, which changes per process
+        if " at 0x" in text or "object at" in text:
+            raise TypeError(f"no stable key for {type(value).__name__}")
+        return f"{type(value).__module__}.{type(value).__qualname__}:{text}"
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
     if id(fn) in seen:  # a recursive reference: the name is enough
         return name

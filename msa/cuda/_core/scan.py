@@ -44,6 +44,7 @@ from numba import cuda, int32, int64
 
 from .arrays import INT32_MAX, SIMULATOR
 from .launch import THREADS, dev, karg, launch
+from .diskcache import kernel_jit
 
 _SCAN_ITEMS = 4  # counts per thread in the block scans
 _SCAN_THREADS = 8 if SIMULATOR else 256  # threads per CTA of the block scans (a power of two)
@@ -103,7 +104,7 @@ def clamp_i32(x):
 
 # --- exclusive prefix sum ----------------------------------------------------------------------
 
-@cuda.jit
+@kernel_jit
 def _scan_kernel_serial(src, dst, flag):
     """v1: thread s walks segment s: ``dst[s, i+1] = dst[s, i] + src[s, i]``."""
     s = cuda.grid(1)
@@ -120,7 +121,7 @@ def _scan_kernel_serial(src, dst, flag):
         dst[s, src.shape[1]] = clamp_i32(acc)
 
 
-@cuda.jit
+@kernel_jit
 def _scan_kernel_reduce(src, block_sums, flag):
     """v2 step 1: CTA (b, s) sums ``src[s, b*tile : (b+1)*tile]`` into ``block_sums[s, b]``."""
     sh = cuda.shared.array(1024, int64)
@@ -150,7 +151,7 @@ def _scan_kernel_reduce(src, block_sums, flag):
         block_sums[s, b] = sh[0]
 
 
-@cuda.jit
+@kernel_jit
 def _scan_kernel_block_sums(block_sums, block_offsets, dst, flag):
     """v2 step 2: CTA s scans ``block_sums[s]`` (exclusive); the total goes to ``dst[s, -1]``."""
     sh = cuda.shared.array(1024, int64)
@@ -177,7 +178,7 @@ def _scan_kernel_block_sums(block_sums, block_offsets, dst, flag):
         dst[s, dst.shape[1] - 1] = clamp_i32(carry)
 
 
-@cuda.jit
+@kernel_jit
 def _scan_kernel_add_back(src, block_offsets, dst):
     """v2 step 3: CTA (b, s) scans its tile again, adds ``block_offsets[s, b]``, writes ``dst``."""
     sh = cuda.shared.array(1024, int64)
@@ -208,7 +209,7 @@ def _pack_status(epoch, flag, value):
                                                                           int64(0xFFFFFFFF))
 
 
-@cuda.jit
+@kernel_jit
 def _scan_kernel_lookback(tile_counts, in_place, status, epoch, dst):
     """v3: tile scan and prefix sum in one launch (decoupled look-back), for counts >= 0.
 

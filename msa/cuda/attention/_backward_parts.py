@@ -18,6 +18,7 @@ from numba import cuda, float32, int64
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32
 from .._core.packed import last_le
+from .._core.diskcache import kernel_jit
 
 # threads per CTA (the simulator runs each thread as a Python thread: fewer there, same kernels)
 THREADS = 32 if SIMULATOR else 128
@@ -72,7 +73,7 @@ def delta_kernel(head_dim: int, bf16_in: bool):
     D = head_dim
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
 
-    @cuda.jit
+    @kernel_jit
     def _attention_bwd_kernel_delta(o, do, delta):
         """A warp per (t, h) row: lane l sums dims l, l + 32, ... (coalesced reads), then the
         warp's partial sums meet by shuffles. (A thread per row, its reads strided by a row,
@@ -103,7 +104,7 @@ def dkdv_sum_kernel(block_size: int, head_dim: int, threads: int):
     ``threads`` per (head, row)."""
     Bk, D, NT = block_size, head_dim, threads
 
-    @cuda.jit
+    @kernel_jit
     def _attention_bwd_kernel_dkdv_sum(part_ptr, row_offsets, cu_k, dk_part, dv_part, dk, dv):
         """dK, dV of a row cut into several parts: their sums added in part order."""
         hkv = part_ptr.shape[0] // 2
@@ -130,7 +131,7 @@ def dkdv_sum_kernel(block_size: int, head_dim: int, threads: int):
     return _attention_bwd_kernel_dkdv_sum
 
 
-@cuda.jit
+@kernel_jit
 def parts_kernel(row_ptr, part_size, parts):
     """``parts [2 Hkv, rows]``: ``parts[r, row] = ceil(count / part_size)`` and
     ``parts[Hkv + r, row]`` the same where it is > 1 (scratch slots), else 0."""

@@ -31,6 +31,7 @@ from numba import cuda, float32, int32
 from .._core.mma import bf16_to_f32
 from .._core.packed import last_le
 from ._backward_parts import bwd_part, split_slot
+from .._core.diskcache import kernel_jit
 
 
 def _identity_f32(x):
@@ -71,7 +72,7 @@ def dq_kernel(block_size: int, head_dim: int, group: int, bf16_in: bool, threads
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
     neg_inf = float32(-math.inf)
 
-    @cuda.jit
+    @kernel_jit
     def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, cu_q, cu_k, scale, dq):
         sq = cuda.shared.array((G, D), float32)  # s * q of the group's heads
         sdo = cuda.shared.array((G, D), float32)
@@ -146,7 +147,7 @@ def dkdv_kernel(block_size: int, head_dim: int, group: int, bf16_in: bool, threa
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
     neg_inf = float32(-math.inf)
 
-    @cuda.jit
+    @kernel_jit
     def _attention_bwd_kernel_dkdv(q, k, v, do, lse, delta, row_ptr, q_indices, row_offsets,
                                    cu_q, cu_k, scale, part_ptr, part_size, dk, dv, dk_part,
                                    dv_part):

@@ -24,6 +24,7 @@ from numba import cuda, float32, int32
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f32_to_bf16
 from .._core.packed import item_fields, row_query
+from .._core.diskcache import kernel_jit
 
 THREADS = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
@@ -60,7 +61,7 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
     store = f32_to_bf16 if bf16_partials else cuda.jit(device=True)(_identity_f32)
 
-    @cuda.jit
+    @kernel_jit
     def _k1_kernel_v1(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
         smem = cuda.shared.array(0, float32)
         row_t = cuda.shared.array(R, int32)

@@ -42,6 +42,7 @@ from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_
 from .._core.packed import LOG2E, edge_row
 from ._backward_parts import bwd_part, split_slot
 from ._tile import smem16
+from .._core.diskcache import kernel_jit
 
 # Tile rows (query positions x G heads): 64 on a GPU (S^T and dP^T of a warp's 16 keys x 64 rows
 # are 32 fp32 registers each, beside 128 of dK and dV); the simulator runs every thread in
@@ -285,7 +286,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                         dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * scale
                         dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
 
-    @cuda.jit(**jit)
+    @kernel_jit(**jit)
     def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
                                  row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
                                  part_size, dk, dv, dk_part, dv_part, dq_part):
@@ -372,7 +373,7 @@ def dq_sum_kernel(head_dim: int, group: int):
     D, G = head_dim, group
     NL = (D + 31) // 32  # dims a lane sums: l, l + 32, ...
 
-    @cuda.jit
+    @kernel_jit
     def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
         """A warp per (t, h) row: each slot's validity once per lane (not per element), its
         D values read as whole 128-byte lines."""

@@ -27,6 +27,7 @@ from .._core import mma as _mma
 from .._core.mma import (exp2, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .._core.packed import LN2, check_entry, item_fields, load_entry
+from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
 _NEG_INF = float32(-math.inf)
@@ -226,7 +227,7 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
                 lse = (row_m[r] + math.log2(l)) * float32(LN2)
             lse_part[s, t, hq] = lse
 
-    @cuda.jit
+    @kernel_jit
     def _k1_kernel_v2(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part,
                       keys_rt, dw_rt):
         smem = cuda.shared.array(0, uint32)

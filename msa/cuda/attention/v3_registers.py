@@ -34,6 +34,7 @@ from .._core.memops import ldmatrix_x4, ldmatrix_x4_trans
 from .._core.mma import make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from .._core.packed import check_entry, item_fields, load_entry
 from ._tile import smem16, tile as tile_functions
+from .._core.diskcache import kernel_jit
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +82,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
             copy16(smem, dst, k, src, 16 if ok else 0)
             copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
 
-    @cuda.jit(**T.JIT)
+    @kernel_jit(**T.JIT)
     def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
         smem = smem16()
         s_acc = cuda.local.array(S_REGS, float32)

@@ -28,6 +28,7 @@ from .._core.memops import ldmatrix_x4
 from .._core.packed import check_entry, item_fields, load_entry
 from .._core.wgmma import core_word
 from ._tile import smem16, tile as tile_functions
+from .._core.diskcache import kernel_jit
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +72,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
             copy16(smem, dst, k, src, 16 if ok else 0)
             copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
 
-    @cuda.jit(**T.JIT)
+    @kernel_jit(**T.JIT)
     def _k1_kernel_v4(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
         smem = smem16()
         s_acc = cuda.local.array(S_REGS, float32)

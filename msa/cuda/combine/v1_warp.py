@@ -20,6 +20,7 @@ from numba import cuda, float32
 
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f32_to_bf16
+from .._core.diskcache import kernel_jit
 
 # Lanes per (query, head) and rows per CTA. The simulator runs every thread as a Python thread,
 # so it gets fewer, wider lanes (the kernel is the same; only the constants change).
@@ -45,7 +46,7 @@ def combine_kernel_v1(head_dim: int, lanes: int, rows_per_cta: int, bf16_part: b
     load = cuda.jit(device=True)(_identity_f32) if not bf16_part else bf16_to_f32
     store = f32_to_bf16 if bf16_out else cuda.jit(device=True)(_identity_f32)
 
-    @cuda.jit
+    @kernel_jit
     def _combine_kernel_v1(o_part, lse_part, out, lse_out):
         num_slots = lse_part.shape[0]
         num_q = lse_part.shape[1]

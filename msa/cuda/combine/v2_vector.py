@@ -33,6 +33,7 @@ from .._core.arrays import SIMULATOR
 from .._core.memops import data_address, is_aligned16, load_f32x4, load_u32x4
 from .._core.mma import bf16_to_f32, pack_bf16x2, pack_f16x2
 from .._core.warp import FULL_MASK, warp_max, warp_sum
+from .._core.diskcache import kernel_jit
 
 _NEG_INF = float32(-math.inf)
 _POS_INF = float32(math.inf)
@@ -124,7 +125,7 @@ def combine_kernel_v2(head_dim: int, bf16_part: bool, out_code: str, two_lse: bo
                 buf[at + 2] = x2
                 buf[at + 3] = x3
 
-    @cuda.jit(**_JIT)
+    @kernel_jit(**_JIT)
     def _combine_kernel_v2(o_vec, lse_part, out, lse_out):
         num_slots = lse_part.shape[0]
         num_q = lse_part.shape[1]

@@ -18,9 +18,10 @@ from __future__ import annotations
 from numba import cuda, int64
 
 from .._core.packed import edge_row, last_le
+from .._core.diskcache import kernel_jit
 
 
-@cuda.jit
+@kernel_jit
 def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
     """``tile_counts[t // tile_queries, h, row] += 1`` for every edge; one thread per (t, h)."""
     tq, hkv, topk = block_indices.shape
@@ -38,7 +39,7 @@ def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
         i += stride
 
 
-@cuda.jit
+@kernel_jit
 def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, q_indices, slots):
     """v1: thread (h, r) walks the queries of row r's sequence in order and appends matches."""
     tq, hkv, topk = block_indices.shape
@@ -61,7 +62,7 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, q_indices, slots):
                     e += 1
 
 
-@cuda.jit
+@kernel_jit
 def fill_tail_kernel(row_ptr, q_indices, slots):
     """-1 in ``q_indices[h, e]`` and ``slots[h, e]`` for every ``e >= row_ptr[h, -1]``."""
     hkv, width = q_indices.shape

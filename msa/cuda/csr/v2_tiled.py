@@ -38,12 +38,13 @@ from numba import cuda, int32, int64, uint32
 
 from .._core.packed import block_row
 from ._tiles import next_edge, tile_block, tile_row, tile_sequence
+from .._core.diskcache import kernel_jit
 
 HIST_WORDS = 11264  # uint32 words of the shared histogram, two 16-bit row counts each (44 KB)
 TABLE = 2048  # shared hash table slots of scatter v2 (>= 2 * C * K for every K <= 1024)
 
 
-@cuda.jit
+@kernel_jit
 def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
     """v2: CTA (tile, h) counts its tile's edges per row in shared memory and writes the whole
     ``tile_counts[tile, h, :]`` (zeros included: no clearing launch, no global atomics).
@@ -98,7 +99,7 @@ def table_insert(keys, buf, r, table_size):
         p = (p + 1) & (table_size - 1)
 
 
-@cuda.jit
+@kernel_jit
 def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
                    chunk_queries, table_size, q_indices, slots):
     """v2: CTA (tile, h) writes the edges of queries ``[tile*TQ, (tile+1)*TQ)`` of head h.

@@ -39,6 +39,7 @@ from numba import cuda, int32, int64, uint32, uint64
 
 from .._core.warp import FULL_MASK, warp_sum
 from ._tiles import next_edge, tile_block, tile_row, tile_sequence
+from .._core.diskcache import kernel_jit
 
 GROUP_ROWS = 128  # rows per group (the packed slot << 7 | row % 128 relies on it)
 GROUP_STARTS = GROUP_ROWS + 1  # (a shared array's shape must be a plain constant)
@@ -135,7 +136,7 @@ def clear_stamps(wcnt):
     cuda.syncthreads()
 
 
-@cuda.jit
+@kernel_jit
 def split_groups_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_queries,
                         records):
     """Scatter v3, pass 1: CTA (tile, h) writes its tile's edges into the tile's range of
@@ -208,7 +209,7 @@ def record_key(rec, nr):
     return key
 
 
-@cuda.jit
+@kernel_jit
 def split_rows_kernel(row_ptr, cursors, records, packed):
     """Scatter v3, pass 2: CTA (tile, h) reads its tile's range of ``records`` group by group
     and writes every record whole to its row in ``packed`` (int64 [Hkv, Tq*K]):
@@ -254,7 +255,7 @@ def split_rows_kernel(row_ptr, cursors, records, packed):
             rec = rec_next
 
 
-@cuda.jit
+@kernel_jit
 def unpack_kernel(row_ptr, packed, q_indices, slots):
     """Scatter v3, last step: ``q_indices[h, e]``, ``slots[h, e]`` = query id and slot of
     ``packed[h, e]`` for ``e < nnz_h``, -1 from there on. Grid (blocks, Hkv), coalesced."""

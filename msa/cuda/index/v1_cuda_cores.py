@@ -19,6 +19,7 @@ from numba import cuda, float32, float64, types
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32
 from .._core.packed import query_position
+from .._core.diskcache import kernel_jit
 
 THREADS = 128
 
@@ -53,7 +54,7 @@ def block_scores_kernel(wide: bool, mean: bool):
     """One thread per M[r, i, b] (query t_begin + i); ``wide``: float64 compute."""
     F = float64 if wide else float32
 
-    @cuda.jit
+    @kernel_jit
     def kernel(q, k, cu_q, cu_k, t_begin, block_size, scale, M):
         idx = cuda.grid(1)
         hkv = M.shape[0]

@@ -28,6 +28,7 @@ from .._core.heap import sort_ids_ascending, write_selection
 from .._core.mma import mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import FLUSH, key_chunk
 from ._tile import fmax, make_offer, make_store, make_tile_bounds
+from .._core.diskcache import kernel_jit
 
 # Two CTAs of 8 warps per SM need <= 128 registers a thread (65536 per SM); ptxas, left alone,
 # takes 130. The simulator's jit has no such option.
@@ -160,7 +161,7 @@ def block_scores_kernel(d_idx: int, block_size: int, warps: int, bf16: bool, mea
     copy_chunk = _make_copy_chunk(d_idx, block_size, NTHREADS)
     load_queries, chunk_scores, fold = _make_mma_steps(d_idx, block_size, bf16, mean)
 
-    @cuda.jit(**JIT_OPTIONS)
+    @kernel_jit(**JIT_OPTIONS)
     def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
         sk = cuda.shared.array((KC, SK), uint32)
         sm = cuda.shared.array((R, SMW), float32)

@@ -35,6 +35,7 @@ from .._core.mma import fmax_f32, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import FLUSH, key_chunk
 from ._tile import fmax, make_offer, make_store, make_tile_bounds
 from .v2_tensor_cores import JIT_OPTIONS
+from .._core.diskcache import kernel_jit
 
 MT = 2  # 16-row m-tiles a warp
 
@@ -241,7 +242,7 @@ def block_scores_kernel(d_idx: int, block_size: int, warps: int, bf16: bool, mea
     load_queries, chunk_scores = _make_mma_steps(d_idx, block_size, bf16, mean, fused)
     stage_block = _make_stage(mean)
 
-    @cuda.jit(**JIT_OPTIONS)
+    @kernel_jit(**JIT_OPTIONS)
     def kernel(q32, k32, cu_q, cu_k, tiles, m_t0, nb_total, scale, M, topk, out):
         sk = key_buffers()
         sm = cuda.shared.array((R, SMW), float32)

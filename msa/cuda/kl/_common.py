@@ -10,6 +10,7 @@ import math
 from numba import cuda, float32
 
 from ._state import NEG_INF, block_range, loader, merge, query_row, slot_valid, student_lse
+from .._core.diskcache import kernel_jit
 
 @functools.lru_cache(maxsize=None)
 def kl_kernel_teacher_lse(kind: str, group: int, head_dim: int):
@@ -17,7 +18,7 @@ def kl_kernel_teacher_lse(kind: str, group: int, head_dim: int):
     G, D = group, head_dim
     to_f32 = loader(kind)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_teacher_lse_rows(q, k, I, cu_q, cu_k, block_size, warmup, scale, lse):
         hq = lse.shape[1]
         i = cuda.grid(1)
@@ -53,7 +54,7 @@ def kl_kernel_mean(threads: int):
     a fixed tree (deterministic, no atomics)."""
     NT = threads
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_mean_tree(x, out):
         red = cuda.shared.array(NT, float32)
         tid = cuda.threadIdx.x
@@ -79,7 +80,7 @@ def kl_kernel_mean(threads: int):
     return _kl_kernel_mean_tree
 
 
-@cuda.jit
+@kernel_jit
 def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
     """v3: merge the per-slot states of (query t0 + i, group r) in slot order; ``out[t, r]`` =
     KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk."""
@@ -106,7 +107,7 @@ def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
         out[t, r] = student_lse(m, l)
 
 
-@cuda.jit
+@kernel_jit
 def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
     """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per element."""
     hkv = dq.shape[1]
@@ -127,7 +128,7 @@ def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
     dq[t, r, d] = acc
 
 
-@cuda.jit
+@kernel_jit
 def kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
     """v3 ``kl_loss_and_backward``: ``kl[t, r] = sum_s part[0, s, t, r]`` (the grad mode's
     per-slot KL terms) in slot order, one thread per (query, group) of the chunk."""

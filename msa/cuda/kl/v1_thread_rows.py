@@ -22,6 +22,7 @@ from numba import cuda, float32
 
 from ._state import (FOLD, NEG_INF, accumulate, block_range, finish, finite_or_zero,
                      fold_every, kahan_add, loader, merge, query_row, sequence_of, student_lse)
+from .._core.diskcache import kernel_jit
 
 @functools.lru_cache(maxsize=None)
 def global_score_fns(kind: str, group: int, head_dim: int, index_dim: int):
@@ -61,7 +62,7 @@ def kl_kernel_thread_rows(kind: str, group: int, head_dim: int, index_dim: int):
     """v1 forward: ``kl[t, r]``, one thread per (query, group)."""
     teacher, student = global_score_fns(kind, group, head_dim, index_dim)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_thread_rows_v1(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup,
                                   scale, index_scale, kl):
         hkv = kl.shape[1]
@@ -98,7 +99,7 @@ def kl_kernel_thread_rows_grad(kind: str, group: int, head_dim: int, index_dim: 
     teacher, student = global_score_fns(kind, group, head_dim, index_dim)
     to_f32 = loader(kind)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_thread_rows_grad_v1(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size,
                                        warmup, scale, index_scale, coef, t0, count, store_ds,
                                        lse_idx, dq, ds):
@@ -172,7 +173,7 @@ def kl_kernel_thread_keys(kind: str, group: int, head_dim: int, index_dim: int, 
     teacher, student = global_score_fns(kind, group, head_dim, index_dim)
     to_f32 = loader(kind)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_thread_keys_v1(q, k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
                                   cu_q, cu_k, row_offsets, block_size, scale, index_scale, coef,
                                   dk):

@@ -25,6 +25,7 @@ from numba import cuda, float32, int32
 from .._core.arrays import SIMULATOR
 from ._state import (NEG_INF, accumulate, block_range, finish, finite_or_zero, kahan_add,
                      loader, merge, query_row, sequence_of, student_lse)
+from .._core.diskcache import kernel_jit
 
 # The simulator runs every thread as a Python thread and every barrier costs milliseconds there,
 # so it gets smaller tiles; the kernels are the same.
@@ -122,7 +123,7 @@ def kl_kernel_cta_rows(kind: str, group: int, head_dim: int, index_dim: int, thr
     teacher, student = shared_score_fns(kind, G, D, DI)
     load = row_loads(kind, G, D, DI, NT)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_cta_rows_v2(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup, scale,
                                index_scale, kl):
         sq = cuda.shared.array(GD, float32)
@@ -167,7 +168,7 @@ def kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: int
     load = row_loads(kind, G, D, DI, NT)
     to_f32 = loader(kind)
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_cta_rows_grad_v2(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, warmup,
                                     scale, index_scale, coef, t0, count, store_ds, lse_idx, dq,
                                     ds):
@@ -292,7 +293,7 @@ def kl_kernel_cta_keys(kind: str, group: int, head_dim: int, index_dim: int, blo
     if NT > 256 and not SIMULATOR:
         options = {"max_registers": 65536 // NT // 8 * 8}
 
-    @cuda.jit(**options)
+    @kernel_jit(**options)
     def _kl_kernel_cta_keys_v2(q, k, q_idx, k_idx, lse, lse_idx, row_ptr, q_indices, slots, ds,
                                cu_q, cu_k, row_offsets, block_size, scale, index_scale, coef, dk):
         sqi = cuda.shared.array(E_DI, float32)

@@ -20,6 +20,7 @@ from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async
 from .._core.mma import bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, pack_bf16x2
 from ._state import kahan_add, sequence_of
 from .v3_tensor_cores import smem_words
+from .._core.diskcache import kernel_jit
 
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
 KEYS_DIMS = 64  # dims of dk_idx per CTA (a grid axis): 3 x 32 accumulators per lane
@@ -89,7 +90,7 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
                 t = -1
         return t, s
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_keys_v3(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
                            index_scale, dk):
         smem = smem_words()

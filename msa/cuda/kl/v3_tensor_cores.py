@@ -44,6 +44,7 @@ from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pai
                          mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E, check_entry, item_fields, load_entry
 from ._state import FULL_MASK, NEG_INF, finite_or_zero
+from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
 # grad tile rows R = P x G (64 as K1 v3's default; the simulator's smallest)
@@ -137,7 +138,7 @@ def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_student_v3(q_idx, k_idx, work, q_indices, slots, cu_q, cu_k,
                               index_scale_log2, part):
         smem = smem_words()
@@ -623,7 +624,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                                 dq_part[sl, t, h, d] = acc[4 * nn + 2 * r8] * cqs
                                 dq_part[sl, t, h, d + 1] = acc[4 * nn + 2 * r8 + 1] * cqs
 
-    @cuda.jit
+    @kernel_jit
     def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
                            cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
         smem = smem_words()

@@ -22,9 +22,10 @@ from __future__ import annotations
 from numba import cuda, int32, int64
 
 from .._core.packed import last_le
+from .._core.diskcache import kernel_jit
 
 
-@cuda.jit
+@kernel_jit
 def rows_kernel(row_ptr, chunk_size, num_keys, item_tile, full, keys, tile_counts):
     """Per flattened row ``i = h*rows + r`` with ``n`` queries: ``full[0, 0, i] = n // chunk_size``,
     ``keys[i] = num_keys - min(n % chunk_size, num_keys)`` (or -1 when the row has no partial
@@ -62,7 +63,7 @@ def write_item(work, w, h, r, q_begin, q_count, b, j):
         work[w, 5] = j
 
 
-@cuda.jit
+@kernel_jit
 def write_kernel(row_ptr, row_offsets, chunk_size, full, full_off, keys, tile_off, key_off,
                  work, num_items):
     """CTA k writes the items of rows ``[k*T, (k+1)*T)`` (T = blockDim), then all CTAs fill the

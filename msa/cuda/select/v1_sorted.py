@@ -16,6 +16,7 @@ from numba import cuda, float32, float64, int32
 
 from .._core.heap import better, sort_ids_ascending, write_selection
 from .._core.packed import query_position
+from .._core.diskcache import kernel_jit
 
 THREADS = 128
 
@@ -25,7 +26,7 @@ def select_kernel(cap: int, wide: bool):
     """One thread per (t, r) row; ``cap`` >= K - 1 entries kept sorted best first."""
     F = float64 if wide else float32
 
-    @cuda.jit
+    @kernel_jit
     def kernel(M, cu_q, cu_k, t_begin, topk, block_size, out):
         row = cuda.grid(1)
         hkv = M.shape[0]

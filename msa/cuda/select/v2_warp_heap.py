@@ -19,6 +19,7 @@ from numba import cuda, float32, float64, int32
 
 from .._core.heap import better, heap_sort_best_first, offer
 from .._core.packed import query_position
+from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NO_BLOCK = 0x7FFFFFFF  # id of "no candidate": loses every tie against a real block
@@ -30,7 +31,7 @@ def select_kernel(cap: int, wide: bool):
     """Paper §4.1: one warp per (t, r) row; ``cap`` >= K - 1 heap entries per lane."""
     F = float64 if wide else float32
 
-    @cuda.jit
+    @kernel_jit
     def kernel(M, cu_q, cu_k, t_begin, topk, block_size, out):
         lane = cuda.threadIdx.x & 31
         row = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)

@@ -29,6 +29,7 @@ from numba import cuda, float32, float64, int32
 from .._core.memops import is_aligned16, load_f32x4
 from .._core.packed import query_position
 from .._core.warp import warp_sort_desc
+from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 WARPS_PER_CTA = 4
@@ -203,7 +204,7 @@ def select_kernel(wide_list: bool, wide: bool, vec: bool):
         bs, bk = _keep_best(bs, bk, s3, int32(k + 3))
         return bs, bk
 
-    @cuda.jit
+    @kernel_jit
     def kernel(M, cu_q, cu_k, t_begin, topk, block_size, out):
         lane = cuda.threadIdx.x & 31
         row = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
