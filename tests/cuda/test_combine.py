@@ -51,7 +51,7 @@ def f32_to_bf16_bits(x):
 
 
 def check_against_reference(o_part, lse_part, out_dtype=None, version=gpu.DEFAULT_VERSION):
-    o, lse = gpu.combine_partials(o_part, lse_part, out_dtype, version=version)
+    o, lse = gpu.combine_partials(o_part, lse_part, out_dtype=out_dtype, version=version)
     return compare_to_reference(to_numpy(o), to_numpy(lse), o_part, lse_part, out_dtype)
 
 
@@ -403,8 +403,8 @@ def test_combine_rejects_bad_inputs():
     with pytest.raises(TypeError, match="lse_part"):
         gpu.combine_partials(o_part, lse_part.astype(np.float16))
     with pytest.raises(TypeError, match="out_dtype"):
-        gpu.combine_partials(o_part, lse_part, np.int32)
+        gpu.combine_partials(o_part, lse_part, out_dtype=np.int32)
     with pytest.raises(TypeError, match="out_dtype"):
-        gpu.combine_partials(o_part, lse_part, np.float64)
+        gpu.combine_partials(o_part, lse_part, out_dtype=np.float64)
     with pytest.raises(ValueError, match="version"):
         gpu.combine_partials(o_part, lse_part, version=7)

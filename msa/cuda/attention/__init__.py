@@ -103,7 +103,7 @@ __all__ = ["VERSIONS", "MAX_PARTIAL_BYTES", "attention_partials", "default_backw
 
 
 def attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, cu_seqlens_k,
-                       block_size, topk, scale=None, *, version=None, tile_rows=None,
+                       block_size, topk, *, scale=None, version=None, tile_rows=None,
                        groups=None, validate=True):
     """Paper §4.2 K1: KV-outer partial attention, one partial per (query, block), on the GPU.
 
@@ -249,8 +249,8 @@ class _Forward:
         return ctx.output(o), ctx.output(lse)
 
 
-def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale=None,
-                     *, version=None, tile_rows=None, groups=None, chunk_size=None,
+def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
+                     scale=None, version=None, tile_rows=None, groups=None, chunk_size=None,
                      max_partial_bytes=None, partial_dtype=None, validate=True):
     """Paper eq 8 on the GPU: attention over the causally visible keys of the selected blocks.
 
@@ -316,8 +316,8 @@ def _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_
     return forward.run(q, k, v, block_indices, scale)
 
 
-def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, scale=None,
-                index_scale=None, *, version=None, tile_rows=None, groups=None, chunk_size=None,
+def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, *,
+                scale=None, index_scale=None, version=None, tile_rows=None, groups=None, chunk_size=None,
                 max_partial_bytes=None, partial_dtype=None, index_version=None):
     """Paper Algorithm 1 lines 3-5 on the GPU: index branch, top-k, sparse attention in one call.
 

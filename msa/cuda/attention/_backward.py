@@ -76,7 +76,7 @@ def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              block_size, scale=None, *, version=None, part_size=None,
+                              block_size, *, scale=None, version=None, part_size=None,
                               max_partial_bytes=None, validate=True):
     """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
 

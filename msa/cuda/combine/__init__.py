@@ -91,7 +91,7 @@ def launch_combine(o_part, lse_part, out, lse_out, *, head_dim, bf16_part, bf16_
     return 1
 
 
-def combine_partials(o_part, lse_part, out_dtype=None, *, version: int = DEFAULT_VERSION):
+def combine_partials(o_part, lse_part, *, out_dtype=None, version: int = DEFAULT_VERSION):
     """Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
 
     .. math::  L = \\log \\sum_s e^{L_s}, \\qquad O = \\sum_s e^{L_s - L} O_s

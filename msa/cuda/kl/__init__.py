@@ -273,8 +273,8 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     return result()
 
 
-def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-            scale=None, index_scale=None, *, version=None, validate=True):
+def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *,
+            scale=None, index_scale=None, version=None, validate=True):
     """Paper eq 9-10 on the GPU: ``KL(sg(P) || P_idx)`` per query and group, and its mean.
 
     .. math:: L_{KL} = \\frac{1}{T_q H_{kv}} \\sum_{t, r} D_{KL}(P_{t,r} \\| P^{idx}_{t,r})
@@ -321,7 +321,7 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
 
 
 def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-                scale=None, index_scale=None, grad_loss=1.0, *, version=None, validate=True,
+                *, scale=None, index_scale=None, grad_loss=1.0, version=None, validate=True,
                 max_ds_bytes=None):
     """Paper eq 10-11 backward on the GPU: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
 
@@ -352,7 +352,7 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
 
 
 def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                         block_size, scale=None, index_scale=None, grad_loss=1.0, *,
+                         block_size, *, scale=None, index_scale=None, grad_loss=1.0,
                          version=None, validate=True, max_ds_bytes=None):
     """Paper eq 9-11 in one call: :func:`kl_loss` and :func:`kl_backward` on the same inputs.
 
