@@ -24,7 +24,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from ..._checks import dtype_of
+from ..._checks import dtype_of, unsupported
 from .diskcache import kernel_jit
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
@@ -69,6 +69,8 @@ def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> s
         kind = dt.name if dt.kind == "f" else None
     if kind not in kinds:
         want = ", ".join(kinds[:-1]) + (" or " if len(kinds) > 1 else "") + kinds[-1]
+        if kind is not None:  # a float dtype msa.reference takes (float64, say)
+            raise unsupported(f"{name}.dtype", kind, "msa.cuda", want, exc=TypeError)
         raise TypeError(f"{name} must have dtype {want}, got {getattr(x, 'dtype', None)}")
     return kind
 

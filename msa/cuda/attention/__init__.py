@@ -84,7 +84,7 @@ import math
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_positive_int, check_scale, cu_to_host
+from ..._checks import check_array, check_positive_int, check_scale, check_topk, cu_to_host
 from ...reference.attention import check_work
 from ...reference.select import check_block_indices
 from .._core.arrays import ArrayContext, device_offsets, fill
@@ -162,7 +162,7 @@ def _attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, c
     bf16 bit patterns), ``o_parts`` and ``assume_unaligned`` (``K1Plan``'s)."""
     spec = Spec(q, k, v, bf16_bits=bf16_bits)
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=spec.tq, total_k=spec.tk)
-    topk = check_positive_int("topk", topk)
+    topk = check_topk(topk, batch.nb, batch.block_size)  # before o_part [K, Tq, Hq, D] exists
     scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
     check_array("work", work, ndim=2, dtypes=("int",), shape=(None, 6))
     check_array("q_indices", q_indices, ndim=2, dtypes=("int",), shape=(spec.hkv, None))

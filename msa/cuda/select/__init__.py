@@ -58,7 +58,7 @@ import numbers
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_positive_int
+from ..._checks import check_array, check_positive_int, unsupported
 from .._core.arrays import POISON, ArrayContext, device_offsets, float_kind
 from .._core.heap import MAX_TOPK, heap_capacity
 from ..index import IndexPlan, launch_block_scores, launch_fused_topk
@@ -79,6 +79,15 @@ def _check_version(name, version, versions):
             version, numbers.Integral) or version not in versions):
         raise ValueError(f"{name} must be one of {versions} or None, got {version!r}")
     return version
+
+
+def _check_topk(topk) -> int:
+    """``topk`` in ``[1, MAX_TOPK]``: the kernels' heaps hold ``K - 1 <= 63`` entries a lane."""
+    topk = check_positive_int("topk", topk)
+    if topk > MAX_TOPK:
+        raise unsupported("topk", topk, "msa.cuda", f"topk <= {MAX_TOPK}",
+                          why="a lane's heap holds K - 1 entries")
+    return topk
 
 
 def launch_select_blocks(M, batch: Batch, t0: int, topk: int, out, *,
@@ -127,7 +136,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, top
         that is not contiguous.
     """
     version = _check_version("version", version, VERSIONS) or DEFAULT_VERSION
-    topk = check_positive_int("topk", topk, high=MAX_TOPK)
+    topk = _check_topk(topk)
     check_array("block_scores", block_scores, ndim=3)
     float_kind("block_scores", block_scores, ("float16", "float32", "float64"))
     hkv, tq, nb = (int(s) for s in block_scores.shape)
@@ -158,7 +167,7 @@ def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
                          scale=None, version=None, memory_budget=None, warps=None, batch=None):
     """``select_blocks_fused`` with the index plan's ``warps`` (tests)."""
     version = _check_version("version", version, FUSED_VERSIONS)
-    topk = check_positive_int("topk", topk, high=MAX_TOPK)
+    topk = _check_topk(topk)
     memory_budget = check_positive_int(
         "memory_budget", FUSED_MEMORY_BUDGET if memory_budget is None else memory_budget)
     p = IndexPlan.of(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool="max",
