@@ -146,14 +146,15 @@ def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, blo
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="auto"):
+    def forward(ctx, q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward="auto",
+                validate=True):
         if q.is_cuda:
             from ..cuda.attention import sparse_attention as gpu_sparse_attention
 
             with _on_device(q):
                 o, lse = gpu_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                               _kernel_indices(block_indices), cu_q, cu_k,
-                                              block_size, scale=scale)
+                                              block_size, scale=scale, validate=validate)
         else:
             from ..reference.attention import sparse_attention as ref_sparse_attention
 
@@ -184,11 +185,11 @@ class _SparseAttention(torch.autograd.Function):
         else:
             dq, dk, dv = _backward(q, k, v, o, lse, do, block_indices, cu_q, cu_k, block_size,
                                    scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
-                     scale=None, backward="auto"):
+                     scale=None, backward="auto", validate=True):
     """Paper eq 8 with autograd: ``(o [Tq, Hq, D], lse [Tq, Hq])``, differentiable in q, k, v.
 
     Args:
@@ -209,6 +210,10 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
             ``"torch"``: ``sparse_attention_backward`` below, PyTorch on any device;
             ``"cuda"``: ``msa.cuda``'s backward on CUDA tensors whatever its version (the
             CUDA-core version 1 is slower than PyTorch), the PyTorch path elsewhere.
+        validate: keyword-only. ``True`` (default): the CUDA launcher checks ``block_indices``
+            on a host copy (a device-to-host copy and a wait for the GPU); ``False`` trusts a
+            selection msa made itself (``MSAAttention`` passes its own), so that a training step
+            never waits for the GPU. On CPU tensors the reference always checks.
 
     Returns:
         ``o`` in q's dtype (float32 for bf16 on the CPU path is cast back to bf16) and ``lse``
@@ -226,7 +231,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, int(k.shape[0]))
     return _SparseAttention.apply(q, k, v, block_indices, cu_q, cu_k, block_size, scale,
-                                  backward)
+                                  backward, bool(validate))
 
 
 def _support(block_indices, batch, pos, cu_k, lk, block_size, width, t0, t1):
@@ -349,6 +354,8 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     tk, hkv = int(k.shape[0]), int(k.shape[1])
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, tk)
+    if _fused_dense_applies(q, cu_q, cu_k):
+        return _dense_fused(q, k, v, cu_q, cu_k, scale)
     ft = _float_dtype(q)
     dev = q.device
     step = max(1, math.isqrt(_DENSE_TILE_ELEMENTS // (hkv * d)))
@@ -385,6 +392,54 @@ def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     o = torch.cat(outs) if outs else q.new_zeros((0, hq, d), dtype=ft)
     lse = torch.cat(lses) if lses else q.new_zeros((0, hq), dtype=ft)
     return o.to(q.dtype), lse.detach()
+
+
+def _fused_dense_applies(q, cu_q, cu_k) -> bool:
+    """Whether ``dense_attention`` runs PyTorch's fused flash kernel: CUDA fp16/bf16 tensors,
+    ``D % 8 == 0`` and ``D <= 256``, and self-attention (``Lq == Lk`` for every sequence: the
+    fused kernel's causal mask is the top-left one, which equals msa's bottom-right one there)."""
+    d = int(q.shape[2])
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+            and np.array_equal(cu_q, cu_k))
+
+
+def _dense_fused(q, k, v, cu_q, cu_k, scale, *, op=None):
+    """``dense_attention`` on PyTorch's fused flash attention, which returns the LSE: memory
+    ``O(T)``, not ``O(T^2)`` (the indexer warmup at 128K tokens). One sequence at a time; K and
+    V repeated over the G heads of each group (the fused kernel has no GQA).
+
+    Non-finite keys: the fused kernel masks by multiplying (``0 * NaN``), so the keys and values
+    go in with their non-finite entries set to 0, and every query that sees such a key (its
+    position or a later one) gets ``o = NaN, lse = NaN`` (the reference's own rows are NaN or
+    +inf there), so that no query depends on a key it cannot see. ``op`` is the fused
+    operator, ``aten._scaled_dot_product_flash_attention`` by default (the tests pass the CPU
+    one, ``_scaled_dot_product_flash_attention_for_cpu``, which returns ``(o, lse)``)."""
+    op = op or torch.ops.aten._scaled_dot_product_flash_attention
+    hq, hkv = int(q.shape[1]), int(k.shape[1])
+    g = hq // hkv
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        t0, t1 = int(cu_q[b]), int(cu_q[b + 1])
+        if t1 == t0:
+            continue
+        kb, vb = k[t0:t1], v[t0:t1]  # [L, Hkv, D]
+        ok_k, ok_v = torch.isfinite(kb), torch.isfinite(vb)
+        bad = ~(ok_k.all(-1) & ok_v.all(-1))  # [L, Hkv] keys with a non-finite entry
+        kb = torch.where(ok_k, kb, torch.zeros((), dtype=kb.dtype, device=kb.device))
+        vb = torch.where(ok_v, vb, torch.zeros((), dtype=vb.dtype, device=vb.device))
+        qh = q[t0:t1].transpose(0, 1)[None]  # [1, Hq, L, D]
+        kh = kb.repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        vh = vb.repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        res = op(qh, kh, vh, 0.0, True, scale=scale)
+        o, lse = res[0][0].transpose(0, 1), res[1][0].transpose(0, 1)  # [L, Hq, D], [L, Hq]
+        seen_bad = torch.cummax(bad.to(torch.int8), dim=0).values.bool()  # [L, Hkv]
+        poison = seen_bad.repeat_interleave(g, dim=1)  # [L, Hq]
+        nan = torch.full((), math.nan, dtype=o.dtype, device=o.device)
+        outs.append(torch.where(poison[..., None], nan, o))
+        lses.append(torch.where(poison, nan.float(), lse.float()))
+    if not outs:
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[:2], dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses).detach()
 
 
 # -- the sparse KL ------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class MSAAttention(nn.Module):
             if q_idx.is_cuda:
                 from ..cuda.select import select_blocks_fused
 
-                cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=q_idx.device)
+                cu = np.asarray(cu_seqlens)  # host offsets: read as they are, no device copy
                 with F._on_device(q_idx):
                     idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
                                               block_size=self.block_size, topk=self.topk,
@@ -194,8 +194,9 @@ class MSAAttention(nn.Module):
         if self.warmup:
             o, lse = F.dense_attention(q, k, v, cu, cu, scale=self.scale)
         else:
+            # the layer's own selection: not checked on the host again (no wait for the GPU)
             o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, scale=self.scale,
-                                        backward=self.main_backward)
+                                        backward=self.main_backward, validate=False)
         # line 6
         output = o.reshape(t, hq * d) @ self.w_o
         # line 7: the KL on the selected support (the full causal support in the warmup)

@@ -347,3 +347,35 @@ def test_sparse_attention_backward_bad_input():
         sparse_attention_backward(*args[:9], 0)
     with pytest.raises(ValueError, match="block_indices"):
         sparse_attention_backward(*args[:6], I[:, :, :0].squeeze(1), *args[7:])
+
+
+def test_fused_dense_warmup_equals_the_chunked_path_and_masks_non_finite_keys():
+    """``_dense_fused`` (the CUDA warmup's flash-attention path, here on PyTorch's CPU flash
+    operator) equals ``dense_attention``'s chunked path: outputs, LSE and gradients; a NaN key
+    poisons exactly the queries that see it (its position and later ones of its group)."""
+    from msa.torch.functional import _dense_fused
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    gen = torch.Generator().manual_seed(0)
+    lens = [37, 20]
+    cu = np.array([0, 37, 57])
+    q = torch.randn(57, 4, 16, generator=gen, requires_grad=True)
+    k = torch.randn(57, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(57, 2, 16, generator=gen, requires_grad=True)
+    o1, lse1 = dense_attention(q, k, v, cu, cu, scale=0.3)
+    o2, lse2 = _dense_fused(q, k, v, cu, cu, 0.3, op=op)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2, lse1.float(), rtol=1e-5, atol=1e-5)
+    g = torch.randn(o1.shape, generator=gen)
+    grads1 = torch.autograd.grad((o1 * g).sum(), (q, k, v))
+    grads2 = torch.autograd.grad((o2 * g).sum(), (q, k, v))
+    for a, b in zip(grads2, grads1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    v_bad = v.detach().clone()
+    v_bad[10, 1, 3] = math.nan  # key 10 of sequence 0, group 1 (heads 2, 3)
+    o3, lse3 = _dense_fused(q.detach(), k.detach(), v_bad, cu, cu, 0.3, op=op)
+    poisoned = torch.zeros(57, 4, dtype=torch.bool)
+    poisoned[10:lens[0], 2:] = True
+    assert torch.isnan(o3[poisoned]).all() and torch.isnan(lse3[poisoned]).all()
+    assert torch.equal(o3[~poisoned], o2.detach()[~poisoned])
+    assert torch.equal(lse3[~poisoned], lse2[~poisoned])
