@@ -573,9 +573,10 @@ def _(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_
 
 
 def _kl_loss_setup(ctx, inputs, output):
-    kl, _, dq, dk = output
+    kl, loss, dq, dk = output
     ctx.save_for_backward(dq, dk)
-    ctx.mark_non_differentiable(kl, dq, dk)
+    # without want_grads (the last input) the loss has no gradient either
+    ctx.mark_non_differentiable(kl, dq, dk, *(() if inputs[-1] else (loss,)))
 
 
 def _kl_loss_grad(ctx, _grad_kl, grad_loss, _grad_dq, _grad_dk):

@@ -231,6 +231,31 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
 
 
 @pytest.mark.gpu
+def test_cuda_dense_attention_matches_the_cpu_path():
+    """The warmup's main branch on CUDA bf16 (PyTorch's fused flash attention and its backward,
+    ``msa.torch.ops._dense_fused_backward``) against the float64 CPU path (chunked, with the
+    sparse PyTorch backward) on the same rounded values."""
+    gen = torch.Generator().manual_seed(3)
+    cu = np.array([0, 300, 700])
+    q, k, v = (torch.randn(700, h, 64, generator=gen).to(torch.bfloat16) for h in (8, 2, 2))
+    cpu = [x.double().requires_grad_() for x in (q, k, v)]
+    gpu = [x.cuda().requires_grad_() for x in (q, k, v)]
+    o_c, lse_c = dense_attention(*cpu, cu, cu)
+    o_g, lse_g = dense_attention(*gpu, cu, cu)
+    tol = 2e-2
+    np.testing.assert_allclose(o_g.double().cpu().detach().numpy(), o_c.detach().numpy(),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse_g.double().cpu().numpy(), lse_c.numpy(), atol=tol, rtol=tol)
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    g_c = torch.autograd.grad(o_c, cpu, do)
+    g_g = torch.autograd.grad(o_g, gpu, do.to(torch.bfloat16).cuda())
+    for a, b in zip(g_g, g_c):
+        scale = float(b.abs().max())
+        np.testing.assert_allclose(a.double().cpu().numpy(), b.numpy(), atol=tol * 4 * scale,
+                                   rtol=0)
+
+
+@pytest.mark.gpu
 def test_cuda_prefill_takes_offsets_on_the_host_or_the_device():
     """``msa.cuda.msa_prefill`` (index, top-k, sparse attention) on CUDA tensors with
     ``cu_seqlens`` as NumPy arrays (no device-to-host read) or as CUDA tensors: the same bits."""
