@@ -56,9 +56,13 @@ from . import ops
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "dense_attention", "kl_loss"]
 
-# Under torch.compile Dynamo calls these checks of Python scalars (the knobs, constants of the
-# trace) while tracing, rather than tracing the NumPy inside them.
-_check_scale = torch.compiler.assume_constant_result(check_scale)
+
+@torch.compiler.assume_constant_result
+def _check_scale(name, value, default):
+    """``msa._checks.check_scale``. Under ``torch.compile`` Dynamo calls it while tracing, on
+    the constants of the trace, rather than tracing the NumPy inside it (a graph break)."""
+    return check_scale(name, value, default)
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -8,29 +8,24 @@ node (no graph break inside), and a *fake* kernel gives its outputs' shapes, dty
 without reading a value. The differentiable ops register their backward (``register_autograd``)
 as an op of its own, so AOTAutograd traces it into the backward graph the same way.
 
-==========================================  ============================  ======================
-op (``torch.ops.msa.*``)                    returns                       gradient
-==========================================  ============================  ======================
-``check_offsets(cu, name, total)``          ``cu`` as int64 on the host   none
-``check_cu_seqlens(cu_q, cu_k, tq, tk)``    both, int64 on the host       none
-``select_blocks(q_idx, k_idx, cu_q, cu_k,   ``I`` int32 ``[Tq, Hkv, K]``  none (top-k)
-Bk, K, index_scale)``
-``sparse_attention(q, k, v, I, cu_q, cu_k,  ``o [Tq, Hq, D]`` (q's         ``q, k, v``: the op
-Bk, scale, backward, validate)``            dtype), ``lse [Tq, Hq]``      ``sparse_attention_
-                                                                          backward``
-``sparse_attention_backward(q, k, v, o,     ``dq, dk, dv`` in q's, k's,
-lse, grad_o, I, cu_q, cu_k, Bk, scale,      v's dtypes
-backward)``
-``dense_attention(q, k, v, cu_q, cu_k,      ``o``, ``lse`` as above       ``q, k, v``: the op
-scale)``                                                                  ``dense_attention_
-                                                                          backward``
-``dense_attention_backward(q, k, v, o,      ``dq, dk, dv``
-lse, grad_o, cu_q, cu_k, scale)``
-``kl_loss(q, k, q_idx, k_idx, I, lse,       ``kl [Tq, Hkv]``, 0-d         ``q_idx, k_idx``:
-cu_q, cu_k, Bk, scale, index_scale,         ``loss``, ``dq_idx``,         ``grad_loss`` times
-validate, want_grads)``                     ``dk_idx`` (``[0]`` unless    ``dq_idx, dk_idx``
-                                            ``want_grads``)
-==========================================  ============================  ======================
+The ops (``torch.ops.msa.<name>``; ``cu_*`` the offsets, ``I`` the selection):
+
+- ``check_offsets(cu, name, total) -> cu`` and ``check_cu_seqlens(cu_q, cu_k, tq, tk) ->
+  (cu_q, cu_k)``: ``msa._checks``' checks of the offsets when the graph runs; new int64 CPU
+  tensors. No gradient.
+- ``select_blocks(q_idx, k_idx, cu_q, cu_k, block_size, topk, index_scale) -> I``: int32
+  ``[Tq, Hkv, K]`` (lines 3-4). No gradient (top-k).
+- ``sparse_attention(q, k, v, I, cu_q, cu_k, block_size, scale, backward, validate) ->
+  (o, lse)``: eq 8, ``o [Tq, Hq, D]`` in q's dtype, ``lse [Tq, Hq]``. Gradient into q, k, v
+  by ``sparse_attention_backward(q, k, v, o, lse, grad_o, I, cu_q, cu_k, block_size, scale,
+  backward) -> (dq, dk, dv)``.
+- ``dense_attention(q, k, v, cu_q, cu_k, scale) -> (o, lse)``: the warmup's main branch.
+  Gradient by ``dense_attention_backward(q, k, v, o, lse, grad_o, cu_q, cu_k, scale) ->
+  (dq, dk, dv)``.
+- ``kl_loss(q, k, q_idx, k_idx, I, lse, cu_q, cu_k, block_size, scale, index_scale, validate,
+  want_grads) -> (kl, loss, dq_idx, dk_idx)``: eq 9-11, ``kl [Tq, Hkv]``, 0-d ``loss``, and
+  with ``want_grads`` the gradients of ``loss`` (else empty ``[0]``). Gradient into q_idx,
+  k_idx: ``grad_loss`` times ``dq_idx, dk_idx``; none without ``want_grads``.
 
 ``lse`` is float32 (float64 for float64 input) and has no gradient, nor have ``kl``,
 ``dq_idx``, ``dk_idx``. The ops take *checked* inputs (the functional wrappers check them,
