@@ -67,7 +67,7 @@ class CacheLayout(NamedTuple):
 
 
 def check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, block_size=None,
-                min_seqlen: int = 0, dtypes=FLOAT_DTYPES) -> CacheLayout:
+                min_seqlen: int = 0, dtypes=FLOAT_DTYPES, values: bool = True) -> CacheLayout:
     """Validate a paged cache (shapes, dtypes, page ids, lengths); errors name the argument.
 
     Args:
@@ -78,6 +78,8 @@ def check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, bl
         block_size: the ``Bk`` the caller passes, must equal the page size of the caches.
         min_seqlen: the least length every request must have (``Lq`` of a decode step).
         dtypes: the float dtypes accepted (``check_array``'s form); the caches share one.
+        values: read and check the page ids and lengths (False: shapes and dtypes only; the
+            layout's ``seqlens`` and ``table`` are then None).
 
     Every page id a request uses (``block_table[b, j]`` for ``j < ceil(cache_seqlens[b] /
     Bk)``) must be in ``[0, P)``; the other entries are not read.
@@ -114,6 +116,8 @@ def check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, bl
         raise ValueError(f"block_table must have shape [B >= 1, max_pages >= 1], got "
                          f"{tuple(block_table.shape)}")
     check_array("cache_seqlens", cache_seqlens, ndim=1, dtypes=("int",), shape=(b,))
+    if not values:
+        return CacheLayout(p, hkv or 0, bk, d or 0, d_idx, b, max_pages, None, None)
     seqlens = np.asarray(cu_to_host(cache_seqlens), dtype=np.int64)  # [B]
     bad = np.nonzero((seqlens < min_seqlen) | (seqlens > max_pages * bk))[0]
     if bad.size:
@@ -157,6 +161,8 @@ def check_queries(q, q_idx, layout: CacheLayout, dtype) -> int:
         # an index-only cache does not know Hkv: q_idx says it
         check_array("q_idx", q_idx, shape=(None, layout.num_kv_heads or None, layout.index_dim))
     lq = rows // b
+    if layout.seqlens is None:
+        return lq
     short = np.nonzero(layout.seqlens < lq)[0]
     if short.size:
         i = int(short[0])
