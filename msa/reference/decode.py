@@ -198,15 +198,15 @@ def _gather_pages(cache, layout: CacheLayout, per_head: bool):
 def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens):
     """Pages to contiguous packed sequences, the layout of every prefill function.
 
-    Args: the cache (module docstring); ``v_cache`` or ``k_idx_cache`` may be None.
+    Args: the cache (module docstring); any of the three caches may be None (not all).
 
     Returns:
-        ``(k [Tk, Hkv, D], v [Tk, Hkv, D] or None, k_idx [Tk, Didx] or None, cu_seqlens_k [B+1]
-        int32)`` with ``Tk = sum(cache_seqlens)``: request b's tokens ``0 .. cache_seqlens[b]-1``
+        ``(k [Tk, Hkv, D], v [Tk, Hkv, D], k_idx [Tk, Didx], cu_seqlens_k [B+1] int32)``, None
+        for a cache not given, with ``Tk = sum(cache_seqlens)``: request b's tokens ``0 .. cache_seqlens[b]-1``
         at rows ``cu_seqlens_k[b] ..``, copies in the cache's dtype.
     """
     layout = check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
-    k = _gather_pages(k_cache, layout, True)  # [Tk, Hkv, D]
+    k = None if k_cache is None else _gather_pages(k_cache, layout, True)  # [Tk, Hkv, D]
     v = None if v_cache is None else _gather_pages(v_cache, layout, True)  # [Tk, Hkv, D]
     k_idx = None if k_idx_cache is None else _gather_pages(k_idx_cache, layout, False)  # [Tk, Didx]
     cu_k = np.concatenate([[0], np.cumsum(layout.seqlens)]).astype(np.int32)  # [B+1]
