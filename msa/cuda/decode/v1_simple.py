@@ -27,10 +27,12 @@ import math
 
 from numba import cuda, float32, float64
 
+from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f16_bits_to_f32, f32_to_bf16, f32_to_f16_bits
 from .._core.packed import last_le
 
 THREADS = 128
+CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,7 +98,7 @@ def token_slot(t, cu_new, cache_seqlens, block_table, block_size, num_pages):
     return page, pos - j * block_size
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE)
 def append_kernel(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, cu_new,
                   nk, nv, ni, bk, pages):
     """New tokens into their pages: ``nk``, ``nv``, ``ni`` elements of each token's K, V and K_idx
@@ -124,7 +126,7 @@ def append_kernel(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cache
         x += stride
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE)
 def gather_kernel(cache, out, block_table, cu_k):
     """``out [Tk, Hkv, D]`` from pages ``cache [P, Hkv, Bk, D]``."""
     tk, hkv, d = out.shape
@@ -141,7 +143,7 @@ def gather_kernel(cache, out, block_table, cu_k):
         x += stride
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE)
 def gather_index_kernel(cache, out, block_table, cu_k):
     """``out [Tk, Didx]`` from pages ``cache [P, Bk, Didx]``."""
     tk, d = out.shape
@@ -172,7 +174,7 @@ def scores_kernel(kind: str, block_size: int):
     F, load, _ = element_ops(kind)
     BK = block_size
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, lq, scale, M):
         x = cuda.grid(1)
         hkv, rows, nbm = M.shape
@@ -203,7 +205,7 @@ def topk_kernel(block_size: int):
     """``I [B*Lq, Hkv, K]`` from ``M`` (consumed): winners ascending, the local block, -1."""
     BK = block_size
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(M, cache_seqlens, lq, out):
         x = cuda.grid(1)
         hkv, rows, nbm = M.shape
@@ -247,7 +249,7 @@ def attention_kernel(kind: str, block_size: int):
     F, load, store = element_ops(kind)
     BK = block_size
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, lq, group, scale,
                acc, o, lse):
         x = cuda.grid(1)

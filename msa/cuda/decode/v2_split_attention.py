@@ -49,6 +49,7 @@ from .v1_simple import query_of
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
 COMBINE_THREADS = 128
+CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 
 
 if SIMULATOR:
@@ -305,7 +306,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                 if d == 0:
                     lse_part[s, t, h] = ls
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
                lse_part, o, lse):
         smem = _smem_words()
@@ -387,7 +388,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     return kernel
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE)
 def combine_kernel(o_part, lse_part, o, lse, bf16):
     """``o [B*Lq, Hq, D]`` (16-bit bits) and ``lse`` from the splits' partials, in split order."""
     splits, rows, hq, d = o_part.shape

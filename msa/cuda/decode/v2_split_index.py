@@ -50,6 +50,7 @@ FULL_MASK = 0xFFFFFFFF
 NO_BLOCK = 0x7FFFFFFF  # the id of "no candidate": loses every tie against a real block
 WARPS = 1 if SIMULATOR else 4  # the simulator runs every thread as a Python thread
 MERGE_WARPS = 1 if SIMULATOR else 4
+CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 STAGES = 4  # key stages in shared memory: STAGES - 1 copies in flight while one is scored
 _IN_FLIGHT = STAGES - 2  # the wait_group count: stages still copying once stage c has landed
 
@@ -185,7 +186,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                     if x > cm[2 * nt + e]:
                         cm[2 * nt + e] = x
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, min_pages, scale, cand_s, cand_i):
         smem = _smem_words()
         heap_s = cuda.shared.array(HEAP, float32)
@@ -273,18 +274,24 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
     return kernel
 
 
+def merge_warps(topk: int) -> int:
+    """Warps (rows) of a merge CTA: the lanes' heaps of up to ``K - 1`` entries stay within
+    static shared memory (one warp above K = 32)."""
+    return MERGE_WARPS if topk <= 32 else 1
+
+
 @functools.lru_cache(maxsize=None)
-def merge_kernel(block_size: int, splits: int, topk: int):
-    """The merge of ``splits`` candidate lists into ``I [B*Lq, Hkv, K]``; arguments:
-    ``(cand_s, cand_i, cache_seqlens, lq, capacity, out)``."""
+def merge_kernel(block_size: int, topk: int):
+    """The merge of the splits' candidate lists into ``I [B*Lq, Hkv, K]``; arguments:
+    ``(cand_s, cand_i, cache_seqlens, lq, capacity, out)`` (K = 1: no candidates, any
+    stand-ins). A lane's heap holds ``K - 1`` entries, all a lane needs to be exact."""
     BK = block_size
     KM = topk - 1
-    KMD = max(KM, 1)  # divisor (K = 1: no candidates, the loop below never runs)
-    TOTAL = splits * KM
-    CAP = max(1, min(KM, -(-TOTAL // 32)))
-    WM = MERGE_WARPS
+    KMD = max(KM, 1)  # divisor (K = 1: the candidate loop never runs)
+    CAP = KMD
+    WM = merge_warps(topk)
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE)
     def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
         heap_s = cuda.shared.array((WM, 32, CAP), float32)
         heap_i = cuda.shared.array((WM, 32, CAP), int32)
@@ -303,7 +310,7 @@ def merge_kernel(block_size: int, splits: int, topk: int):
         n = 0
         rs = float32(-math.inf)
         ri = int32(NO_BLOCK)
-        for e in range(lane, TOTAL, 32):
+        for e in range(lane, cand_s.shape[0] * KM, 32):
             blk = cand_i[e // KMD, t, r, e % KMD]
             if blk >= 0:
                 n, rs, ri = offer(hs, hi, n, CAP, rs, ri, cand_s[e // KMD, t, r, e % KMD], blk)
@@ -386,8 +393,8 @@ def plan_index(p, ctx, step, index_scale) -> int:
                          ("in", "block_table", None), ("in", "cache_seqlens", None),
                          _MIN_PAGES, float(index_scale), ("ws", "cand_s", None),
                          ("ws", "cand_i", None)]))
-    merge = merge_kernel(lay.block_size, splits if topk > 1 else 0, topk)
-    p.steps.append((Kernel(merge, -(-rows * hkv // MERGE_WARPS), 32 * MERGE_WARPS),
+    merge, wm = merge_kernel(lay.block_size, topk), merge_warps(topk)
+    p.steps.append((Kernel(merge, -(-rows * hkv // wm), 32 * wm),
                     [("ws", "cand_s", None), ("ws", "cand_i", None), ("in", "cache_seqlens", None),
                      lq, capacity, ("out", "block_indices", None)]))
     return splits

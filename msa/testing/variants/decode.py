@@ -25,8 +25,9 @@ def variants():
         yield (f"attention-split-paper-Lq{lq}-bf16",
                att.split_kernel(128, 128, lq, 16, 16, True, False), att_sig)
     yield "attention-split-paper-Lq1-bf16-direct", att.split_kernel(128, 128, 1, 16, 16, True, True), att_sig
-    yield "index-merge-paper-S33", idx.merge_kernel(128, 33, 16), merge_sig
-    yield "index-merge-paper-S1", idx.merge_kernel(128, 1, 16), merge_sig
+    yield "index-merge-paper", idx.merge_kernel(128, 16), merge_sig
+    yield "index-merge-K64", idx.merge_kernel(128, 64), merge_sig
+    yield "index-merge-K1", idx.merge_kernel(128, 1), merge_sig
     yield "attention-combine", att.combine_kernel, (f4, f3, b3, f2, i64)
     yield "append-bf16", v1.append_kernel, (b3, b3, b2, b4, b4, b3, table, lens, lens, i64, i64,
                                             i64, i64, i64)
@@ -34,7 +35,7 @@ def variants():
     yield "index-split-small-fp16", idx.split_kernel(16, 16, 2, 2, 4, False), index_sig
     yield "attention-split-small-fp16-G1", att.split_kernel(16, 16, 3, 1, 4, False, False), att_sig
     yield "attention-split-small-fp16-G2-direct", att.split_kernel(16, 16, 2, 2, 4, False, True), att_sig
-    yield "index-merge-small", idx.merge_kernel(16, 3, 4), merge_sig
+    yield "index-merge-small", idx.merge_kernel(16, 4), merge_sig
     # rung 1 (float32, and bf16 bits)
     for kind, e3, e4 in (("float32", f3, f4), ("bfloat16", b3, b4)):
         yield (f"v1-scores-{kind}", v1.scores_kernel(kind, 16),
