@@ -218,7 +218,7 @@ def _build(step: _Step, version: int, arrays: dict, *, parts, block_indices=None
     if "index" in parts:
         p.block_indices = ctx.empty((rows, hkv, step.topk), np.int32)
         if version == 1:
-            M = p.workspace["M"] = ctx.empty((hkv, rows, lay.max_pages), f_dtype)
+            p.workspace["M"] = ctx.empty((hkv, rows, lay.max_pages), f_dtype)
             p.steps.append((Kernel(v1.scores_kernel(step.kind, lay.block_size),
                                    grid_1d(hkv * rows * lay.max_pages, v1.THREADS),
                                    v1.THREADS),
