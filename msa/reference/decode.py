@@ -136,15 +136,15 @@ def check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, bl
     return CacheLayout(p, hkv or 0, bk, d or 0, d_idx, b, max_pages, seqlens, table)
 
 
-def check_queries(q, q_idx, layout: CacheLayout, dtype) -> int:
+def check_queries(q, q_idx, layout: CacheLayout, dtype, dtypes=FLOAT_DTYPES) -> int:
     """Validate ``q [B*Lq, Hq, D]`` and ``q_idx [B*Lq, Hkv, Didx]`` (either may be None) against
-    a cache; return ``Lq``."""
+    a cache of ``dtype``; return ``Lq``."""
     b = layout.batch
     rows = None
     for name, x, ndim in (("q", q, 3), ("q_idx", q_idx, 3)):
         if x is None:
             continue
-        check_array(name, x, ndim=ndim, dtypes=("float",))
+        check_array(name, x, ndim=ndim, dtypes=dtypes)
         if dtype_of(x) != dtype:
             raise TypeError(f"{name} must have the dtype of the cache ({dtype}), got {dtype_of(x)}")
         n = int(x.shape[0])

@@ -32,6 +32,13 @@ from tests.reference.test_decode import Paged, paged_problem, prefill_last_rows
 U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 
+def device(x):
+    """A cache array the GPU append can write (NumPy as it is in the simulator)."""
+    from numba import cuda
+
+    return x if SIMULATOR else cuda.to_device(x)
+
+
 def f32(x):
     return np.asarray(x, dtype=np.float32)
 
@@ -167,15 +174,16 @@ def test_append_then_decode_equals_a_prefill_of_the_whole_sequence():
                       integer_index=True)
     # the cache rebuilt by the GPU append: the prompt without its last Lq tokens, then the step
     prompt = p.cache_seqlens - p.lq
-    caches = [np.full_like(x, np.nan) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    caches = [device(np.full_like(x, np.nan)) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
     rows = np.concatenate([np.arange(p.cu_k[b], p.cu_k[b] + prompt[b]) for b in range(2)])
     gpu.append_to_cache(p.k[rows], p.v[rows], p.k_idx[rows], *caches, p.block_table,
                         prompt.astype(np.int32), cu_seqlens=np.concatenate([[0], np.cumsum(prompt)]))
     gpu.append_to_cache(p.k[p.last], p.v[p.last], p.k_idx[p.last], *caches, p.block_table,
                         p.cache_seqlens)
     for got, want in zip(caches, (p.k_cache, p.v_cache, p.k_idx_cache)):
-        np.testing.assert_array_equal(got, want)
-    o, lse, I = gpu.decode_step(p.q, p.q_idx, *caches, p.block_table, p.cache_seqlens, 16, 3)
+        np.testing.assert_array_equal(to_numpy(got), want)
+    q, q_idx, table, lens = (device(x) for x in (p.q, p.q_idx, p.block_table, p.cache_seqlens))
+    o, lse, I = (to_numpy(x) for x in gpu.decode_step(q, q_idx, *caches, table, lens, 16, 3))
     w = {n: f32(getattr(p, n)) for n in ("q_full", "q_idx_full", "k", "v", "k_idx")}
     full = Paged(**{**p.__dict__, **w})
     o_pre, lse_pre, I_pre = prefill_last_rows(full)
@@ -195,23 +203,27 @@ def test_one_plan_runs_many_steps_as_the_cache_grows():
     p = paged_problem([30, 46], 1, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=8,
                       integer_index=True, max_pages=4)
     lens = p.cache_seqlens - 2  # two tokens to go
-    caches = [x.copy() for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
-    pl = gpu.plan(p.q, p.q_idx, *caches, p.block_table, lens, 16, 3, k=p.k[p.last],
-                  v=p.v[p.last], k_idx=p.k_idx[p.last])
+    caches = [device(x.copy()) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    table, lens_d = device(p.block_table), device(lens.copy())
+    new = [device(np.ascontiguousarray(x[p.last])) for x in (p.k, p.v, p.k_idx)]
+    new += [device(p.q), device(p.q_idx)]
+    pl = gpu.plan(new[3], new[4], *caches, table, lens_d, 16, 3, k=new[0], v=new[1], k_idx=new[2])
     assert pl.version == 2 and pl.append
     for step in (1, 2):
         lens = lens + 1
+        if SIMULATOR:
+            lens_d[:] = lens
+        else:
+            lens_d.copy_to_device(lens)
         rows = np.array([p.cu_k[b] + lens[b] - 1 for b in range(2)])
-        k_new, v_new, i_new = (np.ascontiguousarray(x[rows]) for x in (p.k, p.v, p.k_idx))
-        q_new = np.ascontiguousarray(p.q_full[rows])
-        qi_new = np.ascontiguousarray(p.q_idx_full[rows])
-        o, lse, I = gpu.run(pl, q_new, qi_new, *caches, p.block_table, lens, k=k_new, v=v_new,
-                            k_idx=i_new)
-        o, lse, I = (np.array(x) for x in (o, lse, I))
-        o2, lse2, I2 = gpu.decode_step(q_new, qi_new, *caches, p.block_table, lens, 16, 3)
-        assert_exact(I, I2, name=f"step {step}")
-        np.testing.assert_array_equal(o, o2)
-        np.testing.assert_array_equal(lse, lse2)
+        k_new, v_new, i_new, q_new, qi_new = (device(np.ascontiguousarray(x[rows])) for x in (
+            p.k, p.v, p.k_idx, p.q_full, p.q_idx_full))
+        got = [to_numpy(x).copy() for x in gpu.run(pl, q_new, qi_new, *caches, table, lens_d,
+                                                    k=k_new, v=v_new, k_idx=i_new)]
+        want = [to_numpy(x) for x in gpu.decode_step(q_new, qi_new, *caches, table, lens_d, 16, 3)]
+        assert_exact(got[2], want[2], name=f"step {step}")
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
 
 
 # -- inputs users get wrong ---------------------------------------------------------------------

@@ -108,7 +108,7 @@ def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlen
         raise TypeError(f"q, q_idx and the caches must share one float dtype, got {sorted(kinds)}")
     kind = kinds.pop()
     first = next(x for x in (k_cache, v_cache, k_idx_cache) if x is not None)
-    lq = _ref.check_queries(q, q_idx, layout, dtype_of(first))
+    lq = _ref.check_queries(q, q_idx, layout, dtype_of(first), _FLOAT_OR_BF16)
     if lq > MAX_QUERIES:
         raise ValueError(f"q must have at most {MAX_QUERIES} new queries a request (Lq = rows / B "
                          f"= {lq}); longer chunks are a prefill")
