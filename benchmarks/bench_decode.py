@@ -164,8 +164,23 @@ def timed(fn, reps):
     return cuda_time_ms(ten, warmup=1, reps=reps) / 10
 
 
+def graph_of(fn):
+    """``fn`` captured in a CUDA graph (after one run on a side stream); returns the graph."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def kernel_times(plan, step, reps):
-    """Median ms of each of the plan's launches alone (a one-step plan each, eager)."""
+    """Median ms of each of the plan's launches alone, each in a CUDA graph of its own."""
     import dataclasses
 
     from msa.cuda import decode as gpu
@@ -173,8 +188,9 @@ def kernel_times(plan, step, reps):
     out = {}
     for i, entry in enumerate(plan.steps):
         one = dataclasses.replace(plan, steps=[entry])
-        name = entry[0].dispatcher.py_func.__qualname__.split(".<locals>")[0] + f"#{i}"
-        out[name] = timed(lambda one=one: gpu.run(one, *step), reps)
+        name = entry[0].dispatcher.py_func.__qualname__.split(".<locals>")[0]
+        name = f"{entry[0].dispatcher.py_func.__module__.rsplit('.', 1)[-1]}.{name}#{i}"
+        out[name] = timed(graph_of(lambda one=one: gpu.run(one, *step)).replay, reps)
     return out
 
 
@@ -201,16 +217,9 @@ def bench_case(b, n, lq, args):
     if bad or not err < GATE_REL:
         row["error"] = f"correctness gate failed: {bad} selection violations, o rel err {err:.3g}"
         return [row]
-    # the graph
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        gpu.run(plan, *step)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        gpu.run(plan, *step)
     eager_o = plan.o.clone()
+    graph = graph_of(lambda: gpu.run(plan, *step))
+    plan.o.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     row["graph_equals_eager"] = bool(torch.equal(plan.o.view(torch.int16),

@@ -136,6 +136,19 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
         check_attention(o, lse, p, I_ref, kind, version)
 
 
+def test_pages_of_several_stages():
+    # Bk = 32: two key stages a page in the simulator's rung 2 (64 keys a stage on a GPU: the
+    # paper's Bk = 128 has two there), ragged lengths, Lq = 3
+    p = paged_problem([31, 64, 65], 3, hq=4, hkv=2, bk=32, topk=3, dtype=np.float16, seed=11,
+                      integer_index=True)
+    w = widened(p)
+    I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 32, 3)
+    o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 32, 3, version=2)
+    assert_exact(I, I_ref, name="block_indices")
+    check_attention(o, lse, p, I_ref, "float16", 2)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_selection_up_to_near_ties_on_gaussian_scores(version):
     p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, topk=4, dtype=np.float16, seed=3)
@@ -176,13 +189,15 @@ def test_append_then_decode_equals_a_prefill_of_the_whole_sequence():
     prompt = p.cache_seqlens - p.lq
     caches = [device(np.full_like(x, np.nan)) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
     rows = np.concatenate([np.arange(p.cu_k[b], p.cu_k[b] + prompt[b]) for b in range(2)])
-    gpu.append_to_cache(p.k[rows], p.v[rows], p.k_idx[rows], *caches, p.block_table,
-                        prompt.astype(np.int32), cu_seqlens=np.concatenate([[0], np.cumsum(prompt)]))
-    gpu.append_to_cache(p.k[p.last], p.v[p.last], p.k_idx[p.last], *caches, p.block_table,
-                        p.cache_seqlens)
+    table = device(p.block_table)
+    gpu.append_to_cache(*(device(x[rows]) for x in (p.k, p.v, p.k_idx)), *caches, table,
+                        device(prompt.astype(np.int32)),
+                        cu_seqlens=np.concatenate([[0], np.cumsum(prompt)]))
+    gpu.append_to_cache(*(device(x[p.last]) for x in (p.k, p.v, p.k_idx)), *caches, table,
+                        device(p.cache_seqlens))
     for got, want in zip(caches, (p.k_cache, p.v_cache, p.k_idx_cache)):
         np.testing.assert_array_equal(to_numpy(got), want)
-    q, q_idx, table, lens = (device(x) for x in (p.q, p.q_idx, p.block_table, p.cache_seqlens))
+    q, q_idx, lens = (device(x) for x in (p.q, p.q_idx, p.cache_seqlens))
     o, lse, I = (to_numpy(x) for x in gpu.decode_step(q, q_idx, *caches, table, lens, 16, 3))
     w = {n: f32(getattr(p, n)) for n in ("q_full", "q_idx_full", "k", "v", "k_idx")}
     full = Paged(**{**p.__dict__, **w})

@@ -70,41 +70,49 @@ else:
         return cuda.shared.array(0, float32, alignment=16)
 
 
+STAGES = 2  # key stages in shared memory: the next stage is copied while one is computed
+STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
+
+
 def shape(block_size: int, head_dim: int, lq: int, group: int):
-    """``(MT, KSPLIT, KC)``: m-tiles of the ``Lq * G`` rows, key ranges a page is cut into (the
-    CTA has ``MT * KSPLIT`` warps: four where the rows are few), keys a chunk."""
+    """``(MT, KSPLIT, KC, SK)``: m-tiles of the ``Lq * G`` rows; key ranges a stage is cut
+    into (the CTA has ``MT * KSPLIT`` warps: four where the rows are few); keys a chunk; keys a
+    stage (``min(Bk, 64)``, 16 in the simulator: two stages of K and V take the shared memory of one page)."""
     mt = -(-lq * group // 16)
-    ksplit = max(1, min(4 // mt, block_size // 32)) if mt < 4 else 1
-    kr = block_size // ksplit
+    sk = min(block_size, STAGE_KEYS)
+    ksplit = max(1, min(4 // mt, sk // 16)) if mt < 4 else 1
+    kr = sk // ksplit
     kc = 32 if kr % 32 == 0 else 16
-    return mt, ksplit, kc
+    return mt, ksplit, kc, sk
 
 
 def layout(block_size: int, head_dim: int, lq: int, group: int):
-    """``(LD, V offset, combine words, Q offset, total bytes)`` of the split kernel's dynamic
-    shared memory: K and V of one page (rows of ``D/2 + 4`` words), re-used at the end for the
-    warps' ``(m, l, O)``, then the query rows."""
-    mt, ksplit, _ = shape(block_size, head_dim, lq, group)
+    """``(LD, stage words, combine words, Q offset, total bytes)`` of the split kernel's dynamic
+    shared memory: STAGES stages of SK keys' K then V rows (rows of ``D/2 + 4`` words), re-used
+    at the end for the warps' ``(m, l, O)``, then the query rows."""
+    mt, ksplit, _, sk = shape(block_size, head_dim, lq, group)
     ld = head_dim // 2 + 4
-    kv = 2 * block_size * ld
+    stage = 2 * sk * ld
     comb = ksplit * 16 * mt * (head_dim + 2)
-    q_off = -(-max(kv, comb) // 4) * 4
-    return ld, block_size * ld, comb, q_off, 4 * (q_off + 16 * mt * ld)
+    q_off = -(-max(STAGES * stage, comb) // 4) * 4
+    return ld, stage, comb, q_off, 4 * (q_off + 16 * mt * ld)
 
 
 @functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int, bf16: bool,
-                 direct: bool):
+                 direct: bool, _max_registers: int = 0):
     """The split attention for (Bk, D, Lq, G, K, bf16 or fp16, one split writing the outputs);
     arguments ``(q words [B*Lq, Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2],
     block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``."""
     BK, D, LQ, G, K = block_size, head_dim, lq, group, topk
     R = LQ * G
-    MT, KSPLIT, KC = shape(BK, D, LQ, G)
+    MT, KSPLIT, KC, SK = shape(BK, D, LQ, G)
     W = MT * KSPLIT
     NTH = 32 * W
-    KR = BK // KSPLIT  # keys of a page per warp
-    LD, OFF_V, _, OFF_Q, _ = layout(BK, D, LQ, G)
+    KR = SK // KSPLIT  # keys of a stage per warp
+    SPP = BK // SK  # stages per page
+    LD, STAGE, _, OFF_Q, _ = layout(BK, D, LQ, G)
+    OFF_V = SK * LD  # V's rows after K's in a stage
     DW = D // 2
     PIECES = DW // 4
     KSD = D // 16  # k-steps of S = Q Kᵀ
@@ -157,34 +165,47 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline=True)
-    def load_rows(smem, q, t0, r, k_cache, v_cache, page, ok, n_keys, with_q):
-        """cp.async of head ``r``'s first ``n_keys`` K and V rows of ``page`` (zeros after them,
-        and everywhere if not ``ok``: a slot past the sequence may hold anything, and a hidden
-        key's V still enters ``P V`` with P = 0) and, once, the CTA's query rows (zeros past
-        ``Lq * G``)."""
-        tid = cuda.threadIdx.x
+    def load_stage(smem, base, r, k_cache, v_cache, page, ok, key0, n_keys):
+        """cp.async of head ``r``'s K and V rows ``key0 .. key0 + SK - 1`` of ``page`` into the
+        stage at word ``base``: zeros from key ``n_keys`` on and everywhere if not ``ok`` (a
+        slot past the sequence may hold anything, and a hidden key's V still enters ``P V``
+        with P = 0)."""
         hkv = k_cache.shape[1]
-        src0 = ((page if ok else 0) * hkv + r) * BK * DW
-        for e in range(tid, BK * PIECES, NTH):
+        src0 = (((page if ok else 0) * hkv + r) * BK + key0) * DW
+        for e in range(cuda.threadIdx.x, SK * PIECES, NTH):
             c = e // PIECES
             w = (e % PIECES) * 4
-            n = 16 if ok and c < n_keys else 0
+            n = 16 if ok and key0 + c < n_keys else 0
             src = src0 + c * DW + w if n else 0
-            cp_async16(smem, c * LD + w, k_cache, src, n)
-            cp_async16(smem, OFF_V + c * LD + w, v_cache, src, n)
-        if with_q:
-            hq = q.shape[1]
-            for e in range(tid, ROWS * PIECES, NTH):
-                row = e // PIECES
-                w = (e % PIECES) * 4
-                real = row < R
-                src = ((t0 + row // G) * hq + r * G + row % G) * DW + w if real else 0
-                cp_async16(smem, OFF_Q + row * LD + w, q, src, 16 if real else 0)
+            cp_async16(smem, base + c * LD + w, k_cache, src, n)
+            cp_async16(smem, base + OFF_V + c * LD + w, v_cache, src, n)
 
     @cuda.jit(device=True, inline=True)
-    def chunk_scores(smem, qa, s_acc, c0, lane):
-        """S = Q Kᵀ of keys ``c0 .. c0 + KC - 1`` for the warp's 16 rows (raw, fp32)."""
-        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+    def load_queries(smem, q, t0, r):
+        """cp.async of the CTA's query rows (zeros past ``Lq * G``)."""
+        hq = q.shape[1]
+        for e in range(cuda.threadIdx.x, ROWS * PIECES, NTH):
+            row = e // PIECES
+            w = (e % PIECES) * 4
+            real = row < R
+            src = ((t0 + row // G) * hq + r * G + row % G) * DW + w if real else 0
+            cp_async16(smem, OFF_Q + row * LD + w, q, src, 16 if real else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def issue(smem, c, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys):
+        """Start copying stage ``c`` (page ``union[u0 + c // SPP]``, part ``c % SPP``)."""
+        if c < n_stages:
+            j = union[u0 + c // SPP]
+            page = block_table[b, j]
+            ok = 0 <= page < k_cache.shape[0]
+            load_stage(smem, (c % STAGES) * STAGE, r, k_cache, v_cache, page, ok,
+                       (c % SPP) * SK, n_keys - j * BK)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_scores(smem, base, qa, s_acc, c0, lane):
+        """S = Q Kᵀ of the stage's keys ``c0 .. c0 + KC - 1`` for the warp's 16 rows (raw,
+        fp32); the stage at word ``base``."""
+        k_lane = base + ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
         for i in range(4 * NSC):
             s_acc[i] = float32(0.0)
         for ks in range(KSD):
@@ -244,10 +265,11 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             o_acc[4 * i + 3] *= a_bot
 
     @cuda.jit(device=True, inline=True)
-    def chunk_pv(smem, p_frag, o_acc, c0, lane):
-        """O += P V for keys ``c0 .. c0 + KC - 1`` (V's B fragments by ldmatrix.trans)."""
+    def chunk_pv(smem, base, p_frag, o_acc, c0, lane):
+        """O += P V for the stage's keys ``c0 .. c0 + KC - 1`` (V's B fragments by
+        ldmatrix.trans); the stage at word ``base``."""
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
-        v_lane = OFF_V + l_rows * LD + (lane >> 4) * 4
+        v_lane = base + OFF_V + l_rows * LD + (lane >> 4) * 4
         for kp in range(KC // 16):
             for n2 in range(NO // 2):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, v_lane + (c0 + 16 * kp) * LD + 8 * n2)
@@ -306,7 +328,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                 if d == 0:
                     lse_part[s, t, h] = ls
 
-    @cuda.jit(cache=CACHE)
+    jit = {"max_registers": _max_registers} if _max_registers and not SIMULATOR else {}
+
+    @cuda.jit(cache=CACHE, **jit)
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
                lse_part, o, lse):
         smem = _smem_words()
@@ -354,16 +378,17 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         st[2] = float32(0.0)
         st[3] = float32(0.0)
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
-        for u in range(u0, max(u1, u0 + 1)):  # an empty split still loads its queries once
-            real = u < u1
-            j = union[u] if real else 0
-            page = block_table[b, j] if real else 0
-            ok = real and 0 <= page < k_cache.shape[0]
-            load_rows(smem, q, t0, r, k_cache, v_cache, page, ok, pos_last + 1 - j * BK, u == u0)
-            cp_async_commit()
+        n_keys = pos_last + 1
+        n_stages = max(0, u1 - u0) * SPP
+        # the queries and stage 0; then at stage c: wait for it, free stage c - 1 (barrier),
+        # start copying stage c + 1, compute stage c
+        load_queries(smem, q, t0, r)
+        issue(smem, 0, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys)
+        cp_async_commit()
+        for c in range(n_stages):
             cp_async_wait_all()
             cuda.syncthreads()
-            if u == u0:
+            if c == 0:
                 for ks in range(KSD):
                     a0, a1, a2, a3 = ldmatrix_x4(smem, OFF_Q + (16 * mt + l_rows) * LD
                                                  + (lane >> 4) * 4 + 8 * ks)
@@ -371,16 +396,24 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                     qa[4 * ks + 1] = a1
                     qa[4 * ks + 2] = a2
                     qa[4 * ks + 3] = a3
-            if ok:
+            issue(smem, c + 1, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys)
+            cp_async_commit()
+            u = u0 + c // SPP
+            j = union[u]
+            page = block_table[b, j]
+            if 0 <= page < k_cache.shape[0]:
                 mask = umask[u]
+                key0 = (c % SPP) * SK  # the stage's first key in its page
                 # key c of the page is visible to a row iff c <= lim (nothing: lim = -1)
-                lim_top = pos_top - j * BK if i_top >= 0 and (mask >> i_top) & 1 else -1
-                lim_bot = pos_bot - j * BK if i_bot >= 0 and (mask >> i_bot) & 1 else -1
+                lim_top = pos_top - j * BK - key0 if i_top >= 0 and (mask >> i_top) & 1 else -1
+                lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
+                base = (c % STAGES) * STAGE
                 for c0 in range(kr * KR, (kr + 1) * KR, KC):
-                    chunk_scores(smem, qa, s_acc, c0, lane)
+                    chunk_scores(smem, base, qa, s_acc, c0, lane)
                     online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
-                    chunk_pv(smem, p_frag, o_acc, c0, lane)
-            cuda.syncthreads()  # the page's buffers are read by all before the next copy
+                    chunk_pv(smem, base, p_frag, o_acc, c0, lane)
+        cp_async_wait_all()  # nothing in flight at exit (an empty split's queries)
+        cuda.syncthreads()  # every warp is done with the stages: their memory is reused
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
         cuda.syncthreads()
         finish(smem_f, s, t0, r, o_part, lse_part, o, lse)
@@ -429,7 +462,7 @@ def plan_attention(p, ctx, step, scale) -> int:
     p.workspace["lse_part"] = ctx.empty((n, rows if n > 1 else 1, step.hq if n > 1 else 1),
                                         np.float32)
     parts = [("ws", "o_part", None), ("ws", "lse_part", None)]
-    mt, ksplit, _ = shape(lay.block_size, lay.head_dim, lq, g)
+    mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, lq, g)
     smem = layout(lay.block_size, lay.head_dim, lq, g)[-1]
     kernel = split_kernel(lay.block_size, lay.head_dim, lq, g, int(topk), bf16, splits == 1)
     p.steps.append((Kernel(kernel, (splits, hkv, b), 32 * mt * ksplit, smem),

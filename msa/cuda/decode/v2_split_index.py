@@ -20,9 +20,9 @@ that query (``j < floor(pos_i / Bk)``). At the end each heap is sorted best firs
 split's slot of ``cand_s, cand_i [S, B*Lq, Hkv, K-1]`` (padding ``(-inf, -1)``).
 
 ``merge_kernel``, one warp per (query, group) row: the paper's §4.1 selection over the ``S (K -
-1)`` candidates of the splits: lane ``l`` takes candidates ``l, l + 32, ...`` into its own heap
-(shared memory, capacity ``min(K - 1, ceil(S (K - 1) / 32))``: a lane keeps all it sees), sorts
-it best first, then ``K - 1`` rounds of a butterfly arg-max give every lane the warp's best and
+1)`` candidates of the splits: lane ``l`` takes the lists of splits ``l, l + 32, ...`` into its
+own heap of ``K - 1`` (shared memory), each list from its best entry until one cannot enter the
+full heap (the lists are sorted, so the rest cannot either), sorts it best first, then ``K - 1`` rounds of a butterfly arg-max give every lane the warp's best and
 its owner pops it. The winners are exactly the global top ``K - 1`` (each is in its split's top
 ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
 then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
@@ -52,6 +52,7 @@ WARPS = 1 if SIMULATOR else 4  # the simulator runs every thread as a Python thr
 MERGE_WARPS = 1 if SIMULATOR else 4
 CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 STAGES = 4  # key stages in shared memory: STAGES - 1 copies in flight while one is scored
+STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
 _IN_FLIGHT = STAGES - 2  # the wait_group count: stages still copying once stage c has landed
 
 if SIMULATOR:
@@ -92,7 +93,7 @@ def layout(block_size: int, index_dim: int, num_queries: int):
     """``(CK, LDK, stage words, q offset, total bytes)`` of the split kernel's dynamic shared
     memory: STAGES stages of CK key rows, then the padded query rows. Rows are ``Didx/2 + 4``
     words: 16-byte aligned, and the 8 rows of an ``ldmatrix`` phase hit distinct banks."""
-    ck = min(block_size, 64)
+    ck = min(block_size, STAGE_KEYS)
     ldk = index_dim // 2 + 4
     nqp = -(-num_queries // 8) * 8
     stage = ck * ldk
@@ -287,8 +288,7 @@ def merge_kernel(block_size: int, topk: int):
     stand-ins). A lane's heap holds ``K - 1`` entries, all a lane needs to be exact."""
     BK = block_size
     KM = topk - 1
-    KMD = max(KM, 1)  # divisor (K = 1: the candidate loop never runs)
-    CAP = KMD
+    CAP = max(KM, 1)  # K = 1: no candidates, the loop below never runs
     WM = merge_warps(topk)
 
     @cuda.jit(cache=CACHE)
@@ -310,10 +310,15 @@ def merge_kernel(block_size: int, topk: int):
         n = 0
         rs = float32(-math.inf)
         ri = int32(NO_BLOCK)
-        for e in range(lane, cand_s.shape[0] * KM, 32):
-            blk = cand_i[e // KMD, t, r, e % KMD]
-            if blk >= 0:
-                n, rs, ri = offer(hs, hi, n, CAP, rs, ri, cand_s[e // KMD, t, r, e % KMD], blk)
+        # lane l takes the lists of splits l, l + 32, ...: each is sorted best first, so a list
+        # is left at its first entry that cannot enter the lane's (full) heap
+        for sp in range(lane, cand_s.shape[0] if KM > 0 else 0, 32):
+            for e in range(KM):
+                blk = cand_i[sp, t, r, e]
+                sc = cand_s[sp, t, r, e]
+                if blk < 0 or (n == CAP and not better(sc, blk, rs, ri)):
+                    break
+                n, rs, ri = offer(hs, hi, n, CAP, rs, ri, sc, blk)
         heap_sort_best_first(hs, hi, n)
         # K - 1 rounds: every lane shows its best remaining entry, a butterfly arg-max gives
         # every lane the warp's best, its owner pops it; lane j keeps the winners of rounds j
