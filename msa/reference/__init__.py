@@ -34,7 +34,7 @@ from .layer import MSAParams, init_params, msa_layer
 from .schedule import build_schedule, schedule_stats
 from .select import check_block_indices, fixed_blocks, select_blocks
 from .decode import (append_to_cache, decode_attention, decode_block_indices, decode_step,
-                     gather_cache)
+                     gather_cache, prefill_chunk)
 
 __all__ = [
     "gqa_group", "num_blocks", "block_partition", "query_positions", "key_positions", "local_blocks",
@@ -50,4 +50,5 @@ __all__ = [
     "q_outer_io", "kv_outer_io", "arithmetic_intensity",
     "MSAParams", "init_params", "msa_layer",
     "append_to_cache", "gather_cache", "decode_block_indices", "decode_attention", "decode_step",
+    "prefill_chunk",
 ]

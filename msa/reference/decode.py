@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_gqa, check_positive_int,
-                       check_same_dtype, check_scale, cu_to_host, dtype_of)
+from .._checks import (FLOAT_DTYPES, check_array, check_cu_seqlens, check_gqa,
+                       check_positive_int, check_same_dtype, check_scale, cu_to_host, dtype_of)
 from .attention import sparse_attention
 from .index import block_scores
 from .select import select_blocks
@@ -380,5 +380,43 @@ def decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seql
     return o, lse, I
 
 
+def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
+                  cu_seqlens_q, block_size, topk, *, scale=None, index_scale=None):
+    """Chunked prefill into the cache (DESIGN §8): each request's chunk of new tokens, already
+    appended, attends through the block table to its whole cache.
+
+    ``q [Tq, Hq, D]``, ``q_idx [Tq, Hkv, Didx]`` packed by ``cu_seqlens_q [B+1]`` (request
+    ``b`` has ``Lq_b <= cache_seqlens[b]`` queries, any number, the last ``Lq_b`` positions of its
+    cache). The prefill reference (index, top-k, sparse attention) on ``gather_cache``'s
+    sequences; a decode step is the case ``Lq_b = Lq`` for all. Returns ``(o, lse,
+    block_indices)`` as ``decode_step``.
+    """
+    if v_cache is None or k_idx_cache is None:
+        raise TypeError("prefill_chunk needs v_cache and k_idx_cache arrays, got None")
+    layout = check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
+                         block_size=block_size)
+    topk = check_positive_int("topk", topk, high=MAX_TOPK)
+    cu_q, cu_k = chunk_offsets(layout, cu_seqlens_q, q, q_idx)
+    k, v, k_idx, _ = gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
+    M = block_scores(np.asarray(q_idx), k_idx, cu_q, cu_k, layout.block_size, scale=index_scale)
+    I = select_blocks(M, cu_q, cu_k, topk=topk, block_size=layout.block_size)
+    o, lse = sparse_attention(np.asarray(q), k, v, I, cu_q, cu_k, layout.block_size, scale=scale)
+    return o, lse, I
+
+
+def chunk_offsets(layout: CacheLayout, cu_seqlens_q, q, q_idx, dtypes=FLOAT_DTYPES):
+    """Validated ``(cu_q, cu_k)`` int64 of a chunked prefill: ``q``/``q_idx`` rows, the chunk
+    offsets and the cache lengths agree (``Lq_b <= cache_seqlens[b]``)."""
+    for name, x in (("q", q), ("q_idx", q_idx)):
+        check_array(name, x, ndim=3, dtypes=dtypes)
+    if int(q_idx.shape[0]) != int(q.shape[0]):
+        raise ValueError(f"q_idx must have as many rows as q ({int(q.shape[0])}), got "
+                         f"{int(q_idx.shape[0])}")
+    check_array("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=("int",), shape=(layout.batch + 1,))
+    cu_k = np.concatenate([[0], np.cumsum(layout.seqlens)]).astype(np.int64)
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_k, int(q.shape[0]), int(cu_k[-1]))
+    return cu_q, cu_k
+
+
 __all__ = ["append_to_cache", "check_cache", "decode_attention", "decode_block_indices",
-           "decode_step", "gather_cache"]
+           "decode_step", "gather_cache", "prefill_chunk"]

@@ -206,6 +206,22 @@ def test_append_then_decode_equals_a_prefill_of_the_whole_sequence():
     assert np.abs(f32(o) - o_pre).max() < 3e-3 and np.abs(lse - lse_pre).max() < 1e-5
 
 
+def test_prefill_chunk_equals_the_reference():
+    p = paged_problem([30, 40], 1, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=13,
+                      integer_index=True)
+    chunk = np.array([5, 17])
+    rows = np.concatenate([np.arange(p.cu_k[b + 1] - chunk[b], p.cu_k[b + 1]) for b in range(2)])
+    cu_q = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
+    q, q_idx = (np.ascontiguousarray(x[rows]) for x in (p.q_full, p.q_idx_full))
+    o, lse, I = gpu.prefill_chunk(q, q_idx, *p.cache, cu_q, 16, 3)
+    w = {n: f32(x) for n, x in (("q", q), ("q_idx", q_idx), ("k_cache", p.k_cache),
+                                ("v_cache", p.v_cache), ("k_idx_cache", p.k_idx_cache))}
+    o2, lse2, I2 = ref.prefill_chunk(w["q"], w["q_idx"], w["k_cache"], w["v_cache"],
+                                     w["k_idx_cache"], p.block_table, p.cache_seqlens, cu_q, 16, 3)
+    assert_exact(to_numpy(I), I2, name="block_indices")
+    assert np.abs(f32(to_numpy(o)) - o2).max() < 3e-3 and np.abs(to_numpy(lse) - lse2).max() < 1e-5
+
+
 def test_gather_is_the_references():
     p = paged_problem([1, 16, 33], 1, bk=16, dtype=np.float16, seed=7)
     for got, want in zip(gpu.gather_cache(*p.cache), ref.gather_cache(*p.cache)):

@@ -194,6 +194,25 @@ def test_decode_equals_prefill_property(lens, lq, g, hkv, topk, bk, seed):
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-12, atol=1e-12)
 
 
+def test_prefill_chunk_equals_the_whole_sequence_prefill_on_its_rows():
+    # chunks of 5 and 17 new tokens (the second one over a page boundary), already appended
+    p = paged_problem([30, 40], 1, hq=4, hkv=2, bk=8, topk=3, seed=12)
+    chunk = np.array([5, 17])
+    rows = np.concatenate([np.arange(p.cu_k[b + 1] - chunk[b], p.cu_k[b + 1]) for b in range(2)])
+    o, lse, I = decode.prefill_chunk(p.q_full[rows], p.q_idx_full[rows], *p.cache,
+                                     offsets(chunk), 8, 3)
+    cu = p.cu_k
+    M = index.block_scores(p.q_idx_full, p.k_idx, cu, cu, 8)
+    I_full = select.select_blocks(M, cu, cu, topk=3, block_size=8)
+    o_full, lse_full = attention.sparse_attention(p.q_full, p.k, p.v, I_full, cu, cu, 8)
+    np.testing.assert_array_equal(I, I_full[rows])
+    np.testing.assert_allclose(o, o_full[rows], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_full[rows], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        decode.prefill_chunk(p.q_full[:41], p.q_idx_full[:41], *p.cache, np.array([0, 41, 41]),
+                             8, 3)
+
+
 # -- inputs users get wrong ---------------------------------------------------------------------
 
 def _step(p, **change):

@@ -45,8 +45,16 @@ v      file                        kernels
                                    query rows as the MMA rows, each page of the union of the
                                    ``Lq`` selections loaded once (16-byte ``cp.async``) and
                                    masked per row by selection and position, online softmax in
-                                   registers; splits combined by LSE in a second kernel
+                                   registers; splits combined by LSE in a second kernel.
+                                   H200, paper configuration, Lq = 1, CUDA graph: 0.275 ms at
+                                   B = 32 x 64K (3.4x SDPA decode, 1.75x its HBM floor), 0.161
+                                   ms at 8 x 128K (3.0x), 0.297 ms at 128 x 8K (1.6x), 1.47 ms
+                                   at 128 x 128K (5.2x); Lq = 8 at 32 x 64K 1.16 ms (1.5x the
+                                   masked dense baseline)
 =====  ==========================  ===========================================================
+
+``prefill_chunk`` (chunked prefill into the cache, any number of new tokens a request) is the
+gather of the requests' pages (``gather_cache``) then ``msa.cuda.attention.msa_prefill``.
 
 Bad input raises ``TypeError``/``ValueError`` naming the argument before anything is allocated
 (``msa.reference.decode.check_cache``'s checks, plus device, contiguity, ``Lq <= 8``, ``K <=
@@ -65,6 +73,7 @@ from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext
 from .._core.memops import is_aligned16
+from ..attention import msa_prefill
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
@@ -502,5 +511,24 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, s
     return k, v, k_idx, cu_k
 
 
+def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
+                  cu_seqlens_q, block_size, topk, *, scale=None, index_scale=None):
+    """``msa.reference.decode.prefill_chunk`` on the GPU: the chunk's queries against their whole
+    caches. Rung 1 of chunked prefill: ``gather_cache`` copies the requests' pages into packed
+    sequences, then ``msa.cuda.attention.msa_prefill`` (fused index + top-k, KV-outer attention)
+    runs on them with ``cu_seqlens_q``; a KV-outer kernel that reads the pages through the
+    block table (no copy) is the rung this one stands in for. Returns ``(o, lse,
+    block_indices)``."""
+    if v_cache is None or k_idx_cache is None:
+        raise TypeError("prefill_chunk needs v_cache and k_idx_cache arrays, got None")
+    layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
+                              block_size=block_size, dtypes=_FLOAT_OR_BF16)
+    check_positive_int("topk", topk, high=MAX_TOPK)
+    cu_q, cu_k = _ref.chunk_offsets(layout, cu_seqlens_q, q, q_idx, _FLOAT_OR_BF16)
+    k, v, k_idx, _ = gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
+    return msa_prefill(q, k, v, q_idx, k_idx, cu_q, cu_k, block_size, topk, scale=scale,
+                       index_scale=index_scale)
+
+
 __all__ = ["DecodePlan", "append_to_cache", "decode_attention", "decode_block_indices",
-           "decode_step", "gather_cache", "plan", "run"]
+           "decode_step", "gather_cache", "plan", "prefill_chunk", "run"]

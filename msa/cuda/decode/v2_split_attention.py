@@ -25,8 +25,15 @@ that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of ten
 ``combine_kernel``: one thread per output element, the exact LSE combine of the splits in split
 order (``lse = max + log sum exp(lse_s - max)``; a row with nothing visible: o = 0, lse = -inf).
 
-Verdict: to be measured on the H200 (benchmarks/bench_decode.py); the design point is the
-selected pages at HBM bandwidth, 134 MB at B = 32 x 64K, Lq = 1 (paper configuration).
+Verdict (H200, paper configuration, bf16, CUDA graphs; benchmarks/results/bench_decode*.json):
+Lq = 1 reads the selected pages at 1.8-3.1 TB/s (134 MB at B = 32 x 64K in 0.073 ms, 537 MB at
+128 x 8K in 0.174 ms, the split kernel alone); Lq = 8 at 32 x 64K takes 0.79 ms for about 1 GB
+of pages (the union of eight random selections), 1.4 TB/s: one CTA of eight warps an SM (224
+registers) and every row's scores computed against every page of the union, selected or not.
+Two key stages (copy the next while one is computed) against one page at a time: 0.073
+against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x 8K. More splits are slower (0.094 ms
+at 9, 0.129 at 16 against 0.076 at 5: the union and query loads of each split); a register cap
+of 168 changed nothing.
 """
 
 from __future__ import annotations
