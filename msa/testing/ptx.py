@@ -6,8 +6,7 @@ bare float literal drags expressions to f64) and on local memory (register array
 or that a loop indexes at run time).
 
 ``fingerprint(ptx)`` is a short hash of a kernel's PTX with its mangled names (which carry the
-module path and Numba's unique ids) and its shared arrays' names (numbered per process)
-replaced by their order of appearance, so that moving a
+module path and Numba's unique ids) replaced by their order of appearance, so that moving a
 kernel to another module keeps its fingerprint while any change to its instructions does not.
 Run as a script it prints one line per default kernel variant (``msa.testing.variants``)::
 
@@ -22,8 +21,7 @@ import hashlib
 import re
 import sys
 
-# mangled names, and the per-process numbers Numba gives shared arrays (``_cudapy_smem_N``)
-_MANGLED = re.compile(r"_Z[A-Za-z0-9_$]+|_cudapy_smem_\d+")
+_MANGLED = re.compile(r"_Z[A-Za-z0-9_$]+")
 _HEADER = re.compile(r"^//.*$", re.MULTILINE)
 
 
@@ -70,8 +68,7 @@ def assert_no_f64_or_local(ptx: str) -> None:
 
 
 def normalized(ptx: str) -> str:
-    """The PTX without its comment header, with mangled names and shared-array names numbered
-    by first use (so the same kernel compiled after others gives the same text)."""
+    """The PTX without its comment header and with mangled names numbered by first use."""
     names: dict[str, str] = {}
 
     def rename(m):
