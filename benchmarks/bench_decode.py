@@ -1,4 +1,4 @@
-"""Decode on a paged KV cache (DESIGN §8): the msa step against dense SDPA decode and its HBM floor.
+"""Decode on a paged KV cache (docs/design.md §8): the msa step against dense SDPA decode and its HBM floor.
 
     source .gpu/env.sh && python3 -m benchmarks.bench_decode --out $OUT/bench_decode.json [--quick]
 

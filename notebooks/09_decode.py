@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # Decode on a paged KV cache (DESIGN §8)
+# # Decode on a paged KV cache (docs/design.md §8)
 #
 # Generation adds a few tokens per request and step: $L_q = 1$ for plain decode, up to 8 for
 # MTP drafts. A serving engine keeps every request's keys in **pages** of $B_k$ tokens, and in

@@ -1,4 +1,4 @@
-"""DESIGN §8: decode on a paged KV cache, defined by the prefill functions on gathered sequences.
+"""docs/design.md §8: decode on a paged KV cache, defined by the prefill functions on gathered sequences.
 
 A serving engine keeps each request's keys in *pages* of ``Bk`` tokens, and one page is one
 selectable block of eq 4 (what the vLLM and SGLang MSA backends do):
@@ -20,7 +20,7 @@ common prefix), but the positions one ``append_to_cache`` writes must be distinc
 
 A decode step gives every request ``Lq`` new queries (1 for plain decode, up to 8 for MTP
 drafts), packed request-major: ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]``. They are the
-*last* ``Lq`` positions of the request's cache (bottom-right causal alignment, DESIGN §3):
+*last* ``Lq`` positions of the request's cache (bottom-right causal alignment, docs/design.md §3):
 query ``i`` of request ``b`` sits at position ``cache_seqlens[b] - Lq + i``, sees the positions
 up to its own, and has its own selection (no union over the drafts).
 
@@ -215,7 +215,7 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens):
 
 def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *,
                     cu_seqlens=None):
-    """Write new tokens' K, V and K_idx into their pages, in place (DESIGN §8).
+    """Write new tokens' K, V and K_idx into their pages, in place (docs/design.md §8).
 
     Args:
         k, v: [T, Hkv, D] the new tokens' keys and values, request-major; k_idx: [T, Didx]
@@ -346,7 +346,7 @@ def _attention(layout, lq, q, k_cache, v_cache, block_indices, scale):
 
 def decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, block_size,
                 topk, *, scale=None, index_scale=None):
-    """One MSA decode step on a paged cache (DESIGN §8): index branch, top-k, sparse attention.
+    """One MSA decode step on a paged cache (docs/design.md §8): index branch, top-k, sparse attention.
 
     Args:
         q: [B*Lq, Hq, D] float16/32/64, the new queries, request-major (``Lq >= 1``; the GPU
@@ -382,7 +382,7 @@ def decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seql
 
 def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                   cu_seqlens_q, block_size, topk, *, scale=None, index_scale=None):
-    """Chunked prefill into the cache (DESIGN §8): each request's chunk of new tokens, already
+    """Chunked prefill into the cache (docs/design.md §8): each request's chunk of new tokens, already
     appended, attends through the block table to its whole cache.
 
     ``q [Tq, Hq, D]``, ``q_idx [Tq, Hkv, Didx]`` packed by ``cu_seqlens_q [B+1]`` (request

@@ -1,4 +1,4 @@
-"""A paged KV cache for MSA generation in PyTorch (DESIGN §8): pages, requests, append, decode.
+"""A paged KV cache for MSA generation in PyTorch (docs/design.md §8): pages, requests, append, decode.
 
 ::
 

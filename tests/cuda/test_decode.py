@@ -1,4 +1,4 @@
-"""msa.cuda.decode against msa.reference.decode (DESIGN §8, §5), in the simulator and on a GPU.
+"""msa.cuda.decode against msa.reference.decode (docs/design.md §8, §5), in the simulator and on a GPU.
 
 The caches come from ``tests.reference.test_decode.paged_problem``: pages shuffled, spare pages,
 -1 in unused block-table entries, NaN in every slot no token owns. Selections compare exactly

@@ -1,4 +1,4 @@
-"""msa.reference.decode (DESIGN §8): the paged cache, append, gather, and the decode step.
+"""msa.reference.decode (docs/design.md §8): the paged cache, append, gather, and the decode step.
 
 The decode step is defined as the prefill reference on the gathered sequences, so the tests here
 check the cache plumbing (pages out of order, shared unused entries, NaN in every slot no token

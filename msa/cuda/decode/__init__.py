@@ -1,4 +1,4 @@
-"""DESIGN §8 on the GPU: decode on a paged KV cache, split into ``plan`` (host) and ``run`` (launches).
+"""docs/design.md §8 on the GPU: decode on a paged KV cache, split into ``plan`` (host) and ``run`` (launches).
 
 Same functions and arguments as ``msa.reference.decode`` (read its docstring for the layout and
 semantics), plus keyword-only knobs, plus ``plan`` and ``run`` for serving:

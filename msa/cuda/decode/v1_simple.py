@@ -27,12 +27,11 @@ import math
 
 from numba import cuda, float32, float64
 
-from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f16_bits_to_f32, f32_to_bf16, f32_to_f16_bits
 from .._core.packed import last_le
+from .._core.diskcache import kernel_jit
 
 THREADS = 128
-CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +97,7 @@ def token_slot(t, cu_new, cache_seqlens, block_table, block_size, num_pages):
     return page, pos - j * block_size
 
 
-@cuda.jit(cache=CACHE)
+@kernel_jit
 def append_kernel(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, cu_new,
                   nk, nv, ni, bk, pages):
     """New tokens into their pages: ``nk``, ``nv``, ``ni`` elements of each token's K, V and K_idx
@@ -126,7 +125,7 @@ def append_kernel(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cache
         x += stride
 
 
-@cuda.jit(cache=CACHE)
+@kernel_jit
 def gather_kernel(cache, out, block_table, cu_k):
     """``out [Tk, Hkv, D]`` from pages ``cache [P, Hkv, Bk, D]``."""
     tk, hkv, d = out.shape
@@ -143,7 +142,7 @@ def gather_kernel(cache, out, block_table, cu_k):
         x += stride
 
 
-@cuda.jit(cache=CACHE)
+@kernel_jit
 def gather_index_kernel(cache, out, block_table, cu_k):
     """``out [Tk, Didx]`` from pages ``cache [P, Bk, Didx]``."""
     tk, d = out.shape
@@ -174,7 +173,7 @@ def scores_kernel(kind: str, block_size: int):
     F, load, _ = element_ops(kind)
     BK = block_size
 
-    @cuda.jit(cache=CACHE)
+    @kernel_jit
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, lq, scale, M):
         x = cuda.grid(1)
         hkv, rows, nbm = M.shape
@@ -205,7 +204,7 @@ def topk_kernel(block_size: int):
     """``I [B*Lq, Hkv, K]`` from ``M`` (consumed): winners ascending, the local block, -1."""
     BK = block_size
 
-    @cuda.jit(cache=CACHE)
+    @kernel_jit
     def kernel(M, cache_seqlens, lq, out):
         x = cuda.grid(1)
         hkv, rows, nbm = M.shape
@@ -249,7 +248,7 @@ def attention_kernel(kind: str, block_size: int):
     F, load, store = element_ops(kind)
     BK = block_size
 
-    @cuda.jit(cache=CACHE)
+    @kernel_jit
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, lq, group, scale,
                acc, o, lse):
         x = cuda.grid(1)

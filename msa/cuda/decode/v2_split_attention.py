@@ -52,11 +52,11 @@ from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_
 from .._core.packed import LN2, LOG2E
 from ._plan import Kernel, attention_splits, grid_1d, multiprocessors
 from .v1_simple import query_of
+from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
 COMBINE_THREADS = 128
-CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 
 
 if SIMULATOR:
@@ -337,7 +337,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
 
     jit = {"max_registers": _max_registers} if _max_registers and not SIMULATOR else {}
 
-    @cuda.jit(cache=CACHE, **jit)
+    @kernel_jit(**jit)
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
                lse_part, o, lse):
         smem = _smem_words()
@@ -428,7 +428,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     return kernel
 
 
-@cuda.jit(cache=CACHE)
+@kernel_jit
 def combine_kernel(o_part, lse_part, o, lse, bf16):
     """``o [B*Lq, Hq, D]`` (16-bit bits) and ``lse`` from the splits' partials, in split order."""
     splits, rows, hq, d = o_part.shape

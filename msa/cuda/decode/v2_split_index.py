@@ -48,12 +48,12 @@ from .._core.memops import cp_async16, cp_async_commit, cp_async_wait_all, ldmat
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import Kernel, index_splits, multiprocessors
 from .v1_simple import query_of
+from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NO_BLOCK = 0x7FFFFFFF  # the id of "no candidate": loses every tie against a real block
 WARPS = 1 if SIMULATOR else 4  # the simulator runs every thread as a Python thread
 MERGE_WARPS = 1 if SIMULATOR else 4
-CACHE = not SIMULATOR  # compiled kernels kept on disk across processes
 STAGES = 4  # key stages in shared memory: STAGES - 1 copies in flight while one is scored
 STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
 _IN_FLIGHT = STAGES - 2  # the wait_group count: stages still copying once stage c has landed
@@ -190,7 +190,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                     if x > cm[2 * nt + e]:
                         cm[2 * nt + e] = x
 
-    @cuda.jit(cache=CACHE)
+    @kernel_jit
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, min_pages, scale, cand_s, cand_i):
         smem = _smem_words()
         heap_s = cuda.shared.array(HEAP, float32)
@@ -294,7 +294,7 @@ def merge_kernel(block_size: int, topk: int):
     CAP = max(KM, 1)  # K = 1: no candidates, the loop below never runs
     WM = merge_warps(topk)
 
-    @cuda.jit(cache=CACHE)
+    @kernel_jit
     def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
         heap_s = cuda.shared.array((WM, 32, CAP), float32)
         heap_i = cuda.shared.array((WM, 32, CAP), int32)
