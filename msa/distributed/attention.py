@@ -21,6 +21,8 @@ the order of the sums that span ranks.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -88,9 +90,7 @@ def context_parallel_msa(layer: MSAAttention, x_local: torch.Tensor, cu_seqlens,
     v = x_local @ layer.w_v
     k_idx = x_local.detach() @ layer.w_k_idx  # [n, Didx]
     buf = nn.functional.pad(torch.cat([k, v, k_idx], dim=1), (0, 0, 0, n_pad - n))
-    layout = tuple((torch.as_tensor(t, device=dev), torch.as_tensor(r, device=dev))
-                   for t, r in sharding.piece_layout(pieces))
-    backward_rows = torch.as_tensor(sharding.rank_major_rows(pieces), device=dev)
+    layout, backward_rows, round_keys = _device_plan(sharding, rank, pieces, dev)
     events = []
     K, V, K_idx = gather_keys(buf, layout, backward_rows, sharding.total,
                               (hkv * d, hkv * d, di), process_group, events=events)
@@ -105,7 +105,7 @@ def context_parallel_msa(layer: MSAAttention, x_local: torch.Tensor, cu_seqlens,
     for j, rd in enumerate(rounds):
         wait_for_pieces(events, int(needed[j]), dev)
         rows = slice(rd.row0, rd.row1)
-        keys = _round_keys(rd, dev)
+        keys = round_keys[j]
         k_r, v_r, ki_r = (_take(a, keys) for a in (K, V, K_idx))
         cu_q, cu_k = rd.cu_seqlens_q, rd.cu_seqlens_k
         idx = _select(layer, q_idx[rows].detach(), ki_r.detach(), cu_q, cu_k)  # lines 3-4
@@ -142,13 +142,23 @@ def _check_input(layer, x, n, rank):
                          f"{x.device}")
 
 
-def _round_keys(rd, device):
-    """The round's keys: a ``slice`` of the global rows when it has one span (a view), else
-    an int64 index tensor (a gather)."""
-    if rd.key_starts.size == 1:
-        k0 = int(rd.key_starts[0])
-        return slice(k0, k0 + int(rd.cu_seqlens_k[-1]))
-    return torch.as_tensor(rd.key_ids(), device=device)
+@functools.lru_cache(maxsize=32)
+def _device_plan(sharding: Sharding, rank: int, pieces: int, device: torch.device):
+    """The index maps of a sharding on ``device``, made once (no host-to-device copy, hence no
+    wait for the GPU, in a step): the gather's ``layout`` and ``backward_rows``, and per round
+    its keys, a ``slice`` of the global rows when it has one span (a view), else an int64 index
+    tensor (a gather)."""
+    layout = tuple((torch.as_tensor(t, device=device), torch.as_tensor(r, device=device))
+                   for t, r in sharding.piece_layout(pieces))
+    backward_rows = torch.as_tensor(sharding.rank_major_rows(pieces), device=device)
+    keys = []
+    for rd in sharding.rounds(rank):
+        if rd.key_starts.size == 1:
+            k0 = int(rd.key_starts[0])
+            keys.append(slice(k0, k0 + int(rd.cu_seqlens_k[-1])))
+        else:
+            keys.append(torch.as_tensor(rd.key_ids(), device=device))
+    return layout, backward_rows, tuple(keys)
 
 
 def _take(a, keys):

@@ -13,7 +13,8 @@ branch costs the same for every query past ``K Bk`` keys, which equal token coun
 (ties: the earlier chunk first) each go to the rank with the least work so far (ties: fewer
 tokens, then the lower rank) that holds fewer than ``ceil(C / W)`` chunks. Every rank gets early
 and late chunks; on one sequence cut into ``2W`` equal chunks this is exactly the zigzag
-(rank ``r`` gets chunks ``r`` and ``2W - 1 - r``), and token counts differ by at most a chunk.
+(rank ``r`` gets chunks ``r`` and ``2W - 1 - r``). Token counts can differ where chunks do
+(the short last chunk of each sequence); the gather pads every rank to the largest.
 
 **Spans and rounds.** Consecutive chunks of one sequence on one rank merge into a *span*. A
 span ``[p0, p1)`` of sequence ``b`` is the query block of a pseudo-sequence whose keys are
