@@ -4,9 +4,9 @@ Each rank packs its rows of ``K [n, Hkv, D]``, ``V`` and ``K_idx [n, Didx]`` sid
 one buffer ``[n_pad, F]``, ``F = 2 Hkv D + Didx`` (one collective instead of three), padded to
 ``n_pad`` rows (``Sharding.padded_rows``). :func:`gather_keys` all-gathers it and returns the
 three in global packed order, contiguous; its backward puts their gradients back into the
-rank-major layout and reduce-scatters them (a sum over the ranks whose queries read each key),
-so that each rank gets ``dK, dV, dK_idx`` of its own rows. Queries and their gradients never
-move.
+rank-major layout and reduce-scatters them (a sum over the ranks whose queries read each key,
+in float32 for 16-bit keys), so that each rank gets ``dK, dV, dK_idx`` of its own rows.
+Queries and their gradients never move.
 
 The gather is cut into ``pieces`` collectives: piece ``s`` is row range ``s`` of every rank's
 buffer. On CUDA tensors each is asynchronous, and a side stream waits for it, scatters it into
@@ -56,17 +56,20 @@ class _GatherKeys(torch.autograd.Function):
         n_pad, f, cols, widths, group = ctx.meta
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ref = next(g for g in grads if g is not None)
-        full = ref.new_zeros((world * n_pad, f))  # rank-major: rank r's rows at r * n_pad
+        # 16-bit gradients are summed over the ranks in float32 (one rounding, as one device's
+        # float32 accumulation has), at twice the bytes
+        acc = torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype
+        full = ref.new_zeros((world * n_pad, f), dtype=acc)  # rank-major: rank r at r * n_pad
         for g, c, w in zip(grads, cols, widths):
             if g is not None:
-                full[:, c:c + w].index_copy_(0, rows, g.contiguous())  # unique rows: no sum
-        mine = ref.new_empty((n_pad, f))
+                full[:, c:c + w].index_copy_(0, rows, g.to(acc))  # unique rows: no sum here
+        mine = full.new_empty((n_pad, f))
         try:
             _reduce_scatter(mine, full, op=dist.ReduceOp.SUM, group=group)
         except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
             mine = full[rank * n_pad:(rank + 1) * n_pad]
-        return mine, None, None, None, None, None, None
+        return mine.to(ref.dtype), None, None, None, None, None, None
 
 
 def _gather_cuda(buf, gathered, layout, outs, cols, widths, group, events):
