@@ -55,7 +55,8 @@ def context_parallel_msa(layer: MSAAttention, x_local: torch.Tensor, cu_seqlens,
         cu_seqlens: int [B+1], the *global* batch (the same on every rank; read on the host).
         process_group: a ``torch.distributed`` group (None: the default one); gloo for CPU
             tensors, NCCL for CUDA tensors.
-        chunk_size, pieces: keyword-only. ``chunk_size``: tokens per chunk of the sharding
+        chunk_size, pieces: keyword-only, the same on every rank (each piece is a collective).
+            ``chunk_size``: tokens per chunk of the sharding
             (default two chunks per rank, the zigzag). ``pieces``: collectives the key gather is
             cut into, so that early rounds start before the late keys arrive (GPU; default 1
             on the CPU, the number of rounds, at most 8, on a GPU).
