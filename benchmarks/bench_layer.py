@@ -105,7 +105,12 @@ def bench_n(n, args, rows, extra):
     x = (torch.randn(n, D_MODEL, device="cuda", dtype=torch.bfloat16)).requires_grad_(True)
     g = torch.randn(n, D_MODEL, device="cuda") / math.sqrt(n * D_MODEL)
     case = f"N={n // 1024}K"
+    t_first = time.perf_counter()
     out = _step(layer, x, cu, g)  # warm-up (and the first step's compiles)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t_first
+    finite = bool(torch.isfinite(out.output).all() and torch.isfinite(out.loss_kl)
+                  and all(torch.isfinite(w.grad).all() for w in layer.parameters()))
     S = visible_pairs(out.block_indices, n)
     sparse_flops = 2 * (D + D) * HQ * S + 2 * (3 * D + 2 * D) * HQ * S + 3 * projection_flops(n)
     torch.cuda.synchronize()
@@ -113,7 +118,8 @@ def bench_n(n, args, rows, extra):
     ms = cuda_time_ms(lambda: _step(layer, x, cu, g), warmup=0, reps=args.reps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     rows.append(dict(case=case, impl="MSAAttention step", ms=ms,
-                     tflops=sparse_flops / ms / 1e9, peak_gib=peak, pairs=S))
+                     tflops=sparse_flops / ms / 1e9, peak_gib=peak, pairs=S, first_step_s=first_s,
+                     finite=finite, loss_kl=float(out.loss_kl)))
     print_table(rows[-1:], list(rows[-1]))
     sparse_ms = ms
     if n <= args.dense_max_n:

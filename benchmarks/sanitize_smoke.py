@@ -21,7 +21,7 @@ import numpy as np
 # The non-default rungs this smoke test runs (``version=`` of the public launchers), with the
 # inputs' dtype each needs: K1 (``attention_partials``) and the KL kernels.
 K1_VERSIONS = ((1, "float32"), (2, "bfloat16"), (3, "bfloat16"), (4, "bfloat16"))
-KL_VERSIONS = (3, 4)
+KL_VERSIONS = (3,)
 
 
 def main() -> int:

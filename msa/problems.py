@@ -1,6 +1,6 @@
 """Random MSA problems: consistent inputs for the demo, the notebooks, the tests and benchmarks.
 
-``make_problem`` draws a packed variable-length batch (paper §2, DESIGN §3) with Gaussian
+``make_problem`` draws a packed variable-length batch (paper §2, docs/design.md §3) with Gaussian
 q, k, v, q_idx, k_idx. Everything is NumPy on the host; move it to a GPU with CuPy or torch.
 """
 

@@ -1,4 +1,4 @@
-"""Invalid inputs to every public function of msa.reference and msa.torch (DESIGN.md §7).
+"""Invalid inputs to every public function of msa.reference and msa.torch (docs/design.md §7).
 
 Each public function is a ``Spec``: its arguments in order, each with a kind (a float array, a
 selection, offsets, a size, a scale, ...). Every kind has a list of mutations, what users get

@@ -1,4 +1,4 @@
-"""A query's output and gradients do not depend on any key it cannot see (DESIGN.md §3).
+"""A query's output and gradients do not depend on any key it cannot see (docs/design.md §3).
 
 Masking is by selection, never by multiplying a masked value by zero (``0 * NaN`` is NaN), so
 changing a key that query ``t`` cannot see (its ``k`` and ``v``, or ``k`` and ``k_idx`` for the

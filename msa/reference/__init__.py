@@ -13,6 +13,7 @@ module                  paper
 ``kl``                  eq 9-11: sparse KL, its backward, the warmup support
 ``complexity``          eq 12-16: FLOPs, I/O, arithmetic intensity
 ``layer``               Algorithm 1: one MSA layer forward with L_KL
+``decode``              §8: the paged KV cache and the decode step on it
 ======================  ==========================================================
 
 Every function takes NumPy arrays, computes in float64 when given float64 (float32 otherwise),
@@ -32,6 +33,8 @@ from .kl import kl_backward, kl_loss, kl_loss_and_backward, student_probs, teach
 from .layer import MSAParams, init_params, msa_layer
 from .schedule import build_schedule, schedule_stats
 from .select import check_block_indices, fixed_blocks, nonempty_supports, select_blocks
+from .decode import (append_to_cache, decode_attention, decode_block_indices, decode_step,
+                     gather_cache, prefill_chunk)
 
 __all__ = [
     "gqa_group", "num_blocks", "block_partition", "query_positions", "key_positions", "local_blocks",
@@ -46,4 +49,6 @@ __all__ = [
     "gqa_flops", "attention_flops", "msa_flops", "crossover_length", "speedup_limit",
     "q_outer_io", "kv_outer_io", "arithmetic_intensity",
     "MSAParams", "init_params", "msa_layer",
+    "append_to_cache", "gather_cache", "decode_block_indices", "decode_attention", "decode_step",
+    "prefill_chunk",
 ]

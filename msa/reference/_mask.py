@@ -2,7 +2,7 @@
 
 A softmax row's probabilities are exactly 0 on the keys it cannot see, but ``P @ V`` still
 multiplies them by those keys' values, and ``0 * NaN`` is NaN (as is ``0 * inf``): one NaN in a
-future key's value would reach every earlier query of a tile. DESIGN.md §3 therefore asks for
+future key's value would reach every earlier query of a tile. docs/design.md §3 therefore asks for
 masking by selection. ``attend`` is that product for the reference's tiles, in which several
 query rows share one list of keys and each row sees a subset of them.
 """

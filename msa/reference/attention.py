@@ -21,7 +21,7 @@ All three return ``lse``, the natural-log normaliser ``log sum_j exp(S_j)`` of t
 float64 input and in float32 otherwise (float16 is promoted) and return that dtype. A row with
 no visible key gets ``o = 0`` and ``lse = -inf``, never NaN.
 
-Masking is by selection (DESIGN.md §3): a query's output and gradients are the same arithmetic
+Masking is by selection (docs/design.md §3): a query's output and gradients are the same arithmetic
 whatever the keys it cannot see hold, NaN and inf included (``msa.reference._mask.attend``). A
 NaN or inf it can see makes its own row NaN (or inf), as IEEE arithmetic says.
 """

@@ -1,4 +1,4 @@
-"""Running one test against ``msa.reference`` and ``msa.cuda`` (DESIGN §2, §5).
+"""Running one test against ``msa.reference`` and ``msa.cuda`` (docs/design.md §2, §5).
 
 ``Backend("reference")`` and ``Backend("cuda")`` expose the stage modules by name, so a test
 body calls ``backend.select.select_blocks(...)`` whichever it runs; a CUDA stage or function that
@@ -66,7 +66,7 @@ class _Stage:
 class Backend:
     """``msa.reference`` or ``msa.cuda`` by name: ``Backend('cuda').select.select_blocks``.
 
-    Both take the same arguments in the same order (DESIGN §2); the CUDA launchers accept NumPy
+    Both take the same arguments in the same order (docs/design.md §2); the CUDA launchers accept NumPy
     arrays (copied to and from the GPU, or used as they are under the simulator) and return
     NumPy arrays for them, so a test can pass the same inputs to both.
     """

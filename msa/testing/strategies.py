@@ -1,4 +1,4 @@
-"""Hypothesis strategies that draw consistent MSA problems (DESIGN §5).
+"""Hypothesis strategies that draw consistent MSA problems (docs/design.md §5).
 
 ``problem_shapes()`` draws the sizes of a packed batch; ``problems()`` turns them into an
 ``msa.problems.Problem``. Sizes stay tiny so that the CUDA simulator runs them in CI.
@@ -58,7 +58,7 @@ def problems(**kwargs):
 
 # -- kernel-test inputs -------------------------------------------------------------------------
 # Sizes a simulated kernel runs in seconds (each CUDA thread is a Python thread there); kernels
-# accept Bk, D, Didx down to 16 (DESIGN §3). Use as ``problems(**KERNEL_SHAPES)``.
+# accept Bk, D, Didx down to 16 (docs/design.md §3). Use as ``problems(**KERNEL_SHAPES)``.
 KERNEL_SHAPES = dict(max_seqs=2, max_len=64, max_heads=4, max_topk=4, block_sizes=(16, 32),
                      dims=(16,))
 

@@ -1,4 +1,4 @@
-"""Comparing kernel results: floats against a float64 oracle, integers exactly (DESIGN §5).
+"""Comparing kernel results: floats against a float64 oracle, integers exactly (docs/design.md §5).
 
 The float rule is flash-attention's: a result is as accurate as it should be when its error
 against a float64 computation of the same function (the *oracle*) is at most ``factor`` times the

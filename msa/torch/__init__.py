@@ -15,7 +15,8 @@ reference (slow, exact: what the tests and ``torch.autograd.gradcheck`` use)::
 
 from . import ops
 from .functional import dense_attention, kl_loss, sparse_attention, sparse_attention_backward
+from .cache import CapturedDecode, PagedKVCache, decode_attention_step
 from .layer import MSAAttention, MSAOutput
 
 __all__ = ["MSAAttention", "MSAOutput", "dense_attention", "kl_loss", "sparse_attention",
-           "sparse_attention_backward"]
+           "sparse_attention_backward", "PagedKVCache", "CapturedDecode", "decode_attention_step"]

@@ -1,7 +1,7 @@
 """Problems, selections and checks shared by the attention tests (``test_attention_*.py``: K1's
 partials, the sparse attention, its backward, the prefill).
 
-The reference's CSR and schedule are fed to K1 (DESIGN §5: test selection on its own, then feed
+The reference's CSR and schedule are fed to K1 (docs/design.md §5: test selection on its own, then feed
 its indices), so that only the attention arithmetic is compared. Floats use
 ``msa.testing.tolerance``: the oracle is the reference in float64 on the exact values the kernel
 got (16-bit inputs widened), the baseline the reference in float32. The tensor-core versions

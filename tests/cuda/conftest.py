@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Every array a launcher allocates without a fill value starts as poison (DESIGN §5).
+    """Every array a launcher allocates without a fill value starts as poison (docs/design.md §5).
 
     Floats start as NaN and integers as their minimum (``msa.testing.backends.poison_value``), so
     an element that no kernel writes cannot pass a comparison. Works for NumPy (simulator), CuPy,

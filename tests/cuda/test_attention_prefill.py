@@ -26,7 +26,7 @@ def test_msa_prefill_matches_reference_pipeline():
     I = to_numpy(I)
     M = block_scores(q_idx.astype(np.float64), k_idx.astype(np.float64), p.cu_seqlens_q,
                      p.cu_seqlens_k, 8)
-    I_ref = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, 3, 8)
+    I_ref = select_blocks(M, p.cu_seqlens_q, p.cu_seqlens_k, 8, 3)
     np.testing.assert_array_equal(I, I_ref)
     oracle, baseline = oracle_and_baseline(ref.sparse_attention, q, k, v, I, p.cu_seqlens_q,
                                            p.cu_seqlens_k, 8)

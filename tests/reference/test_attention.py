@@ -1,7 +1,7 @@
 """Eq 1 (dense), eq 8 (sparse) and K1 (KV-outer partials) against slow per-query formulas.
 
 Floats compare against a float64 per-(query, head) loop. The yardstick is a float32 run of the
-same loop (DESIGN §5): a float64 result must be ``2**-20`` times as close as that baseline
+same loop (docs/design.md §5): a float64 result must be ``2**-20`` times as close as that baseline
 (float64 has 29 more mantissa bits than float32, so this leaves 2**9 of headroom), and a float32
 result may be at most ``F32_FACTOR`` times as far. Integers and sentinels (-inf) compare exactly.
 """

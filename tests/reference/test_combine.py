@@ -2,7 +2,7 @@
 
 The partials here are cut by hand from one softmax (random scores, values, a random partition
 of each row's keys into ``K`` parts, some parts empty), so the expected answer is the softmax
-of the whole row. Floats compare against float64 with a float32 yardstick (DESIGN §5): the same
+of the whole row. Floats compare against float64 with a float32 yardstick (docs/design.md §5): the same
 split run in float32 through a plain float32 NumPy softmax.
 """
 

@@ -4,7 +4,7 @@
 ``student_probs``/``teacher_probs`` materialise the dense ``[Hkv, Tq, Tk]`` distributions on a
 support mask built straight from token positions. The dense route in float64 is the reference;
 the same dense route in float32 is the yardstick for tolerances: a float64 result must be within
-twice the float32 route's error (DESIGN §5), plus a few ulps of the output for exact zeros.
+twice the float32 route's error (docs/design.md §5), plus a few ulps of the output for exact zeros.
 """
 
 from __future__ import annotations

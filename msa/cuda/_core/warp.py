@@ -12,7 +12,7 @@ float32 stays float32 (checked offline: no f64 and no local memory in the PTX at
 ``warp_inclusive_sum(mask, v)``    Hillis-Steele scan with ``shfl_up_sync``
 ``warp_sort_desc(key, idx)``       bitonic sort of 32 (key, idx) pairs across the warp:
                                    lane 0 gets the largest key, ties go to the smaller idx
-                                   (DESIGN §3: ties in the top-k go to the smaller block id)
+                                   (docs/design.md §3: ties in the top-k go to the smaller block id)
 =================================  =========================================================
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-STAGES = ("index", "select", "csr", "schedule", "attention", "combine", "kl")
+STAGES = ("index", "select", "csr", "schedule", "attention", "combine", "kl", "decode")
 
 
 def of(stage: str):

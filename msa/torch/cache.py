@@ -1,0 +1,327 @@
+"""A paged KV cache for MSA generation in PyTorch (docs/design.md §8): pages, requests, append, decode.
+
+::
+
+    cache = PagedKVCache(num_pages=4096, num_kv_heads=4, head_dim=128, index_dim=128,
+                         block_size=128, max_requests=32, max_pages_per_request=512,
+                         device="cuda", dtype=torch.bfloat16)
+    slots = [cache.add_request() for _ in range(B)]
+    cache.append(slots, k, v, k_idx, cu_seqlens=cu)   # the prompts (a prefill's K, V, K_idx)
+    o, lse, I = cache.decode(slots, q, q_idx, topk=16)  # after appending the step's tokens
+    cache.free_request(slots[0])                         # its pages go back to the pool
+
+The cache owns ``k_cache, v_cache [P, Hkv, Bk, D]``, ``k_idx_cache [P, Bk, Didx]``, the block
+table ``[max_requests, max_pages_per_request]`` int32 (-1 where no page is mapped) and the
+lengths ``[max_requests]`` int32, on ``device``, and their host mirrors: page allocation is
+host bookkeeping (a free list), done in ``reserve`` (``append`` reserves what it needs), and
+the device copies are written only there, so that a decode step on reserved pages touches no
+host memory. CUDA tensors run ``msa.cuda.decode``; CPU tensors (float32/float64) the NumPy
+reference, with the same results.
+
+For serving with CUDA graphs, ``capture(slots, lq, topk)`` returns a :class:`CapturedDecode`:
+static input buffers for the step's new tokens and queries, and ``replay()``, one graph that
+advances the lengths by ``lq``, appends the new tokens and runs the decode step; its outputs
+equal eager steps bit for bit. Reserve the pages the replays will need first
+(``reserve(slots, n_steps * lq)``).
+
+``decode_attention_step(layer, x, cache, slots)`` is what ``MSAAttention`` calls to generate:
+the projections of the new tokens, the append, the decode step and the output projection.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._checks import check_gqa, check_positive_int, cu_to_host
+from ..reference import decode as _ref
+
+__all__ = ["CapturedDecode", "PagedKVCache", "decode_attention_step"]
+
+
+def _gpu():
+    from ..cuda import decode as gpu  # msa.cuda needs numba: imported for CUDA tensors only
+
+    return gpu
+
+
+class PagedKVCache:
+    """Pages of ``block_size`` tokens for up to ``max_requests`` requests (module docstring).
+
+    Args:
+        num_pages: P, pages in the pool. num_kv_heads, head_dim, index_dim: Hkv, D, Didx.
+        block_size: Bk, tokens a page (= one selectable block). max_requests: rows of the
+            block table. max_pages_per_request: its columns (a request's longest context is
+            ``max_pages_per_request * Bk`` tokens).
+        device, dtype: of the caches (bf16 or fp16 on a GPU for the fast kernels; float32 or
+            float64 on the CPU, where the reference runs).
+    """
+
+    def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, index_dim: int, *,
+                 block_size: int = 128, max_requests: int = 1, max_pages_per_request: int = 1,
+                 device=None, dtype=torch.bfloat16):
+        p = check_positive_int("num_pages", num_pages)
+        hkv = check_positive_int("num_kv_heads", num_kv_heads)
+        d = check_positive_int("head_dim", head_dim)
+        d_idx = check_positive_int("index_dim", index_dim)
+        self.block_size = bk = check_positive_int("block_size", block_size)
+        self.max_requests = check_positive_int("max_requests", max_requests)
+        self.max_pages = check_positive_int("max_pages_per_request", max_pages_per_request)
+        kw = dict(device=device, dtype=dtype)
+        self.k_cache = torch.zeros((p, hkv, bk, d), **kw)
+        self.v_cache = torch.zeros((p, hkv, bk, d), **kw)
+        self.k_idx_cache = torch.zeros((p, bk, d_idx), **kw)
+        dev = self.k_cache.device
+        self.block_table = torch.full((self.max_requests, self.max_pages), -1, dtype=torch.int32,
+                                      device=dev)
+        self.seqlens = torch.zeros(self.max_requests, dtype=torch.int32, device=dev)
+        self._table = np.full((self.max_requests, self.max_pages), -1, dtype=np.int32)
+        self._lens = np.zeros(self.max_requests, dtype=np.int64)
+        self._pages = np.zeros(self.max_requests, dtype=np.int64)  # pages mapped per request
+        self._free_pages = list(range(p - 1, -1, -1))  # a stack: page 0 is handed out first
+        self._free_slots = list(range(self.max_requests - 1, -1, -1))
+        self._active = np.zeros(self.max_requests, dtype=bool)
+
+    # -- requests and pages -------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def seqlen(self, slot: int) -> int:
+        """Tokens in request ``slot``'s cache (host mirror)."""
+        return int(self._lens[self._slot(slot)])
+
+    def add_request(self) -> int:
+        """A free slot for a new request (length 0, no pages); RuntimeError when all are taken."""
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.max_requests} request slots are in use")
+        slot = self._free_slots.pop()
+        self._active[slot] = True
+        return slot
+
+    def free_request(self, slot: int) -> None:
+        """End request ``slot``: its pages return to the pool, its row of the table to -1."""
+        slot = self._slot(slot)
+        n = int(self._pages[slot])
+        self._free_pages.extend(int(x) for x in self._table[slot, :n][::-1])
+        self._table[slot] = -1
+        self._lens[slot] = 0
+        self._pages[slot] = 0
+        self._active[slot] = False
+        self._free_slots.append(slot)
+        self._upload([slot])
+
+    def reserve(self, slots, tokens) -> None:
+        """Map pages so that each request in ``slots`` can take ``tokens`` (an int, or one per
+        slot) more tokens; writes the device block table once. RuntimeError if the pool or a
+        request's row of the table runs out (nothing is changed then)."""
+        slots = self._slots(slots)
+        more = np.broadcast_to(np.asarray(tokens, dtype=np.int64), slots.shape)
+        need = -(-(self._lens[slots] + more) // self.block_size) - self._pages[slots]
+        need = np.maximum(need, 0)
+        over = np.nonzero(self._pages[slots] + need > self.max_pages)[0]
+        if over.size:
+            s = int(slots[over[0]])
+            raise RuntimeError(f"request {s} would need {int(self._pages[s] + need[over[0]])} "
+                               f"pages, more than max_pages_per_request = {self.max_pages}")
+        if int(need.sum()) > len(self._free_pages):
+            raise RuntimeError(f"the cache needs {int(need.sum())} more pages, "
+                               f"{len(self._free_pages)} are free")
+        for s, n in zip(slots, need):
+            for _ in range(int(n)):
+                self._table[s, self._pages[s]] = self._free_pages.pop()
+                self._pages[s] += 1
+        if need.any():
+            self._upload(slots)
+
+    def _upload(self, slots):
+        """Host mirrors of the given rows to the device (outside any step: a copy that waits)."""
+        rows = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.block_table.device)
+        self.block_table[rows] = torch.from_numpy(self._table[slots]).to(self.block_table.device)
+        self.seqlens[rows] = torch.from_numpy(self._lens[slots].astype(np.int32)).to(
+            self.seqlens.device)
+
+    def _slot(self, slot) -> int:
+        slot = check_positive_int("slot", slot, low=0, high=self.max_requests - 1)
+        if not self._active[slot]:
+            raise ValueError(f"slot {slot} is not an active request (add_request first)")
+        return slot
+
+    def _slots(self, slots) -> np.ndarray:
+        out = np.array([self._slot(s) for s in np.atleast_1d(np.asarray(slots)).tolist()],
+                       dtype=np.int64)
+        if out.size == 0 or np.unique(out).size != out.size:
+            raise ValueError(f"slots must be distinct active requests, got {out.tolist()}")
+        return out
+
+    def views(self, slots):
+        """``(block_table [B, max_pages], cache_seqlens [B])`` of the requests ``slots``, as the
+        decode functions take them (a view for slots ``0..B-1`` in order, a copy otherwise)."""
+        slots = self._slots(slots)
+        if np.array_equal(slots, np.arange(slots.size)):
+            return self.block_table[: slots.size], self.seqlens[: slots.size]
+        rows = torch.as_tensor(slots, device=self.block_table.device)
+        return self.block_table[rows].contiguous(), self.seqlens[rows].contiguous()
+
+    # -- append, decode, gather ---------------------------------------------------------------
+    def append(self, slots, k, v, k_idx, *, cu_seqlens=None) -> None:
+        """Append new tokens ``k, v [T, Hkv, D]``, ``k_idx [T, Didx]`` (request-major over
+        ``slots``; ``cu_seqlens [B+1]`` their offsets, None: ``T / B`` each) to the requests'
+        caches, reserving pages as needed."""
+        slots = self._slots(slots)
+        t = int(k.shape[0])
+        if cu_seqlens is None:
+            if t % slots.size:
+                raise ValueError(f"k must have a multiple of B = {slots.size} rows when "
+                                 f"cu_seqlens is None, got {t}")
+            n_new = np.full(slots.size, t // slots.size, dtype=np.int64)
+            cu = None
+        else:
+            cu = np.asarray(cu_to_host(cu_seqlens), dtype=np.int64)
+            if cu.shape != (slots.size + 1,) or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 0):
+                raise ValueError(f"cu_seqlens must be [B+1] = [{slots.size + 1}] offsets from 0 to "
+                                 f"{t}, got {cu.tolist()}")
+            n_new = np.diff(cu)
+        self.reserve(slots, n_new)
+        self._lens[slots] += n_new
+        self._upload(slots)
+        table, lens = self.views(slots)
+        cu_arg = None if cu is None else cu.astype(np.int32)
+        if self.k_cache.is_cuda:
+            with torch.cuda.device(self.k_cache.device):
+                _gpu().append_to_cache(k.contiguous(), v.contiguous(), k_idx.contiguous(),
+                                       self.k_cache, self.v_cache, self.k_idx_cache, table, lens,
+                                       cu_seqlens=cu_arg)
+        else:
+            _ref.append_to_cache(k.detach().numpy(), v.detach().numpy(), k_idx.detach().numpy(),
+                                 self.k_cache.numpy(), self.v_cache.numpy(),
+                                 self.k_idx_cache.numpy(), table.numpy(), lens.numpy(),
+                                 cu_seqlens=cu_arg)
+
+    def decode(self, slots, q, q_idx, topk: int, *, scale=None, index_scale=None):
+        """The decode step of ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]``, the last ``Lq``
+        positions of each request (append them first): ``(o, lse, block_indices)``."""
+        table, lens = self.views(slots)
+        if self.k_cache.is_cuda:
+            with torch.cuda.device(self.k_cache.device):
+                return _gpu().decode_step(q.contiguous(), q_idx.contiguous(), self.k_cache,
+                                          self.v_cache, self.k_idx_cache, table, lens,
+                                          self.block_size, topk, scale=scale,
+                                          index_scale=index_scale)
+        o, lse, idx = _ref.decode_step(q.detach().numpy(), q_idx.detach().numpy(),
+                                       self.k_cache.numpy(), self.v_cache.numpy(),
+                                       self.k_idx_cache.numpy(), table.numpy(), lens.numpy(),
+                                       self.block_size, topk, scale=scale,
+                                       index_scale=index_scale)
+        return (torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse),
+                torch.from_numpy(idx))
+
+    def gather(self, slots):
+        """``(k, v, k_idx, cu_seqlens_k)``: the requests' caches as packed sequences."""
+        table, lens = self.views(slots)
+        if self.k_cache.is_cuda:
+            with torch.cuda.device(self.k_cache.device):
+                return _gpu().gather_cache(self.k_cache, self.v_cache, self.k_idx_cache, table,
+                                           lens)
+        k, v, k_idx, cu = _ref.gather_cache(self.k_cache.numpy(), self.v_cache.numpy(),
+                                            self.k_idx_cache.numpy(), table.numpy(), lens.numpy())
+        return torch.from_numpy(k), torch.from_numpy(v), torch.from_numpy(k_idx), cu
+
+    def capture(self, slots, lq: int, num_q_heads: int, topk: int, *, scale=None,
+                index_scale=None) -> CapturedDecode:
+        """A CUDA-graph decode step for the requests ``slots`` (``lq`` new tokens each)."""
+        return CapturedDecode(self, slots, lq, num_q_heads, topk, scale=scale,
+                              index_scale=index_scale)
+
+
+class CapturedDecode:
+    """One decode step of fixed requests captured in a CUDA graph (``PagedKVCache.capture``).
+
+    Write the step's new tokens into ``k, v [B*Lq, Hkv, D]``, ``k_idx [B*Lq, Didx]`` and its
+    queries into ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]``, then ``replay()``: the
+    lengths advance by ``lq``, the tokens are appended, and ``o, lse, block_indices`` hold the
+    step. Pages must be reserved ahead (``PagedKVCache.reserve``): ``replay`` checks the host
+    mirror and raises before running a step whose tokens have no page.
+    """
+
+    def __init__(self, cache: PagedKVCache, slots, lq: int, num_q_heads: int, topk: int, *,
+                 scale=None, index_scale=None):
+        if not cache.k_cache.is_cuda:
+            raise TypeError("CUDA graphs need a cache on a CUDA device")
+        gpu = _gpu()
+        self.cache = cache
+        self.slots = cache._slots(slots)
+        self.lq = lq = check_positive_int("lq", lq, high=8)
+        b = self.slots.size
+        p, hkv, bk, d = cache.k_cache.shape
+        d_idx = cache.k_idx_cache.shape[2]
+        check_gqa(num_q_heads, hkv)
+        kw = dict(device=cache.k_cache.device, dtype=cache.k_cache.dtype)
+        self.q = torch.zeros((b * lq, num_q_heads, d), **kw)
+        self.q_idx = torch.zeros((b * lq, hkv, d_idx), **kw)
+        self.k = torch.zeros((b * lq, hkv, d), **kw)
+        self.v = torch.zeros((b * lq, hkv, d), **kw)
+        self.k_idx = torch.zeros((b * lq, d_idx), **kw)
+        dev = cache.block_table.device
+        self._rows = torch.as_tensor(self.slots, device=dev)
+        self._step_len = torch.full((b,), lq, dtype=torch.int32, device=dev)
+        self.table = cache.block_table[self._rows].contiguous()
+        self.lens = cache.seqlens[self._rows].contiguous()
+        with torch.cuda.device(dev):
+            # the lengths change every replay: the plan checks shapes, not values
+            self.plan = gpu.plan(self.q, self.q_idx, cache.k_cache, cache.v_cache,
+                                 cache.k_idx_cache, self.table, self.lens, bk, topk, scale=scale,
+                                 index_scale=index_scale, k=self.k, v=self.v, k_idx=self.k_idx,
+                                 validate=False)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step(gpu)
+        self.o, self.lse, self.block_indices = self.plan.o, self.plan.lse, self.plan.block_indices
+
+    def _step(self, gpu):
+        c = self.cache
+        c.seqlens.index_add_(0, self._rows, self._step_len)
+        torch.index_select(c.block_table, 0, self._rows, out=self.table)
+        torch.index_select(c.seqlens, 0, self._rows, out=self.lens)
+        gpu.run(self.plan, self.q, self.q_idx, c.k_cache, c.v_cache, c.k_idx_cache, self.table,
+                self.lens, k=self.k, v=self.v, k_idx=self.k_idx)
+
+    def replay(self):
+        """Run the captured step (see the class docstring); returns ``(o, lse, block_indices)``."""
+        c = self.cache
+        after = c._lens[self.slots] + self.lq
+        short = np.nonzero(after > c._pages[self.slots] * c.block_size)[0]
+        if short.size:
+            s = int(self.slots[short[0]])
+            raise RuntimeError(f"request {s} has no page for its next tokens: reserve(slots, "
+                               f"steps * lq) before replaying")
+        self.graph.replay()
+        c._lens[self.slots] = after
+        return self.o, self.lse, self.block_indices
+
+
+def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
+    """One generation step of an ``msa.torch.MSAAttention`` layer on a paged cache.
+
+    ``x [B*Lq, d_model]``: the hidden states of each request's ``Lq`` new tokens (request-major
+    over ``slots``). Projects them (Algorithm 1 lines 1-2; the index branch on ``x`` as is: no
+    gradient flows in generation), appends their K, V and K_idx to the cache, runs the decode
+    step (lines 3-5 on the cache) and the output projection (line 6).
+
+    Returns ``(output [B*Lq, d_model], block_indices [B*Lq, Hkv, K])``. The hook is
+    ``MSAAttention.decode(self, x, cache, slots): return decode_attention_step(self, x, cache,
+    slots)``.
+    """
+    t = int(x.shape[0])
+    hq, hkv, d, d_idx = layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.index_dim
+    with torch.no_grad():
+        q = (x @ layer.w_q).view(t, hq, d)
+        k = (x @ layer.w_k).view(t, hkv, d)
+        v = (x @ layer.w_v).view(t, hkv, d)
+        q_idx = (x @ layer.w_q_idx).view(t, hkv, d_idx)
+        k_idx = x @ layer.w_k_idx
+        cache.append(slots, k, v, k_idx)
+        o, _, idx = cache.decode(slots, q, q_idx, layer.topk, scale=layer.scale,
+                                 index_scale=layer.index_scale)
+        return o.reshape(t, hq * d) @ layer.w_o, idx

@@ -1,0 +1,367 @@
+"""msa.cuda.decode against msa.reference.decode (docs/design.md §8, §5), in the simulator and on a GPU.
+
+The caches come from ``tests.reference.test_decode.paged_problem``: pages shuffled, spare pages,
+-1 in unused block-table entries, NaN in every slot no token owns. Selections compare exactly
+where the index scores are exact (``integer_index``: small integers, every score exact in
+float32, many ties, so the tie rule is exercised); with Gaussian index data a near tie may swap
+two blocks, and the selected blocks' float64 scores are compared with the reference's (K-1)-th
+best instead. Attention is fed the reference's selection (test selection on its own) and
+compared with a float64 oracle within twice the float32 reference's error, plus the rounding
+of the 16-bit P (rung 2) and of the 16-bit output (``msa.testing.tolerance``). Outputs start as
+NaN (the cuda conftest's poison).
+
+Shapes stay tiny in the simulator (Bk = D = Didx = 16); ``big`` tests run the paper
+configuration on a GPU, and ``gpu`` tests capture a step in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from msa.cuda import decode as gpu
+from msa.cuda._core.arrays import SIMULATOR
+from msa.reference import decode as ref
+from msa.reference import index as ref_index
+from msa.testing import variants
+from msa.testing.backends import to_numpy
+from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
+from msa.testing.tolerance import assert_close_to_oracle, assert_exact, oracle_and_baseline
+from tests.reference.test_decode import Paged, paged_problem, prefill_last_rows
+
+U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def device(x):
+    """A cache array the GPU append can write (NumPy as it is in the simulator)."""
+    from numba import cuda
+
+    return x if SIMULATOR else cuda.to_device(x)
+
+
+def f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def widened(p):
+    """The cache and queries as the float32 values the kernel got (16-bit widened exactly)."""
+    return {n: f32(getattr(p, n)) for n in ("q", "q_idx", "k_cache", "v_cache", "k_idx_cache")}
+
+
+def check_attention(o, lse, p, I, kind, version):
+    """(o, lse) of the kernel against the float64 oracle of ``decode_attention`` on ``I``."""
+    w = widened(p)
+    oracle, baseline = oracle_and_baseline(ref.decode_attention, w["q"], w["k_cache"],
+                                           w["v_cache"], I, p.block_table, p.cache_seqlens, p.bk)
+    o_base = baseline[0]
+    if kind == "float16":  # the output is rounded to q's dtype: so is the baseline
+        o_base = o_base.astype(np.float16)
+    o_ref = np.asarray(oracle[0], np.float64)
+    finite = np.isfinite(o_ref)
+    scale = float(np.abs(o_ref[finite]).max()) if finite.any() else 0.0
+    # rung 2 rounds P to 16 bits before P V: |sum p_j d_j v_j| / l <= u max|v| (twice, as floor)
+    u = U16[kind] if version == 2 and kind in U16 else 0.0
+    vmax = float(np.nanmax(np.abs(w["v_cache"])))
+    floor = max(4.0, 2 * u * vmax / (scale * np.finfo(np.float32).eps)) if scale and u else 4.0
+    lse_factor = 2.0 if SIMULATOR else 4.0  # ex2.approx on the GPU: 2 ulp
+    assert_close_to_oracle(to_numpy(lse), oracle[1], baseline[1], name="lse", factor=lse_factor)
+    assert_close_to_oracle(f32(to_numpy(o)), o_ref, o_base, name="o", floor_ulps=floor,
+                           dtype=np.float32)
+
+
+def near_tie_equivalent(I, p, w, topk, factor=4.0):
+    """A selection from kernel-computed scores, judged on the float64 block scores: same
+    structure as the reference's, and every selected block scores at least the reference's
+    (K-1)-th best minus a float32-derived tolerance."""
+    want = ref.decode_block_indices(w["q_idx"].astype(np.float64),
+                                    w["k_idx_cache"].astype(np.float64), p.block_table,
+                                    p.cache_seqlens, p.bk, topk)
+    got = to_numpy(I)
+    assert got.shape == want.shape and got.dtype == np.int32
+    assert_exact(got == -1, want == -1, name="padding")
+    assert_exact(got.max(axis=-1), want.max(axis=-1), name="local block")
+    _, _, k_idx, cu_k = ref.gather_cache(None, None, w["k_idx_cache"], p.block_table,
+                                         p.cache_seqlens)
+    cu_q = np.arange(len(p.cache_seqlens) + 1) * p.lq
+    M64 = ref_index.block_scores(w["q_idx"].astype(np.float64), k_idx.astype(np.float64), cu_q,
+                                 cu_k, p.bk)
+    M32 = ref_index.block_scores(w["q_idx"], k_idx, cu_q, cu_k, p.bk)
+    with np.errstate(invalid="ignore"):
+        err = np.where(np.isfinite(M64), np.abs(M32.astype(np.float64) - M64), 0.0)
+    eps = np.finfo(np.float32).eps
+    for t in range(got.shape[0]):
+        for r in range(got.shape[1]):
+            g = [b for b in got[t, r] if b >= 0][:-1]
+            wnt = [b for b in want[t, r] if b >= 0][:-1]
+            if not wnt:
+                continue
+            kth = min(M64[r, t, b] for b in wnt)
+            fin = M64[r, t][np.isfinite(M64[r, t])]
+            tol = factor * err[r, t].max() + 4 * eps * np.abs(fin).max()
+            assert min(M64[r, t, b] for b in g) >= kth - tol, (t, r, g, wnt)
+
+
+def versions_for(kind):
+    return (1, 2) if kind in ("float16", "bfloat16") else (1,)
+
+
+# -- the decode step ----------------------------------------------------------------------------
+
+CASES = {
+    # seqlens (below one block, exact multiples of Bk = 16, one over), Lq, G, Hkv, topk
+    "Lq1-G16-ragged": ([3, 16, 17], 1, 16, 1, 3),
+    "Lq2-G1-Hkv3": ([32, 33], 2, 1, 3, 4),
+    "Lq3-G2-topk-above-blocks": ([8, 48], 3, 2, 2, 9),
+    "Lq4-G4": ([4, 17, 64], 4, 4, 2, 3),
+    "Lq5-G8-K1": ([65, 5], 5, 8, 1, 1),
+    "Lq6-G2": ([31, 96], 6, 2, 2, 4),
+    "Lq7-G1": ([47, 7], 7, 1, 2, 3),
+    "Lq8-G16": ([8, 80], 8, 16, 1, 4),
+}
+
+
+@pytest.mark.parametrize("kind", ["float16", "float32"])
+@pytest.mark.parametrize("seqlens,lq,g,hkv,topk", CASES.values(), ids=CASES.keys())
+def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
+    if kind == "float32" and lq not in (1, 4, 8):
+        pytest.skip("rung 1 on every Lq costs simulator time; float16 runs both rungs")
+    p = paged_problem(seqlens, lq, hq=g * hkv, hkv=hkv, bk=16, topk=topk, dtype=np.dtype(kind),
+                      seed=lq + 10 * g, integer_index=True)
+    w = widened(p)
+    I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 16, topk)
+    for version in versions_for(kind):
+        o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 16, topk, version=version)
+        assert_exact(I, I_ref, name=f"block_indices v{version}")
+        check_attention(o, lse, p, I_ref, kind, version)
+
+
+def test_pages_of_several_stages():
+    # Bk = 32: two key stages a page in the simulator's rung 2 (64 keys a stage on a GPU: the
+    # paper's Bk = 128 has two there), ragged lengths, Lq = 3
+    p = paged_problem([31, 64, 65], 3, hq=4, hkv=2, bk=32, topk=3, dtype=np.float16, seed=11,
+                      integer_index=True)
+    w = widened(p)
+    I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 32, 3)
+    o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 32, 3, version=2)
+    assert_exact(I, I_ref, name="block_indices")
+    check_attention(o, lse, p, I_ref, "float16", 2)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_selection_up_to_near_ties_on_gaussian_scores(version):
+    p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, topk=4, dtype=np.float16, seed=3)
+    I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens, 16, 4,
+                                 version=version)
+    near_tie_equivalent(I, p, widened(p), 4)
+
+
+def test_attention_on_the_references_selection_with_gaussian_data():
+    p = paged_problem([17, 50, 3], 3, hq=8, hkv=2, bk=16, topk=3, dtype=np.float16, seed=4)
+    w = widened(p)
+    I = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table, p.cache_seqlens,
+                                 16, 3)
+    for version in (1, 2):
+        o, lse = gpu.decode_attention(p.q, p.k_cache, p.v_cache, I, p.block_table,
+                                      p.cache_seqlens, 16, version=version, scale=0.2)
+        wo, wl = ref.decode_attention(w["q"], w["k_cache"], w["v_cache"], I, p.block_table,
+                                      p.cache_seqlens, 16, scale=0.2)
+        assert np.abs(f32(o) - wo).max() < 3e-3 and np.abs(lse - wl).max() < 1e-5
+
+
+def test_attention_takes_selections_in_any_order_and_beyond_the_local_block():
+    # decode_attention accepts any valid selection: unsorted rows, a block after a query's
+    # local block (it holds only future keys: nothing), the same block for every draft.
+    p = paged_problem([50, 40], 2, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=5)
+    I = np.array([[[2, 0, -1], [1, 3, 0]], [[3, 1, -1], [0, 2, 1]],
+                  [[2, 1, 0], [0, -1, -1]], [[1, 2, -1], [2, 0, 1]]], dtype=np.int32)
+    for version in (1, 2):
+        o, lse = gpu.decode_attention(p.q, p.k_cache, p.v_cache, I, p.block_table,
+                                      p.cache_seqlens, 16, version=version)
+        check_attention(o, lse, p, I, "float16", version)
+
+
+def test_append_then_decode_equals_a_prefill_of_the_whole_sequence():
+    p = paged_problem([30, 47], 3, hq=8, hkv=2, bk=16, topk=3, dtype=np.float16, seed=6,
+                      integer_index=True)
+    # the cache rebuilt by the GPU append: the prompt without its last Lq tokens, then the step
+    prompt = p.cache_seqlens - p.lq
+    caches = [device(np.full_like(x, np.nan)) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    rows = np.concatenate([np.arange(p.cu_k[b], p.cu_k[b] + prompt[b]) for b in range(2)])
+    table = device(p.block_table)
+    gpu.append_to_cache(*(device(x[rows]) for x in (p.k, p.v, p.k_idx)), *caches, table,
+                        device(prompt.astype(np.int32)),
+                        cu_seqlens=np.concatenate([[0], np.cumsum(prompt)]))
+    gpu.append_to_cache(*(device(x[p.last]) for x in (p.k, p.v, p.k_idx)), *caches, table,
+                        device(p.cache_seqlens))
+    for got, want in zip(caches, (p.k_cache, p.v_cache, p.k_idx_cache)):
+        np.testing.assert_array_equal(to_numpy(got), want)
+    q, q_idx, lens = (device(x) for x in (p.q, p.q_idx, p.cache_seqlens))
+    o, lse, I = (to_numpy(x) for x in gpu.decode_step(q, q_idx, *caches, table, lens, 16, 3))
+    w = {n: f32(getattr(p, n)) for n in ("q_full", "q_idx_full", "k", "v", "k_idx")}
+    full = Paged(**{**p.__dict__, **w})
+    o_pre, lse_pre, I_pre = prefill_last_rows(full)
+    assert_exact(I, I_pre, name="block_indices")
+    assert np.abs(f32(o) - o_pre).max() < 3e-3 and np.abs(lse - lse_pre).max() < 1e-5
+
+
+def test_prefill_chunk_equals_the_reference():
+    p = paged_problem([30, 40], 1, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=13,
+                      integer_index=True)
+    chunk = np.array([5, 17])
+    rows = np.concatenate([np.arange(p.cu_k[b + 1] - chunk[b], p.cu_k[b + 1]) for b in range(2)])
+    cu_q = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
+    q, q_idx = (np.ascontiguousarray(x[rows]) for x in (p.q_full, p.q_idx_full))
+    o, lse, I = gpu.prefill_chunk(q, q_idx, *p.cache, cu_q, 16, 3)
+    w = {n: f32(x) for n, x in (("q", q), ("q_idx", q_idx), ("k_cache", p.k_cache),
+                                ("v_cache", p.v_cache), ("k_idx_cache", p.k_idx_cache))}
+    o2, lse2, I2 = ref.prefill_chunk(w["q"], w["q_idx"], w["k_cache"], w["v_cache"],
+                                     w["k_idx_cache"], p.block_table, p.cache_seqlens, cu_q, 16, 3)
+    assert_exact(to_numpy(I), I2, name="block_indices")
+    assert np.abs(f32(to_numpy(o)) - o2).max() < 3e-3 and np.abs(to_numpy(lse) - lse2).max() < 1e-5
+
+
+def test_gather_is_the_references():
+    p = paged_problem([1, 16, 33], 1, bk=16, dtype=np.float16, seed=7)
+    for got, want in zip(gpu.gather_cache(*p.cache), ref.gather_cache(*p.cache)):
+        np.testing.assert_array_equal(got, want)
+
+
+# -- plan and run -------------------------------------------------------------------------------
+
+def test_one_plan_runs_many_steps_as_the_cache_grows():
+    p = paged_problem([30, 46], 1, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=8,
+                      integer_index=True, max_pages=4)
+    lens = p.cache_seqlens - 2  # two tokens to go
+    caches = [device(x.copy()) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    table, lens_d = device(p.block_table), device(lens.copy())
+    new = [device(np.ascontiguousarray(x[p.last])) for x in (p.k, p.v, p.k_idx)]
+    new += [device(p.q), device(p.q_idx)]
+    pl = gpu.plan(new[3], new[4], *caches, table, lens_d, 16, 3, k=new[0], v=new[1], k_idx=new[2])
+    assert pl.version == 2 and pl.append
+    for step in (1, 2):
+        lens = lens + 1
+        if SIMULATOR:
+            lens_d[:] = lens
+        else:
+            lens_d.copy_to_device(lens)
+        rows = np.array([p.cu_k[b] + lens[b] - 1 for b in range(2)])
+        k_new, v_new, i_new, q_new, qi_new = (device(np.ascontiguousarray(x[rows])) for x in (
+            p.k, p.v, p.k_idx, p.q_full, p.q_idx_full))
+        got = [to_numpy(x).copy() for x in gpu.run(pl, q_new, qi_new, *caches, table, lens_d,
+                                                    k=k_new, v=v_new, k_idx=i_new)]
+        want = [to_numpy(x) for x in gpu.decode_step(q_new, qi_new, *caches, table, lens_d, 16, 3)]
+        assert_exact(got[2], want[2], name=f"step {step}")
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+# -- inputs users get wrong ---------------------------------------------------------------------
+
+def test_bad_inputs_raise_named_errors():
+    p = paged_problem([20, 9], 2, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=9)
+    step = (p.q, p.q_idx, *p.cache)
+    with pytest.raises(ValueError, match="topk"):
+        gpu.decode_step(*step, 16, 65)
+    with pytest.raises(ValueError, match="block_size"):
+        gpu.decode_step(*step, 8, 3)
+    with pytest.raises(ValueError, match="version 2 does not apply.*float32"):
+        q32 = widened(p)
+        gpu.decode_step(q32["q"], q32["q_idx"], q32["k_cache"], q32["v_cache"],
+                        q32["k_idx_cache"], p.block_table, p.cache_seqlens, 16, 3, version=2)
+    with pytest.raises(ValueError, match="version must be"):
+        gpu.decode_step(*step, 16, 3, version=3)
+    with pytest.raises(TypeError, match="dtype"):
+        gpu.decode_step(p.q.astype(np.float32), *step[1:], 16, 3)
+    bad = p.block_table.copy()
+    bad[1, 0] = 10**6
+    with pytest.raises(ValueError, match="block_table\\[1, 0\\]"):
+        gpu.decode_step(p.q, p.q_idx, *p.cache[:3], bad, p.cache_seqlens, 16, 3)
+    with pytest.raises(ValueError, match="cache_seqlens\\[1\\]"):
+        gpu.decode_step(*step[:-1], np.array([20, 1], np.int32), 16, 3)
+    q9 = np.concatenate([p.q] * 5)[:18]
+    qi9 = np.concatenate([p.q_idx] * 5)[:18]
+    with pytest.raises(ValueError, match="at most 8 new queries"):
+        gpu.decode_step(q9, qi9, *p.cache[:4], np.array([20, 16], np.int32), 16, 3)
+    with pytest.raises(TypeError):
+        gpu.decode_step(*step, 16, 3, 0.5)  # a positional scale
+    with pytest.raises(ValueError, match="two new tokens to one cache slot"):
+        t = p.block_table.copy()
+        t[1, 0] = t[0, 1]
+        gpu.append_to_cache(p.k[:2], p.v[:2], p.k_idx[:2], *p.cache[:3], t,
+                            np.array([20, 4], np.int32))  # both at slot 3 of one page
+
+
+# -- offline PTX (no GPU needed; not the simulator) --------------------------------------------
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles PTX for sm_90 (NVVM), not the simulator")
+@pytest.mark.parametrize("name", [n for n, _, _ in variants.of("decode")] if not SIMULATOR
+                         else ["-"])
+def test_ptx_has_no_f64_and_no_local_memory(name):
+    kernel, sig = next((k, s) for n, k, s in variants.of("decode") if n == name)
+    ptx = sm90_ptx(kernel, sig)
+    assert_no_f64_or_local(ptx)
+    if "split" in name:
+        assert "mma.sync.aligned.m16n8k16" in ptx and "cp.async" in ptx
+
+
+# -- GPU only: the paper configuration, CUDA graphs ---------------------------------------------
+
+def _paper_problem(torch, b, n, lq, seed=0, integer_index=False):
+    """bf16 torch tensors: B requests of n tokens, Hq 64, Hkv 4, D = Didx = 128, Bk 128."""
+    p = paged_problem([n] * b, lq, hq=64, hkv=4, d=128, d_idx=128, bk=128, topk=16,
+                      dtype=np.float32, seed=seed, integer_index=integer_index)
+    cuda = {n_: torch.from_numpy(np.nan_to_num(getattr(p, n_), nan=0.0)).to(
+        "cuda", torch.bfloat16) for n_ in ("q", "q_idx", "k_cache", "v_cache", "k_idx_cache")}
+    meta = {n_: torch.from_numpy(getattr(p, n_)).cuda() for n_ in ("block_table", "cache_seqlens")}
+    return p, cuda, meta
+
+
+@pytest.mark.big
+@pytest.mark.parametrize("lq", [1, 4, 8])
+def test_paper_configuration_against_the_reference(lq):
+    torch = pytest.importorskip("torch")
+    p, c, m = _paper_problem(torch, 2, 3000, lq, seed=lq, integer_index=True)
+    as32 = {k: v.float().cpu().numpy() for k, v in c.items()}
+    I_ref = ref.decode_block_indices(as32["q_idx"], as32["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 128, 16)
+    o, lse, I = gpu.decode_step(c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"],
+                                m["block_table"], m["cache_seqlens"], 128, 16)
+    assert_exact(I.cpu().numpy(), I_ref, name="block_indices")
+    wo, wl = ref.decode_attention(as32["q"], as32["k_cache"], as32["v_cache"], I_ref,
+                                  p.block_table, p.cache_seqlens, 128)
+    o32 = o.float().cpu().numpy()
+    assert np.abs(o32 - wo).max() <= 2e-2 * np.abs(wo).max()
+    assert np.abs(lse.cpu().numpy() - wl).max() < 1e-3
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_bitwise():
+    torch = pytest.importorskip("torch")
+    p, c, m = _paper_problem(torch, 4, 2000, 2, seed=1)
+    args = (c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"], m["block_table"],
+            m["cache_seqlens"])
+    pl = gpu.plan(*args, 128, 16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        eager = [x.clone() for x in gpu.run(pl, *args)]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu.run(pl, *args)
+    for x in (pl.o, pl.lse):
+        x.fill_(float("nan"))
+    pl.block_indices.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip((pl.o, pl.lse, pl.block_indices), eager):
+        assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want)
+    # the graph follows the cache: one more token, replay == a fresh eager step
+    m["cache_seqlens"] += 1
+    graph.replay()
+    fresh = gpu.decode_step(*args[:-1], m["cache_seqlens"], 128, 16)
+    torch.cuda.synchronize()
+    assert torch.equal(pl.block_indices, fresh[2])
+    assert torch.equal(pl.o.view(torch.int16), fresh[0].view(torch.int16))

@@ -1,0 +1,128 @@
+"""msa.torch.PagedKVCache: page bookkeeping, append/decode against the reference, generation
+with MSAAttention equal to the layer's prefill, and (GPU) CUDA-graph steps equal to eager ones."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import msa.reference as R  # noqa: E402
+from msa.reference import decode as ref  # noqa: E402
+from msa.torch import MSAAttention, PagedKVCache, decode_attention_step  # noqa: E402
+
+
+def small_cache(**kw):
+    args = dict(num_pages=12, num_kv_heads=2, head_dim=8, index_dim=8, block_size=4,
+                max_requests=3, max_pages_per_request=5, dtype=torch.float64)
+    args.update(kw)
+    return PagedKVCache(**args)
+
+
+def test_pages_are_allocated_grown_and_freed():
+    c = small_cache()
+    a, b = c.add_request(), c.add_request()
+    c.reserve([a, b], [5, 1])  # 2 pages and 1 page
+    assert c.num_free_pages == 9
+    assert (c.block_table[a, :2] >= 0).all() and c.block_table[a, 2] == -1
+    c.reserve([a], 3)  # 8 tokens still fit in 2 pages
+    assert c.num_free_pages == 9
+    c.free_request(a)
+    assert c.num_free_pages == 11 and (c.block_table[a] == -1).all()
+    with pytest.raises(RuntimeError, match="max_pages_per_request"):
+        c.reserve([b], 100)
+    with pytest.raises(ValueError, match="not an active request"):
+        c.seqlen(a)
+    with pytest.raises(ValueError, match="distinct"):
+        c.reserve([b, b], 1)
+    c.add_request(), c.add_request()
+    with pytest.raises(RuntimeError, match="slots"):
+        c.add_request()
+
+
+def test_append_and_decode_equal_the_reference_on_the_gathered_cache():
+    rng = np.random.default_rng(0)
+    c = small_cache()
+    slots = [c.add_request(), c.add_request()]
+    lens = np.array([7, 10])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    k, v = (torch.from_numpy(rng.standard_normal((17, 2, 8))) for _ in range(2))
+    k_idx = torch.from_numpy(rng.standard_normal((17, 8)))
+    c.append(slots, k, v, k_idx, cu_seqlens=cu)
+    assert [c.seqlen(s) for s in slots] == [7, 10]
+    gk, gv, gi, gcu = c.gather(slots)
+    np.testing.assert_array_equal(gk.numpy(), k.numpy())
+    np.testing.assert_array_equal(gi.numpy(), k_idx.numpy())
+    assert gcu.tolist() == cu.tolist()
+    # one decode step: two new tokens a request
+    kn, vn = (torch.from_numpy(rng.standard_normal((4, 2, 8))) for _ in range(2))
+    c.append(slots, kn, vn, torch.from_numpy(rng.standard_normal((4, 8))))
+    q = torch.from_numpy(rng.standard_normal((4, 4, 8)))
+    q_idx = torch.from_numpy(rng.standard_normal((4, 2, 8)))
+    o, lse, idx = c.decode(slots, q, q_idx, 3)
+    table, seqlens = c.views(slots)
+    o2, lse2, idx2 = ref.decode_step(q.numpy(), q_idx.numpy(), c.k_cache.numpy(),
+                                     c.v_cache.numpy(), c.k_idx_cache.numpy(), table.numpy(),
+                                     seqlens.numpy(), 4, 3)
+    np.testing.assert_array_equal(idx.numpy(), idx2)
+    np.testing.assert_array_equal(o.numpy(), o2)
+    np.testing.assert_array_equal(lse.numpy(), lse2)
+
+
+def test_generation_with_the_layer_equals_its_prefill():
+    """Prefill 9 + 12 tokens into the cache, then decode the next 3 tokens one at a time: each
+    step's output equals the layer's forward over the whole sequence at that position."""
+    params = R.init_params(16, 4, 2, 8, 8, seed=3)
+    layer = MSAAttention.from_params(params, block_size=4, topk=3)
+    rng = np.random.default_rng(1)
+    prompt, extra = np.array([9, 12]), 3
+    full = [torch.from_numpy(rng.standard_normal((n + extra, 16))) for n in prompt]
+    c = small_cache(max_pages_per_request=6)
+    slots = [c.add_request(), c.add_request()]
+    with torch.no_grad():  # the prompts' K, V, K_idx, as a prefill computes them
+        xs = torch.cat([f[:n] for f, n in zip(full, prompt)])
+        k = (xs @ layer.w_k).view(-1, 2, 8)
+        v = (xs @ layer.w_v).view(-1, 2, 8)
+        c.append(slots, k, v, xs @ layer.w_k_idx, cu_seqlens=np.concatenate([[0], np.cumsum(prompt)]))
+    for step in range(extra):
+        x = torch.stack([f[n + step] for f, n in zip(full, prompt)])  # [B*1, d_model]
+        out, idx = decode_attention_step(layer, x, c, slots)
+        for b in range(2):
+            n = int(prompt[b]) + step + 1
+            want = layer(full[b][:n], torch.tensor([0, n]))
+            np.testing.assert_allclose(out[b].numpy(), want.output[-1].detach().numpy(),
+                                       rtol=1e-10, atol=1e-12)
+            np.testing.assert_array_equal(idx[b].numpy(), want.block_indices[-1].numpy())
+
+
+@pytest.mark.gpu
+def test_captured_steps_equal_eager_steps_bitwise():
+    rng = np.random.default_rng(2)
+    kw = dict(num_pages=80, num_kv_heads=4, head_dim=128, index_dim=128, block_size=128,
+              max_requests=4, max_pages_per_request=20, device="cuda", dtype=torch.bfloat16)
+    caches = [PagedKVCache(**kw), PagedKVCache(**kw)]
+    lens = np.array([1000, 1300, 700])
+
+    def bf(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).to("cuda", torch.bfloat16)
+
+    k, v, k_idx = bf(3000, 4, 128), bf(3000, 4, 128), bf(3000, 128)
+    slots = []
+    for c in caches:
+        slots = [c.add_request() for _ in range(3)]
+        c.append(slots, k, v, k_idx, cu_seqlens=np.concatenate([[0], np.cumsum(lens)]))
+    eager, graph_cache = caches
+    graph_cache.reserve(slots, 3 * 2)
+    captured = graph_cache.capture(slots, 2, 64, 16)
+    for _ in range(3):
+        new = [bf(6, 4, 128), bf(6, 4, 128), bf(6, 128)]
+        q, q_idx = bf(6, 64, 128), bf(6, 4, 128)
+        eager.append(slots, *new)
+        o, lse, idx = eager.decode(slots, q, q_idx, 16)
+        for dst, src in zip((captured.k, captured.v, captured.k_idx, captured.q, captured.q_idx),
+                            (*new, q, q_idx)):
+            dst.copy_(src)
+        go, glse, gidx = captured.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gidx, idx)
+        assert torch.equal(go.view(torch.int16), o.view(torch.int16))
+        assert torch.equal(glse, lse)
