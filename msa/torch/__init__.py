@@ -8,8 +8,12 @@ reference (slow, exact: what the tests and ``torch.autograd.gradcheck`` use)::
                          device="cuda", dtype=torch.bfloat16)
     out = layer(x, cu_seqlens)          # out.output, out.loss_kl, out.block_indices, out.lse
     (lm_loss(out.output) + lam * out.loss_kl).backward()
+
+``torch.compile(layer)`` traces the forward in one graph: msa's pieces are custom operators
+(:mod:`msa.torch.ops`, ``torch.ops.msa.*``) with fake kernels and registered backwards.
 """
 
+from . import ops
 from .functional import dense_attention, kl_loss, sparse_attention, sparse_attention_backward
 from .cache import CapturedDecode, PagedKVCache, decode_attention_step
 from .layer import MSAAttention, MSAOutput

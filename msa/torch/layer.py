@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_block_size, check_gqa, check_offsets, check_positive_int, check_scale
+from .._checks import check_block_size, check_gqa, check_positive_int, check_scale
 from . import functional as F
+from . import ops
 
 
 def _check_device(device):
@@ -143,25 +144,17 @@ class MSAAttention(nn.Module):
                 f"topk={self.topk}, warmup={self.warmup}, main_backward={self.main_backward}")
 
     def select(self, q_idx, k_idx, cu_seqlens):
-        """Lines 3-4: ``I [T, Hkv, K]`` int32 from the index branch (no gradient)."""
+        """Lines 3-4: ``I [T, Hkv, K]`` int32 from the index branch (no gradient):
+        ``msa.cuda.select.select_blocks_fused`` on CUDA tensors, the reference's
+        ``block_scores`` and ``select_blocks`` on CPU tensors (``ops.select_blocks``)."""
+        cu = F._checked_offsets("cu_seqlens", cu_seqlens, q_idx.shape[0])
+        return self._select(q_idx, k_idx, cu)
+
+    def _select(self, q_idx, k_idx, cu):
+        # host offsets (a CPU int64 tensor): the GPU path reads them as they are, no device copy
         with torch.no_grad():
-            if q_idx.is_cuda:
-                from ..cuda.select import select_blocks_fused
-
-                cu = np.asarray(cu_seqlens)  # host offsets: read as they are, no device copy
-                with F._on_device(q_idx):
-                    idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu, cu,
-                                              block_size=self.block_size, topk=self.topk,
-                                              scale=self.index_scale)
-                return torch.as_tensor(idx, device=q_idx.device)
-            from ..reference.index import block_scores
-            from ..reference.select import select_blocks
-
-            qi, ki = F._to_numpy(q_idx), F._to_numpy(k_idx)
-            m = block_scores(qi, ki, cu_seqlens, cu_seqlens, self.block_size,
-                             scale=self.index_scale)  # [Hkv, T, NB]
-            idx = select_blocks(m, cu_seqlens, cu_seqlens, self.block_size, self.topk)
-            return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int32))
+            return ops.select_blocks(q_idx.detach(), k_idx.detach(), cu, cu, self.block_size,
+                                     self.topk, self.index_scale)
 
     def forward(self, x: torch.Tensor, cu_seqlens) -> MSAOutput:
         """Algorithm 1 on ``x [T, d_model]``, sequences packed by ``cu_seqlens [B+1]``.
@@ -177,8 +170,9 @@ class MSAAttention(nn.Module):
                             "(use layer.to(dtype) or x.to(dtype))")
         if x.device != self.w_q.device:
             raise ValueError(f"x must be on the layer's device {self.w_q.device}, got {x.device}")
-        t = int(x.shape[0])
-        cu = check_offsets("cu_seqlens", cu_seqlens, t)
+        t = x.shape[0]
+        # host int64 offsets, checked here (under torch.compile, by an op when the graph runs)
+        cu = F._checked_offsets("cu_seqlens", cu_seqlens, t)
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         # line 1: main projections  [T, Hq, D], [T, Hkv, D]
         q = (x @ self.w_q).view(t, hq, d)
@@ -189,7 +183,7 @@ class MSAAttention(nn.Module):
         q_idx = (xs @ self.w_q_idx).view(t, hkv, self.index_dim)
         k_idx = xs @ self.w_k_idx
         # lines 3-4: causal block max and top-k with the forced local block
-        idx = self.select(q_idx.detach(), k_idx.detach(), cu)
+        idx = self._select(q_idx, k_idx, cu)
         # line 5: the main branch
         if self.warmup:
             o, lse = F.dense_attention(q, k, v, cu, cu, scale=self.scale)

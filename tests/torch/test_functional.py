@@ -231,6 +231,31 @@ def test_cuda_forward_and_backward_match_the_cpu_path(dtype, backward):
 
 
 @pytest.mark.gpu
+def test_cuda_dense_attention_matches_the_cpu_path():
+    """The warmup's main branch on CUDA bf16 (PyTorch's fused flash attention and its backward,
+    ``msa.torch.ops._dense_fused_backward``) against the float64 CPU path (chunked, with the
+    sparse PyTorch backward) on the same rounded values."""
+    gen = torch.Generator().manual_seed(3)
+    cu = np.array([0, 300, 700])
+    q, k, v = (torch.randn(700, h, 64, generator=gen).to(torch.bfloat16) for h in (8, 2, 2))
+    cpu = [x.double().requires_grad_() for x in (q, k, v)]
+    gpu = [x.cuda().requires_grad_() for x in (q, k, v)]
+    o_c, lse_c = dense_attention(*cpu, cu, cu)
+    o_g, lse_g = dense_attention(*gpu, cu, cu)
+    tol = 2e-2
+    np.testing.assert_allclose(o_g.double().cpu().detach().numpy(), o_c.detach().numpy(),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse_g.double().cpu().numpy(), lse_c.numpy(), atol=tol, rtol=tol)
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    g_c = torch.autograd.grad(o_c, cpu, do)
+    g_g = torch.autograd.grad(o_g, gpu, do.to(torch.bfloat16).cuda())
+    for a, b in zip(g_g, g_c):
+        scale = float(b.abs().max())
+        np.testing.assert_allclose(a.double().cpu().numpy(), b.numpy(), atol=tol * 4 * scale,
+                                   rtol=0)
+
+
+@pytest.mark.gpu
 def test_cuda_prefill_takes_offsets_on_the_host_or_the_device():
     """``msa.cuda.msa_prefill`` (index, top-k, sparse attention) on CUDA tensors with
     ``cu_seqlens`` as NumPy arrays (no device-to-host read) or as CUDA tensors: the same bits."""
@@ -280,7 +305,7 @@ def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
     (here in the simulator, on NumPy copies of the CPU tensors; version 1, and version 2 for
     float16 with Bk = 16) to the PyTorch backward's gradients, in the inputs' dtypes."""
     from msa.cuda.attention import sparse_attention_backward as kernel
-    from msa.torch.functional import _kernel_backward
+    from msa.torch.ops import _kernel_backward
 
     def on_numpy(*args, **kw):
         host = [x.numpy() if isinstance(x, torch.Tensor) else x for x in args]
@@ -349,13 +374,26 @@ def test_sparse_attention_backward_bad_input():
         sparse_attention_backward(*args[:6], I[:, :, :0].squeeze(1), *args[7:])
 
 
-def test_fused_dense_warmup_equals_the_chunked_path_and_masks_non_finite_keys():
-    """``_dense_fused`` (the CUDA warmup's flash-attention path, here on PyTorch's CPU flash
-    operator) equals ``dense_attention``'s chunked path: outputs, LSE and gradients; a NaN key
-    poisons exactly the queries that see it (its position and later ones of its group)."""
-    from msa.torch.functional import _dense_fused
+def cpu_flash(q, k, v, scale):
+    """PyTorch's CPU flash operator as ``msa.torch.ops._flash`` (the CUDA one) is called."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
+                                                                       scale=scale)
 
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+def cpu_flash_backward(do, q, k, v, o, lse, scale):
+    """Its backward, as ``msa.torch.ops._flash_backward``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, o, lse, 0.0, True, scale=scale)
+
+
+def test_fused_dense_warmup_equals_the_chunked_path_and_masks_non_finite_keys():
+    """``_dense_fused`` and ``_dense_fused_backward`` (the CUDA warmup's flash-attention path,
+    here on PyTorch's CPU flash operator) equal ``dense_attention``'s chunked path: outputs,
+    LSE and gradients; a NaN key poisons exactly the queries that see it (its position and
+    later ones of its group), which pass no gradient: every other query's ``dq`` keeps its
+    bits, and no gradient is NaN."""
+    from msa.torch.ops import _dense_fused, _dense_fused_backward
+
     gen = torch.Generator().manual_seed(0)
     lens = [37, 20]
     cu = np.array([0, 37, 57])
@@ -363,19 +401,26 @@ def test_fused_dense_warmup_equals_the_chunked_path_and_masks_non_finite_keys():
     k = torch.randn(57, 2, 16, generator=gen, requires_grad=True)
     v = torch.randn(57, 2, 16, generator=gen, requires_grad=True)
     o1, lse1 = dense_attention(q, k, v, cu, cu, scale=0.3)
-    o2, lse2 = _dense_fused(q, k, v, cu, cu, 0.3, op=op)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+    o2, lse2 = _dense_fused(q.detach(), k.detach(), v.detach(), cu, cu, 0.3, flash=cpu_flash)
+    torch.testing.assert_close(o2, o1.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse2, lse1.float(), rtol=1e-5, atol=1e-5)
     g = torch.randn(o1.shape, generator=gen)
     grads1 = torch.autograd.grad((o1 * g).sum(), (q, k, v))
-    grads2 = torch.autograd.grad((o2 * g).sum(), (q, k, v))
+    qkv = (q.detach(), k.detach(), v.detach())
+    grads2 = _dense_fused_backward(*qkv, o2, lse2, g, cu, cu, 0.3,
+                                   flash_backward=cpu_flash_backward)
     for a, b in zip(grads2, grads1):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     v_bad = v.detach().clone()
     v_bad[10, 1, 3] = math.nan  # key 10 of sequence 0, group 1 (heads 2, 3)
-    o3, lse3 = _dense_fused(q.detach(), k.detach(), v_bad, cu, cu, 0.3, op=op)
+    o3, lse3 = _dense_fused(q.detach(), k.detach(), v_bad, cu, cu, 0.3, flash=cpu_flash)
     poisoned = torch.zeros(57, 4, dtype=torch.bool)
     poisoned[10:lens[0], 2:] = True
     assert torch.isnan(o3[poisoned]).all() and torch.isnan(lse3[poisoned]).all()
-    assert torch.equal(o3[~poisoned], o2.detach()[~poisoned])
+    assert torch.equal(o3[~poisoned], o2[~poisoned])
     assert torch.equal(lse3[~poisoned], lse2[~poisoned])
+    dq3, dk3, dv3 = _dense_fused_backward(q.detach(), k.detach(), v_bad, o3, lse3, g, cu, cu,
+                                          0.3, flash_backward=cpu_flash_backward)
+    assert torch.equal(dq3[~poisoned], grads2[0][~poisoned])
+    assert torch.isfinite(dq3).all() and torch.isfinite(dk3).all() and torch.isfinite(dv3).all()
+    assert float(dv3[10, 1, 3]) == 0.0  # the entry the forward replaced by 0
