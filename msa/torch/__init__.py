@@ -13,7 +13,7 @@ reference (slow, exact: what the tests and ``torch.autograd.gradcheck`` use)::
 (:mod:`msa.torch.ops`, ``torch.ops.msa.*``) with fake kernels and registered backwards.
 """
 
-from . import ops
+from . import ops  # noqa: F401  (registers the torch.ops.msa custom operators)
 from .functional import dense_attention, kl_loss, sparse_attention, sparse_attention_backward
 from .cache import CapturedDecode, PagedKVCache, decode_attention_step
 from .layer import MSAAttention, MSAOutput

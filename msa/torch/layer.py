@@ -28,6 +28,7 @@ from torch import nn
 from .._checks import check_block_size, check_gqa, check_positive_int, check_scale
 from . import functional as F
 from . import ops
+from .cache import decode_attention_step
 
 
 def _check_device(device):
@@ -76,6 +77,10 @@ class MSAAttention(nn.Module):
         main_backward: the main branch's backward, ``"auto"`` (default), ``"torch"`` or
             ``"cuda"`` (the ``backward`` argument of ``msa.torch.sparse_attention``); an
             attribute.
+        process_group: a ``torch.distributed`` group for context parallelism (``None``: one
+            device). ``forward`` then takes this rank's rows of ``x`` (``msa.distributed.
+            shard_tokens``) and runs ``msa.distributed.context_parallel_msa``; an attribute.
+        cp_chunk_size: tokens per context-parallel chunk (default: ``msa.distributed``'s).
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
             ``msa.reference.init_params``); a float dtype, a device this torch can use.
 
@@ -88,7 +93,7 @@ class MSAAttention(nn.Module):
     def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  index_dim: int, *, block_size: int = 128, topk: int = 16, scale=None,
                  index_scale=None, warmup: bool = False, main_backward: str = "auto",
-                 device=None, dtype=None):
+                 process_group=None, cp_chunk_size=None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("head_dim", head_dim),
                             ("index_dim", index_dim)):
@@ -105,6 +110,8 @@ class MSAAttention(nn.Module):
         if main_backward not in F.BACKWARDS:
             raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {main_backward!r}")
         self.main_backward = main_backward
+        # context parallelism (msa.distributed): this rank's queries against all ranks' keys
+        self.process_group, self.cp_chunk_size = process_group, cp_chunk_size
         kw = dict(device=device, dtype=dtype)
 
         def weight(fan_in, fan_out):
@@ -170,6 +177,11 @@ class MSAAttention(nn.Module):
                             "(use layer.to(dtype) or x.to(dtype))")
         if x.device != self.w_q.device:
             raise ValueError(f"x must be on the layer's device {self.w_q.device}, got {x.device}")
+        if self.process_group is not None:  # x is this rank's share (msa.distributed.shard_tokens)
+            from ..distributed import context_parallel_msa  # here: msa.distributed imports msa.torch
+
+            return context_parallel_msa(self, x, cu_seqlens, self.process_group,
+                                        chunk_size=self.cp_chunk_size)
         t = x.shape[0]
         # host int64 offsets, checked here (under torch.compile, by an op when the graph runs)
         cu = F._checked_offsets("cu_seqlens", cu_seqlens, t)
@@ -199,3 +211,11 @@ class MSAAttention(nn.Module):
                             self.block_size, scale=self.scale, index_scale=self.index_scale,
                             validate=False)
         return MSAOutput(output, loss, idx, lse)
+
+    def decode(self, x: torch.Tensor, cache, slots):
+        """One generation step on a paged KV cache (``msa.torch.PagedKVCache``): ``x [B*Lq,
+        d_model]`` the hidden states of each request's ``Lq`` new tokens (request-major over
+        ``slots``). Appends their K, V and K_idx to the cache and runs the decode step; returns
+        ``(output [B*Lq, d_model], block_indices [B*Lq, Hkv, K])``. See
+        ``msa.torch.cache.decode_attention_step``."""
+        return decode_attention_step(self, x, cache, slots)

@@ -100,3 +100,17 @@ def test_rows_must_be_this_ranks(group_of_one):
         context_parallel_msa(object(), x, [0, 40])
     with pytest.raises(ValueError, match="pieces must be >= 1"):
         context_parallel_msa(layer, x, [0, 40], pieces=0)
+
+
+def test_the_layer_with_a_process_group_runs_context_parallel(group_of_one):
+    """``MSAAttention(process_group=...)`` (here ``layer.process_group``) is the same step as
+    ``context_parallel_msa``, and at W = 1 the same as the layer without a group."""
+    cu = [0, 20, 21, 60]
+    layer, x, _ = S.problem(dict(cu=cu, seed=5))
+    plain = layer(x, cu)
+    layer.process_group, layer.cp_chunk_size = dist.group.WORLD, 8
+    grouped = layer(x, cu)
+    want = context_parallel_msa(layer, x, cu, dist.group.WORLD, chunk_size=8)
+    assert torch.equal(grouped.output, want.output)
+    assert torch.equal(grouped.block_indices, plain.block_indices)
+    torch.testing.assert_close(grouped.output, plain.output, rtol=1e-12, atol=1e-12)
