@@ -35,3 +35,26 @@ def test_device_constant_memoises_by_content_dtype_and_shape():
     a[1] = 7  # the caller's array may change later: the device copy does not
     assert to_numpy(d).tolist() == [0, 5, 9, 12]
     assert device_constant(a) is not d
+
+
+def test_without_a_gpu_the_first_launch_says_what_to_do():
+    """Off the simulator and without a GPU, importing msa.cuda works (offline PTX needs it) and
+    the first launcher call raises a RuntimeError naming NUMBA_ENABLE_CUDASIM and msa.reference."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, msa.cuda as C\n"
+            "from numba import cuda\n"
+            "if cuda.is_available(): print('GPU'); raise SystemExit\n"
+            "try:\n"
+            "    C.combine_partials(np.zeros((1, 2, 1, 4), np.float32), np.zeros((1, 2, 1), np.float32))\n"
+            "except RuntimeError as e: print('MSG', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300).stdout
+    if out.startswith("GPU"):
+        import pytest
+
+        pytest.skip("a GPU is visible")
+    assert "MSG msa.cuda needs a CUDA GPU" in out and "NUMBA_ENABLE_CUDASIM=1" in out, out

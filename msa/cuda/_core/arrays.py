@@ -75,10 +75,28 @@ def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> s
     return kind
 
 
+@functools.cache
+def require_gpu() -> None:
+    """Raise a RuntimeError that says what to do when msa.cuda cannot reach a GPU (checked once,
+    at the first launcher call: importing msa.cuda, and compiling its kernels offline, need none)."""
+    if SIMULATOR or cuda.is_available():
+        return
+    try:
+        cuda.detect()  # numba's reason, when it gives one
+        reason = "no CUDA device is visible"
+    except Exception as exc:  # a missing driver library
+        reason = " ".join(str(exc).split()).rstrip(":")[:200] or type(exc).__name__
+    raise RuntimeError(
+        f"msa.cuda needs a CUDA GPU with a working driver ({reason}); set "
+        f"NUMBA_ENABLE_CUDASIM=1 before importing msa to run the kernels in Numba's simulator, "
+        f"or use msa.reference (NumPy) or msa.torch on CPU tensors, which need no GPU")
+
+
 class ArrayContext:
     """The caller's array library and device, taken from the launcher's inputs."""
 
     def __init__(self, *arrays):
+        require_gpu()
         libs = {library_of(a) for a in arrays if a is not None}
         gpu_libs = libs - {"numpy"}
         if len(gpu_libs) > 1:
