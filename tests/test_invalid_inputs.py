@@ -645,7 +645,7 @@ def test_knobs_are_keyword_only(backend, name):
         spec.fn(*positional, value)
 
 
-# --- the cases of issue 23, pinned --------------------------------------------------------------
+# --- the cases of the bad-input review, pinned --------------------------------------------------------------
 
 def _issue_problem():
     return build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float64", 1)

@@ -1,4 +1,4 @@
-"""The notebooks (issue 7): every source runs without error, and every committed .ipynb matches it.
+"""The notebooks: every source runs without error, and every committed .ipynb matches it.
 
 Each ``notebooks/NN_name.py`` (jupytext percent format) runs as a script in a fresh Python process,
 under the same environment as the tests (``NUMBA_ENABLE_CUDASIM=1`` in CI, so the kernel sections

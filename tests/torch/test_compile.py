@@ -35,7 +35,7 @@ def make_layer(warmup, *, dtype=torch.float64, device="cpu"):
 
 
 def step(layer, x, cu, g):
-    """Issue 24's training step: ``out = layer(x, cu)``, then
+    """The training step: ``out = layer(x, cu)``, then
     ``(sum(out.output * g) + out.loss_kl).backward()``; returns ``out`` and the gradients of
     ``x`` and of every parameter."""
     x = x.detach().requires_grad_()
