@@ -256,8 +256,8 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     import torch
     from numba import cuda
 
-    from msa.cuda._core.arrays import ArrayContext
-    from msa.cuda._core.launch import device_copy, kernel_array
+    from msa.cuda._core.arrays import ArrayContext, device_constant
+    from msa.cuda._core.launch import kernel_array
     from msa.cuda.attention._plan import K1Plan, Spec
     from msa.cuda.combine import launch_combine
     from msa.cuda.csr import build_csr
@@ -280,7 +280,7 @@ def stage_breakdown(q, k, v, I, version=None, partials="bfloat16", max_queries=1
     lse_part = torch.empty((TOPK, c, HQ), dtype=torch.float32, device=DEVICE)
     o = torch.empty_like(q)
     lse = torch.empty((c, HQ), dtype=torch.float32, device=DEVICE)
-    d_cu_q, d_cu_k = device_copy(cu_q), device_copy(cu_k)
+    d_cu_q, d_cu_k = device_constant(cu_q), device_constant(cu_k)
     o_part_bits = o_part.view(torch.int16) if bf16_partials else o_part
     args = [cuda.as_cuda_array(x, sync=False) for x in (o_part_bits, lse_part,
                                                         o.view(torch.int16), lse)]

@@ -18,6 +18,7 @@ RESULTS = os.path.join(HERE, "results")
 
 TITLES = {
     "bench_attention": "Sparse attention forward and MSA prefill",
+    "bench_layer": "MSA layer training step (forward + backward)",
     "bench_attention_backward": "Main branch backward (dQ, dK, dV)",
     "bench_csr": "k2q CSR + hot-row schedule",
     "bench_kl": "Sparse KL loss and backward",

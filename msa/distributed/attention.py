@@ -29,9 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_positive_int
-from ..reference.index import block_scores
-from ..reference.select import select_blocks
-from ..torch import dense_attention, kl_loss, sparse_attention
+from ..torch import dense_attention, kl_loss, ops, sparse_attention
 from ..torch.layer import MSAAttention, MSAOutput
 from .comm import gather_keys, wait_for_pieces
 from .sharding import Sharding, shard_tokens
@@ -167,27 +165,12 @@ def _take(a, keys):
 
 
 def _select(layer, q_idx, k_idx, cu_q, cu_k):
-    """Lines 3-4 as ``MSAAttention.select``, with a round's own ``cu_seqlens_q, cu_seqlens_k``:
-    ``I [n, Hkv, K]`` int32 (no gradient)."""
+    """Lines 3-4 as ``MSAAttention.select`` (the same ``torch.ops.msa.select_blocks``), with a
+    round's own ``cu_seqlens_q, cu_seqlens_k``: ``I [n, Hkv, K]`` int32 (no gradient)."""
+    cu = [torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)) for c in (cu_q, cu_k)]
     with torch.no_grad():
-        if q_idx.is_cuda:
-            from ..cuda.select import select_blocks_fused  # numba.cuda: only with a GPU
-
-            with torch.cuda.device(q_idx.device):
-                idx = select_blocks_fused(q_idx.contiguous(), k_idx.contiguous(), cu_q, cu_k,
-                                          block_size=layer.block_size, topk=layer.topk,
-                                          scale=layer.index_scale)
-            return torch.as_tensor(idx, device=q_idx.device)
-        m = block_scores(_numpy(q_idx), _numpy(k_idx), cu_q, cu_k, layer.block_size,
-                         scale=layer.index_scale)  # [Hkv, n, NB]
-        idx = select_blocks(m, cu_q, cu_k, layer.block_size, layer.topk)  # [n, Hkv, K]
-        return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int32))
-
-
-def _numpy(x):
-    """A CPU tensor as the NumPy array the reference takes (bf16 as float32)."""
-    x = x.detach()
-    return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
+        return ops.select_blocks(q_idx, k_idx, *cu, layer.block_size, layer.topk,
+                                 layer.index_scale)
 
 
 def all_reduce_gradients(parameters, process_group=None):

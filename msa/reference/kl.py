@@ -291,11 +291,6 @@ def _empty_to_zero(x: np.ndarray) -> np.ndarray:
     return np.where(x == -np.inf, 0.0, x)
 
 
-def _check_lse_finite_on_support(lse, has_support):
-    """``msa._checks.check_lse(lse, has_support)`` (kept for msa.cuda.kl, which imports it)."""
-    check_lse(lse, has_support)
-
-
 def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
     """``log P`` [n, L] of one tile (eq 9): log of the mean over the group's heads of
     ``exp(S^(h) - LSE^(h))``; ``-inf`` on hidden keys."""

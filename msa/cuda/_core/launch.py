@@ -282,10 +282,6 @@ def kernel_array(x):
     return cuda.as_cuda_array(x, sync=False)
 
 
-def device_copy(host):
-    """A small host array on the device (the simulator indexes NumPy directly)."""
-    host = np.ascontiguousarray(host)
-    return host if SIMULATOR else cuda.to_device(host)
 
 
 # Launch with more than 48 KB of dynamic shared memory.

@@ -71,18 +71,18 @@ import numpy as np
 from ..._checks import check_array, check_positive_int, check_scale, cu_to_host, dtype_of
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
-from .._core.arrays import SIMULATOR, ArrayContext
+from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .._core.memops import is_aligned16
 from ..attention import msa_prefill
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
-from ._plan import Kernel, arg, grid_1d, kind_of, stream_handle
+from ._plan import Kernel, arg, grid_1d, stream_handle
 
 VERSIONS = (1, 2)
 MAX_QUERIES = 8  # Lq: new queries per request (MTP drafts)
 MAX_TOPK = 64
-_FLOAT_OR_BF16 = ("float", np.uint16)  # bf16 tensors read as uint16 (kind_of tells them apart)
+_FLOAT_OR_BF16 = ("float", np.uint16)  # bf16 tensors read as uint16 (float_kind tells them apart)
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -112,7 +112,9 @@ def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlen
     arrays = [x for x in (q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
               if x is not None]
     ctx = ArrayContext(*arrays)
-    kinds = {kind_of(x) for x in (q, q_idx, k_cache, v_cache, k_idx_cache) if x is not None}
+    kinds = {float_kind(name, x) for name, x in (("q", q), ("q_idx", q_idx), ("k_cache", k_cache),
+                                                 ("v_cache", v_cache),
+                                                 ("k_idx_cache", k_idx_cache)) if x is not None}
     if len(kinds) != 1:
         raise TypeError(f"q, q_idx and the caches must share one float dtype, got {sorted(kinds)}")
     kind = kinds.pop()
@@ -270,8 +272,9 @@ def _plan_append(p: DecodePlan, ctx, step: _Step, arrays: dict, bits):
         if x is None:
             raise TypeError(f"a plan that appends needs {name}, the new tokens' rows, got None")
         check_array(name, x, shape=shape)
-        if kind_of(x) != step.kind:
-            raise TypeError(f"{name} must have the cache's dtype ({step.kind}), got {kind_of(x)}")
+        if float_kind(name, x) != step.kind:
+            raise TypeError(f"{name} must have the cache's dtype ({step.kind}), got "
+                            f"{float_kind(name, x)}")
     cu_new = np.arange(lay.batch + 1, dtype=np.int32) * step.lq
     p.workspace["cu_new"] = _device_ints(ctx, cu_new)
     nk = lay.num_kv_heads * lay.head_dim
@@ -450,9 +453,9 @@ def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cac
         shape = ((t_new, layout.num_kv_heads, layout.head_dim) if per_head
                  else (t_new, layout.index_dim))
         check_array(name, x, ndim=len(shape), dtypes=_FLOAT_OR_BF16, shape=shape)
-        if kind_of(x) != kind_of(cache):
-            raise TypeError(f"{name} must have the dtype of {name}_cache ({kind_of(cache)}), got "
-                            f"{kind_of(x)}")
+        if float_kind(name, x) != float_kind(f"{name}_cache", cache):
+            raise TypeError(f"{name} must have the dtype of {name}_cache "
+                            f"({float_kind(f'{name}_cache', cache)}), got {float_kind(name, x)}")
     ctx = ArrayContext(*[x for x in named.values() if x is not None])
     if ctx.lib == "numpy" and not SIMULATOR:
         raise TypeError("append_to_cache writes device caches in place: pass torch, CuPy or "
@@ -475,7 +478,7 @@ def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cac
 
 
 def _is16(x) -> bool:
-    return kind_of(x) in ("float16", "bfloat16")
+    return float_kind("cache", x) in ("float16", "bfloat16")
 
 
 def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, stream=None):
@@ -497,7 +500,7 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, s
         if cache is None:
             outs.append(None)
             continue
-        kind = kind_of(cache)
+        kind = float_kind(name, cache)
         shape = ((tk, layout.num_kv_heads, layout.head_dim) if per_head else (tk, layout.index_dim))
         out = ctx.empty(shape, kind)
         view = "bits" if kind in ("float16", "bfloat16") else None

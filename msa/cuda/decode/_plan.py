@@ -1,4 +1,4 @@
-"""Host side of the decode stage: dtype kinds, kernel arguments, stream launches, split counts.
+"""Host side of the decode stage: kernel arguments, stream launches, split counts.
 
 ``run`` must be capturable in a CUDA graph, so every launch here goes on a stream the caller
 names (``torch.cuda.current_stream()`` by default for torch tensors, CuPy's current stream for
@@ -26,21 +26,9 @@ from numba import cuda
 from ..._checks import dtype_of
 from .._core.arrays import SIMULATOR, is_bf16, library_of
 
-KINDS = ("float16", "bfloat16", "float32", "float64")
-
 if not SIMULATOR:
     from numba.cuda import types as _nbtypes
     from numba.cuda.np.numpy_support import from_dtype as _from_dtype
-
-
-def kind_of(x) -> str:
-    """``"float16" | "bfloat16" | "float32" | "float64"`` of a float array (TypeError otherwise)."""
-    if is_bf16(x):
-        return "bfloat16"
-    dt = dtype_of(x)
-    if dt.kind == "f" and dt.name in KINDS:
-        return dt.name
-    raise TypeError(f"expected a float16, bfloat16, float32 or float64 array, got {dt}")
 
 
 # -- kernel arguments ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 from ..._checks import GQA_GROUP_SIZES
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR, ArrayContext, device_constant, device_offsets
-from .._core.launch import device_copy, kernel_array, launch_smem
+from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
 from ..csr import launch_build_csr
@@ -104,7 +104,7 @@ class Plan:
             views.append(arr)
         self.q, self.k, self.q_idx, self.k_idx = views
         if self.warmup:
-            self.I = device_copy(np.full((1, 1, 1), -1, dtype=np.int32))  # never read
+            self.I = device_constant(np.full((1, 1, 1), -1, dtype=np.int32))  # never read
         else:
             self.I = self.ctx.input("block_indices", block_indices)
         self.lse = self.ctx.input("lse", lse)
@@ -187,10 +187,10 @@ class Plan:
         per query chunk of the ``dS`` buffer (a selection: each chunk its own CSR)."""
         ctx = self.ctx
         if self.warmup:
-            dummy_ds = device_copy(np.zeros((1, 1, 1, 1), np.float32))
+            dummy_ds = device_constant(np.zeros((1, 1, 1, 1), np.float32))
             self.launch_rows_grad(lse, coef, 0, self.tq, False, lse_idx, dq, dummy_ds)
             if self.tk:
-                dummy_csr = device_copy(np.zeros((1, 1), np.int32))
+                dummy_csr = device_constant(np.zeros((1, 1), np.int32))
                 self.launch_keys(lse, lse_idx, dummy_csr, dummy_csr, dummy_csr, dummy_ds,
                                  self.d_cu_q, self.d_cu_k, _row_offsets(self.batch),
                                  self.batch.rows, coef, self.q_idx, self.k_idx, dk)
@@ -284,7 +284,7 @@ class Plan:
         per_query = 4 * self.hkv * self.topk * 4
         part_buf = None
         lse_idx = ctx.arg(ctx.empty((self.tq, self.hkv), np.float32))
-        dummy4 = device_copy(np.zeros((1, 1, 1, 1), np.float32))
+        dummy4 = device_constant(np.zeros((1, 1, 1, 1), np.float32))
         zero = np.float32(0.0)
         for t0, t1, k_lo, k_hi, sub in self.chunks(per_query, MAX_DS_BYTES):
             tc = t1 - t0
