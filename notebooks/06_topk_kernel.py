@@ -273,7 +273,7 @@ else:
         cu_n = np.array([0, n], np.int32)  # offsets are read on the host: pass them there
         t_torch = median_ms(lambda: torch.topk(Mt, 16, dim=-1))
         for version in (2, 3):
-            t_msa = median_ms(lambda: select_cuda(Mt, cu_n, cu_n, 16, 128, version=version))
+            t_msa = median_ms(lambda: select_cuda(Mt, cu_n, cu_n, 128, 16, version=version))
             gbps = Mt.numel() * 4 / (t_msa * 1e-3) / 1e9  # every score read once
             name = f"v{version}" + (" (default)" if version == cuda_select.DEFAULT_VERSION else "")
             timings.append((n, f"{Mt.shape[0] * n:,}", n // 128, name, f"{t_msa:.3f}", f"{gbps:.0f}",

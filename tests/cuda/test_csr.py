@@ -153,7 +153,8 @@ def test_scatter_choice():
     assert _plan.split_fits(big - 1) and not _plan.split_fits(big)
     I = selection([40, 25], [40, 31], 2, 3, 4, seed=5, hot=(0,))
     batch = Batch.of(cu([40, 25]), cu([40, 31]), 4, total_q=65)
-    assert _plan.Plan(batch, I, ArrayContext(I)).scatter_version() == 2
+    ctx = ArrayContext(I)
+    assert _plan.Plan(batch, ctx.input("block_indices", I), ctx).scatter_version() == 2
 
 
 def test_free_bytes_from_numba_and_its_memory_managers(monkeypatch):
