@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck --report-api-errors no python3 -m benchmarks.sanitize_smoke
     compute-sanitizer --tool racecheck python3 -m benchmarks.sanitize_smoke
+    ... python3 -m benchmarks.sanitize_smoke --paper      # the paper's heads and dims at N = 2048
 
 Each stage's result is checked against msa.reference so a clean sanitizer run also means the
 kernels computed the right thing; the script prints one line a stage and exits non-zero on a
@@ -10,6 +11,14 @@ run, so a rung renamed in a stage's ladder shows up here instead of stopping the
 it runs besides the defaults are the ``version=`` lists below (K1_VERSIONS, KL_VERSIONS), kept
 with the stages' rung tables. The results of the last runs are in
 benchmarks/results/gpu_tests/README.md.
+
+Besides each stage on a valid selection, it runs the layer's paths (``msa_prefill``,
+``kl_loss_and_backward``, a decode step on a paged cache with Lq = 1 and 4) and a hostile
+selection with ``validate=False`` (ids past the sequence and at the int32 extremes, negative
+ids, repeats, -1 before an id) through the bf16 defaults of the forward, the backward and the
+KL: memory safe, and every undamaged query's results bitwise those of the clean selection.
+``--paper`` uses the paper's shapes (Hq 64, Hkv 4, D = Didx = 128, Bk 128, K 16) at N = 2048,
+so that the production specialisations of every kernel run under the sanitizer.
 """
 
 from __future__ import annotations
@@ -24,15 +33,28 @@ K1_VERSIONS = ((1, "float32"), (2, "bfloat16"), (3, "bfloat16"), (4, "bfloat16")
 KL_VERSIONS = (3,)
 
 
-def main() -> int:
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def main(argv=None) -> int:
+    import argparse
+
     import torch
 
     import msa.cuda as C
     from msa import reference as R
     from msa.problems import make_problem
 
-    p = make_problem((300, 131), (300, 100), num_q_heads=8, num_kv_heads=2, head_dim=64,
-                     index_dim=64, block_size=32, topk=4, dtype=np.float32, seed=1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--paper", action="store_true",
+                    help="the paper's heads, dims, Bk and K at N = 2048 (one sequence)")
+    paper = ap.parse_args(argv).paper
+    if paper:
+        p = make_problem((2048,), num_q_heads=64, num_kv_heads=4, head_dim=128, index_dim=128,
+                         block_size=128, topk=16, dtype=np.float32, seed=1)
+    else:
+        p = make_problem((300, 131), (300, 100), num_q_heads=8, num_kv_heads=2, head_dim=64,
+                         index_dim=64, block_size=32, topk=4, dtype=np.float32, seed=1)
     cq, ck, bk, k = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk
     dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
     bf = lambda a: dev(a).to(torch.bfloat16)  # noqa: E731
@@ -163,6 +185,86 @@ def main() -> int:
                 return close(kl, kl_b) and close(dq, dq_b) and close(dk, dk_b)
 
             attempt(f"kl v{version} bf16", kl_bf16)
+    # The layer's paths: the prefill (index + top-k + attention) and the one-pass KL.
+    def prefill():
+        o, _lse, I = C.msa_prefill(bf(p.q), bf(p.k), bf(p.v), bf(p.q_idx), bf(p.k_idx), cq, ck,
+                                  bk, k)
+        o_b, _ = R.sparse_attention(rb(p.q), rb(p.k), rb(p.v), I.cpu().numpy(), cq, ck, bk)
+        return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
+
+    attempt("msa_prefill bf16", prefill)
+
+    def kl_one_pass():
+        kl, _loss, dq, dk = C.kl_loss_and_backward(*args)
+        return close(kl, kl_b) and close(dq, dq_b) and close(dk, dk_b)
+
+    attempt("kl_loss_and_backward bf16", kl_one_pass)
+
+    # A hostile selection with validate=False: memory safe, the damage stays in its rows.
+    from msa.cuda.kl import _kl_backward
+
+    J = idx_ref.copy()
+    nb0 = -(-int(ck[1] - ck[0]) // bk)
+    damage = ([0, nb0, nb0 + 3], [INT32_MAX, 0, INT32_MIN], [-5, -2, 0], [0, 0, 0], [-1, 0, -1])
+    lq0 = int(cq[1] - cq[0])
+    rows = [lq0 - 1 - 7 * i for i in range(len(damage))]  # queries of the first sequence
+    for t, row in zip(rows, damage):
+        J[t, 0, :] = -1
+        J[t, 0, :len(row)] = row
+    others = torch.from_numpy(~np.isin(np.arange(p.q.shape[0]), rows))
+
+    def hostile():
+        o1, l1 = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(idx_ref), cq, ck, bk)
+        o2, l2 = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(J), cq, ck, bk,
+                                    validate=False)
+        good = torch.equal(o1[others.cuda()], o2[others.cuda()])
+        good &= torch.equal(l1[others.cuda()], l2[others.cuda()])
+        g1 = C.sparse_attention_backward(bf(p.q), bf(p.k), bf(p.v), o1, l1, bf(do_ref),
+                                         dev(idx_ref), cq, ck, bk)
+        g2 = C.sparse_attention_backward(bf(p.q), bf(p.k), bf(p.v), o1, l1, bf(do_ref), dev(J),
+                                         cq, ck, bk, validate=False)
+        good &= torch.equal(g1[0][others.cuda()], g2[0][others.cuda()])
+        kl1 = _kl_backward(*args[:4], dev(idx_ref), l1, cq, ck, bk, with_kl=True)
+        kl2 = _kl_backward(*args[:4], dev(J), l1, cq, ck, bk, with_kl=True, validate=False)
+        for what in (0, 2):  # each query's kl and dq_idx
+            good &= torch.equal(kl1[what][others.cuda()], kl2[what][others.cuda()])
+        return good
+
+    attempt("hostile ids, validate=False", hostile)
+
+    # A decode step on a paged cache (pages shuffled, the last page part full), Lq = 1 and 4.
+    if hasattr(C, "decode"):
+        from msa.cuda import decode as CD
+
+        lens = np.array([int(ck[1] - ck[0])] + ([int(ck[2] - ck[1])] if len(ck) > 2 else []),
+                        np.int32)
+        hkv, d, di = p.k.shape[1], p.k.shape[2], p.k_idx.shape[1]
+        npages = -(-lens // bk)
+        perm = np.random.default_rng(4).permutation(int(npages.sum()))
+        table = np.full((len(lens), int(npages.max())), -1, np.int32)
+        kc = np.zeros((perm.size, hkv, bk, d), np.float32)
+        vc = np.zeros_like(kc)
+        kic = np.zeros((perm.size, bk, di), np.float32)
+        page = 0
+        for b, n in enumerate(lens):
+            for j in range(int(npages[b])):
+                table[b, j] = perm[page]
+                lo, hi = int(ck[b]) + j * bk, min(int(ck[b]) + (j + 1) * bk, int(ck[b]) + int(n))
+                kc[perm[page], :, : hi - lo] = p.k[lo:hi].transpose(1, 0, 2)
+                vc[perm[page], :, : hi - lo] = p.v[lo:hi].transpose(1, 0, 2)
+                kic[perm[page], : hi - lo] = p.k_idx[lo:hi]
+                page += 1
+        for lq in (1, 4):
+            def decode_step(lq=lq):
+                rows_q = np.concatenate([int(cq[b + 1]) - lq + np.arange(lq)
+                                         for b in range(len(lens))])
+                o, _lse, I = CD.decode_step(bf(p.q[rows_q]), bf(p.q_idx[rows_q]), bf(kc), bf(vc),
+                                           bf(kic), dev(table), lens, bk, k)
+                o_b, _ = R.decode_attention(rb(p.q[rows_q]), rb(kc), rb(vc), I.cpu().numpy(),
+                                            table, lens, bk)
+                return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
+
+            attempt(f"decode_step Lq={lq}", decode_step)
     torch.cuda.synchronize()
     print("all stages ok" if ok else "SOME STAGE FAILED")
     return 0 if ok else 1

@@ -6,7 +6,12 @@ import pytest
 from numba import cuda
 
 from msa.cuda._core.arrays import require_gpu
-from msa.cuda._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
+from msa.cuda._core.finite import (
+    clean_bf16x2,
+    clean_f16x2,
+    is_nonfinite_bf16,
+    is_nonfinite_f16,
+)
 
 
 @cuda.jit

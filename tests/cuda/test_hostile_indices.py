@@ -12,7 +12,6 @@ bitwise those of the clean selection.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import msa.reference as R
 from msa.cuda import attention, csr
