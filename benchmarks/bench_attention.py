@@ -205,6 +205,18 @@ def flex_attention_fn(I, n, bk=BK, compile=True):
 
 # -- helpers ------------------------------------------------------------------------------------
 
+def fla_forward_fn(q, k, v, I, bk=BK):
+    """``fn()`` running fla-core's Triton NSA selected-attention forward (``parallel_nsa_fwd``)
+    on our ``[T, H, D]`` tensors and int32 ``[T, Hkv, K]`` selection as a batch of one (its -1
+    padding is skipped); returns ``(o [1, T, Hq, D], lse)``. It autotunes on its first call.
+    ImportError where fla-core is not installed (a GPU-benchmark-only dependency)."""
+    from fla.ops.nsa.parallel import parallel_nsa_fwd
+
+    scale = q.shape[-1] ** -0.5
+    qb, kb, vb, Ib = q[None], k[None], v[None], I[None]
+    return lambda: parallel_nsa_fwd(qb, kb, vb, Ib, I.shape[-1], bk, scale)
+
+
 def _offsets(n, args):
     """``cu_seqlens`` of one sequence of ``n`` tokens for the msa calls: NumPy (``--offsets
     host``, the default: msa reads them on the host, and a CUDA tensor costs a device-to-host
@@ -409,6 +421,14 @@ def bench_sparse(n, pattern, args):
             del flex
         except Exception as exc:
             rows.append(_error_row(case, "FlexAttention (same selection)", exc))
+    if not args.skip_fla:
+        try:
+            fla_fwd = fla_forward_fn(q, k, v, I)
+            err = gate(fla_fwd()[0][0]) if gate is not None else None
+            baseline("fla-core parallel_nsa_fwd (same selection)", fla_fwd, args.reps,
+                     gate_rel_err=err)
+        except Exception as exc:
+            rows.append(_error_row(case, "fla-core parallel_nsa_fwd (same selection)", exc))
     if n <= args.gather_max_n:
         baseline("PyTorch gather (Q-outer)", lambda: gather_attention(q, k, v, I), 2)
     del q, k, v, I
@@ -542,6 +562,7 @@ def main(argv=None):
     p.add_argument("--prefill-index-version", type=int, default=None,
                    help="select_blocks_fused version (1-3) in the prefill (default: the library's)")
     p.add_argument("--skip-flex", action="store_true")
+    p.add_argument("--skip-fla", action="store_true", help="no fla-core baseline")
     p.add_argument("--offsets", choices=("host", "device"), default="host",
                    help="cu_seqlens for the msa calls: NumPy arrays or CUDA tensors")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")

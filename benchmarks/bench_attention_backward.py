@@ -10,6 +10,8 @@ tokens, the ``uniform`` selection of ``bench_attention``). For each N, side by s
   Q-outer, dK/dV KV-outer; up to ``--v1-max-n``), timed alone on the forward's ``o, lse``;
 * ``msa.torch.sparse_attention_backward``, the PyTorch backward ``msa.torch`` uses by default
   (gathered K/V per chunk of queries, batched matmuls, ``index_add_``);
+* fla-core's Triton NSA backward (``parallel_nsa_bwd``) on the same selection, given its own
+  forward's ``o, lse`` (``parallel_nsa_fwd``), the peer kernel for this function;
 * dense causal ``scaled_dot_product_attention``'s backward (autograd), what a user runs without
   MSA (``torch.autograd.grad`` on a stored forward graph, retained between repetitions).
 
@@ -83,6 +85,30 @@ def bench_backward(n, args):
         except Exception as exc:
             rows.append(_error_row(case, impl, exc))
         torch.cuda.empty_cache()
+    fla_ms = None
+    if not args.skip_fla:
+        impl = "fla-core parallel_nsa_bwd (same selection)"
+        try:
+            from fla.ops.nsa.parallel import parallel_nsa_bwd
+
+            from benchmarks.bench_attention import fla_forward_fn
+
+            fo, flse = fla_forward_fn(q, k, v, I)()
+            qb, kb, vb, dob, Ib = q[None], k[None], v[None], do[None], I[None]
+
+            def run_fla():
+                return parallel_nsa_bwd(qb, kb, vb, fo, flse, dob, Ib, TOPK, BK, D ** -0.5)
+            got, peak = _peak_and_first(run_fla)
+            errs = ([_rel_err(a[0], b) for a, b in zip(got, want)] if want is not None else [])
+            ms = fla_ms = cuda_time_ms(run_fla, warmup=1, reps=args.reps)
+            rows.append(_row(case, impl, ms, flops, peak,
+                             gate_rel_err=max(errs) if errs else None))
+        except Exception as exc:
+            rows.append(_error_row(case, impl, exc))
+        torch.cuda.empty_cache()
+    for r in rows:
+        if r["impl"].startswith("msa") and r.get("ms") and fla_ms:
+            r["vs_fla"] = fla_ms / r["ms"]
     try:
         qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
         od = dense_sdpa(qd, kd, vd)
@@ -110,6 +136,7 @@ def main(argv=None):
     p.add_argument("--v1-max-n", type=int, default=8192, help="time msa's v1 up to this N")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--skip-fla", action="store_true", help="no fla-core baseline")
     args = p.parse_args(argv)
     t_start = time.time()
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, dtype="bfloat16", args=vars(args))
@@ -125,7 +152,7 @@ def main(argv=None):
             rows.append(_error_row(f"backward N={n // 1024}K", "setup", exc))
         print(f"   [{time.time() - t_start:.0f} s] N={n}", flush=True)
         write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
-    print_table(rows, ["case", "impl", "ms", "TFLOPs", "peak_GiB", "vs_torch", "vs_dense",
+    print_table(rows, ["case", "impl", "ms", "TFLOPs", "peak_GiB", "vs_torch", "vs_fla", "vs_dense",
                        "gate_rel_err",
                        "error"])
     write_json(args.out, rows, config=config, wall_s=time.time() - t_start)
