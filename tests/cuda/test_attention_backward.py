@@ -5,15 +5,21 @@ Version 1 computes in float32: within the float32 reference's error of the float
 Version 2 rounds P and dS to the inputs' 16-bit type before their products, as FlashAttention's
 backward does; ``rounding_bounds`` gives what that may change elementwise, and ``check_backward``
 allows twice it before the float32 check (``attention_cases`` has the problems).
+
+Masking by selection (docs/design.md §3): a query's dq does not depend on a key it cannot see
+(its K and V NaN, ±inf or huge leave dq bitwise unchanged), nor on another query's D; where it
+sees a non-finite key its dq is NaN exactly where the reference's is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from msa.cuda import attention as gpu
@@ -22,6 +28,7 @@ from msa.cuda.attention._backward import _sparse_attention_backward, backward_ve
 from msa.cuda.attention._plan import Spec
 from msa.reference import attention as ref
 from msa.reference.attention import _supports
+from msa.reference.blocks import key_positions, query_positions
 from msa.testing.backends import to_numpy
 from msa.testing.strategies import fewer_in_simulator
 from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
@@ -313,3 +320,158 @@ def test_big_backward_paper_configuration(version):
         assert torch.equal(chunked[0], got[0])
         check_backward([x.cpu().numpy() for x in chunked], oracle, baseline, 4.0, bounds,
                        U16["bfloat16"])
+
+
+# --- masking by selection ----------------------------------------------------------------------
+
+POISONS = [float("nan"), float("inf"), float("-inf"), 1e30]
+
+
+def bits(x):
+    """The bit pattern of a float array (NaN == NaN of the same bits, -0.0 != 0.0)."""
+    x = np.ascontiguousarray(to_numpy(x))
+    return x.view(np.dtype(f"u{x.itemsize}"))
+
+
+def blind_rows(p, I, j):
+    """bool [Tq, Hq]: the (query, head) rows that cannot see packed key ``j`` (another sequence,
+    a later position, or a block their group did not select; as tests/test_masked_keys.py)."""
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    bq, pq = query_positions(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk)
+    bk_, pk = key_positions(p.cu_seqlens_k, tk)
+    causal = (bq == bk_[j]) & (pk[j] <= pq)  # [Tq]
+    selected = (np.asarray(I) == pk[j] // p.block_size).any(axis=-1)  # [Tq, Hkv]
+    return np.repeat(~(causal[:, None] & selected), p.q.shape[1] // p.k.shape[1], axis=1)
+
+
+@contextlib.contextmanager
+def quiet():
+    """NumPy's warnings off: the poisons make overflow and invalid-value warnings on purpose."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def poisoned_backward(p, I, kind, version, k_bad, v_bad, nan_o_query=None):
+    """dq of the kernel on the clean inputs and on ``k_bad``, ``v_bad`` (float32 arrays, the
+    kernel gets them in ``kind``), both given the clean forward's o and lse (the reference's, as
+    the backward contract asks) and the same dO; ``nan_o_query``: the second run's o is NaN
+    for that query. Also the reference's dq on the second run's values. Returns ``(dq1, dq2,
+    ref_dq2)``."""
+    cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    (q, q32), (k, k32), (v, v32) = cast(p.q, kind), cast(p.k, kind), cast(p.v, kind)
+    o_f, lse = ref.sparse_attention(q32, k32, v32, I, cu_q, cu_k, bk)
+    (o, o32), (do, do32) = cast(o_f, kind), cast(
+        np.random.default_rng(5).standard_normal(o_f.shape), kind)
+    with quiet():
+        (k2, k2_32), (v2, v2_32) = cast(k_bad, kind), cast(v_bad, kind)
+        o_bad = np.array(o_f, np.float32)
+        if nan_o_query is not None:
+            o_bad[nan_o_query] = np.nan
+        o2, o2_32 = cast(o_bad, kind)
+        bf16 = kind == "bfloat16"
+        run = functools.partial(_sparse_attention_backward, bf16_bits=bf16, version=version)
+        dq1 = to_numpy(run(q, k, v, o, lse, do, I, cu_q, cu_k, bk)[0])
+        dq2 = to_numpy(run(q, k2, v2, o2, lse, do, I, cu_q, cu_k, bk)[0])
+        ref_dq2 = ref.sparse_attention_backward(q32, k2_32, v2_32, o2_32, lse, do32, I, cu_q,
+                                                cu_k, bk)[0]
+    return dq1, dq2, ref_dq2
+
+
+def check_poisoned_key(p, I, kind, version, j, value):
+    """Key ``j`` (its K and V, every head) set to ``value``: the dq of every row that cannot see
+    it is bitwise unchanged, and the dq of the rows that do is NaN where the reference's is."""
+    k_bad, v_bad = (np.array(x, np.float32) for x in (p.k, p.v))
+    k_bad[j] = value
+    v_bad[j] = value
+    dq1, dq2, ref_dq2 = poisoned_backward(p, I, kind, version, k_bad, v_bad)
+    blind = blind_rows(p, I, j)
+    assert np.array_equal(bits(dq1)[blind], bits(dq2)[blind]), (
+        f"dq of rows that cannot see key {j} = {value} changed: "
+        f"{np.argwhere(blind & (bits(dq1) != bits(dq2)).any(-1))[:5].tolist()}")
+    np.testing.assert_array_equal(np.isnan(dq2), np.isnan(ref_dq2))
+
+
+def later_in_a_local_block(p):
+    """The packed keys that sit after some query of their sequence inside that query's local
+    block: the keys a tile holds for a query that cannot see them."""
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    bq, pq = query_positions(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk)
+    bk_, pk = key_positions(p.cu_seqlens_k, tk)
+    bs = p.block_size
+    later = ((bq[:, None] == bk_[None, :]) & (pq[:, None] // bs == pk[None, :] // bs)
+             & (pq[:, None] < pk[None, :]))  # [Tq, Tk]
+    return np.flatnonzero(later.any(axis=0))
+
+
+def masking_cases(shape_strategy):
+    """``(problem, I, j, value)``: a drawn problem, a key and a poison. The key is, where there
+    is one and half of the time, a key after a query of its local block (which the query's tile
+    holds but it cannot see); else any key, counted from the end (the simplest example poisons
+    the last key, which fewest queries see)."""
+    @st.composite
+    def draw(draw_):
+        p, I = draw_problem(draw_(shape_strategy))
+        assume(p.k.shape[0] > 0 and p.q.shape[0] > 0)
+        later = later_in_a_local_block(p)
+        if later.size and draw_(st.booleans()):
+            j = int(later[draw_(st.integers(0, later.size - 1))])
+        else:
+            j = p.k.shape[0] - 1 - draw_(st.integers(0, p.k.shape[0] - 1))
+        return p, I, j, draw_(st.sampled_from(POISONS))
+
+    return draw()
+
+
+@fewer_in_simulator(4)
+@given(case=masking_cases(shapes))
+def test_backward_v1_dq_ignores_keys_it_cannot_see(case):
+    """Version 1 (float32): a poisoned key (NaN, ±inf, 1e30 in K and V) moves no bit of the dq
+    of a row that cannot see it (a later position in its local block, an unselected block,
+    another sequence)."""
+    check_poisoned_key(*case[:2], "float32", 1, *case[2:])
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@fewer_in_simulator(4)
+@given(case=masking_cases(small_shapes))
+def test_backward_v2_dq_ignores_keys_it_cannot_see(kind, case):
+    """Version 2 (D = Bk = 16): as version 1; 1e30 is +inf in float16, a finite value whose
+    scores overflow in bfloat16."""
+    check_poisoned_key(*case[:2], kind, 2, *case[2:])
+
+
+@pytest.mark.parametrize("kind,version", [("float32", 1), ("float16", 2), ("bfloat16", 2)])
+def test_backward_visible_nonfinite_keys_give_the_references_nans(kind, version):
+    """Single non-finite K values (V finite) that some rows see: ``K[5, :, 3] = +inf``,
+    ``K[17, :, 9] = -inf``, ``K[20, :, 0] = NaN``. In the reference a visible non-finite
+    ``K[c, d]`` makes ``dq[t, d]`` NaN (its score is ±inf or NaN: dS is 0, giving 0 * inf, or
+    non-finite), and the whole row NaN where dS is non-finite (times the key's zeroed row); the
+    kernel's dq has the same NaNs and infinities, and the rows that see none are unchanged."""
+    p, I = problem([24], [24], 4, 2, 16, 16, 2, seed=9)
+    k_bad = np.array(p.k, np.float32)
+    for c, d, x in ((5, 3, np.inf), (17, 9, -np.inf), (20, 0, np.nan)):
+        k_bad[c, :, d] = x
+    dq1, dq2, ref_dq2 = poisoned_backward(p, I, kind, version, k_bad, np.array(p.v, np.float32))
+    np.testing.assert_array_equal(np.isnan(dq2), np.isnan(ref_dq2))
+    np.testing.assert_array_equal(np.isinf(dq2), np.isinf(ref_dq2))
+    whole = np.isnan(ref_dq2).all(-1)
+    some = np.isnan(ref_dq2).any(-1) & ~whole
+    assert whole.any() and some.any()  # both kinds of rows (a dS = 0 and a non-finite dS)
+    blind = blind_rows(p, I, 5) & blind_rows(p, I, 17) & blind_rows(p, I, 20)
+    assert blind.any()
+    assert np.array_equal(bits(dq1)[blind], bits(dq2)[blind])
+    finite = ~np.isnan(ref_dq2) & ~np.isinf(ref_dq2)
+    np.testing.assert_allclose(dq2[finite], ref_dq2[finite], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kind,version", [("float32", 1), ("float16", 2)])
+def test_backward_nan_delta_stays_in_its_query(kind, version):
+    """A NaN in one query's o makes its D = rowsum(dO O) NaN: the dq of every other query is
+    bitwise unchanged (D enters dS of its own rows only, and dS is 0 by selection elsewhere)."""
+    p, I = problem([20], [20], 4, 2, 16, 16, 2, seed=6)
+    dq1, dq2, _ = poisoned_backward(p, I, kind, version, np.array(p.k, np.float32),
+                                    np.array(p.v, np.float32), nan_o_query=7)
+    others = np.arange(dq1.shape[0]) != 7
+    assert np.array_equal(bits(dq1)[others], bits(dq2)[others])
+    assert np.isnan(dq2[7]).all()

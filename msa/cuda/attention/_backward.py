@@ -87,6 +87,10 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     queries (a hot row: a sink block every query picks); a hot row's parts write scratch slots
     that a second kernel adds in part order. No atomics: bitwise identical on reruns.
 
+    Masking by selection (docs/design.md §3): a query's ``dq`` does not depend on the K and V
+    of a key it cannot see, nor on another query's D (NaN and inf included: bitwise the same
+    ``dq``), and where it sees a non-finite K its ``dq`` is NaN where the reference's is.
+
     Versions (the package docstring has the table):
 
     1. CUDA cores, float32 throughout (any dtype): ``dQ`` Q-outer (a CTA per query and KV

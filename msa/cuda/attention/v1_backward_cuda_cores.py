@@ -4,7 +4,7 @@ FlashAttention's rule with the forward's LSE, deterministic (no atomics):
 
 * ``D_t = rowsum(dO_t * O_t)`` (``_backward_parts.delta_kernel``, a warp per (t, h));
 * dQ, Q-outer: a CTA per (query, KV head); per selected block ``dS [G, Bk]`` in shared memory,
-  then ``dQ[g, :] += dS[g, :] K_block`` (``dq_kernel``);
+  then ``dQ[g, :] += dS[g, :] K_block`` over the keys the query sees (``dq_kernel``);
 * dK, dV, KV-outer: a CTA per part of a k2q CSR row (at most ``part_size`` queries,
   ``_backward_parts``), the part's queries in CSR order (ascending), ``QC`` at a time: ``P``,
   ``dS [QC*G, Bk]``, then ``dK[c, :] += dS[:, c]ᵀ (s Q)``, ``dV[c, :] += P[:, c]ᵀ dO`` in shared
@@ -14,6 +14,16 @@ FlashAttention's rule with the forward's LSE, deterministic (no atomics):
 Every key belongs to one block, so every dK/dV row is written by one CTA; every dQ row by one.
 Any dtype; ``Bk``, ``D``, ``G`` within shared memory (the paper's Bk = D = 128, G = 16 fit; so
 does D = 256 with Bk = 64, G <= 8).
+
+Masking by selection (docs/design.md §3): dS is computed on the keys a row sees only (0
+elsewhere, never ``0 * dP``), and ``dQ`` sums ``dS K`` over those keys only, so a NaN or an
+infinity in K, V or another row's D cannot reach a row that does not see it. Where a row sees a
+key whose K row holds a non-finite value, its dS (±inf, NaN, or 0 from a score of -inf) is
+what IEEE arithmetic gives, and an infinite dS there becomes NaN: the reference multiplies dS
+by that key's zeroed row and adds the product back (``msa.reference._mask.attend``), so its dq
+row is NaN, and ``0 * inf`` makes it NaN in the non-finite columns when dS = 0. Cost on finite
+inputs: the dQ loop runs over fewer keys, and one ``isinf`` test per (row, key); the row check
+runs only where dS is infinite.
 
 Where it runs: float32 inputs, and 16-bit inputs version 2 does not take (D or Bk not a multiple
 of 16, or above 128). Verdict (H200, paper configuration, 8K tokens): 3218 ms, 0.36 TFLOP/s,
@@ -28,6 +38,7 @@ import math
 
 from numba import cuda, float32, int32
 
+from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32
 from .._core.packed import last_le
 from ._backward_parts import bwd_part, split_slot
@@ -36,6 +47,18 @@ from .._core.diskcache import kernel_jit
 
 def _identity_f32(x):
     return float32(x)
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def _exp(x):
+        """Simulator twin of the GPU's ``expf``: +inf past the range of a float (Python's
+        ``math.exp`` raises there; a score 1e30 above the LSE gets P = inf on a GPU)."""
+        if x > 700.0:
+            return math.inf
+        return math.exp(x)
+else:
+    _exp = math.exp
 
 
 def rows_per_round(group: int) -> int:
@@ -71,6 +94,16 @@ def dq_kernel(block_size: int, head_dim: int, group: int, bf16_in: bool, threads
     Bk, D, G, NT = block_size, head_dim, group, threads
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
     neg_inf = float32(-math.inf)
+    nan = float32(math.nan)
+
+    @cuda.jit(device=True)
+    def finite_row(k, key, r):
+        """Whether every value of ``k[key, r, :]`` is finite."""
+        ok = True
+        for d in range(D):
+            x = to_f32(k[key, r, d])
+            ok = ok and not (math.isinf(x) or math.isnan(x))
+        return ok
 
     @kernel_jit
     def _attention_bwd_kernel_dq(q, k, v, do, lse, delta, I, cu_q, cu_k, scale, dq):
@@ -117,14 +150,19 @@ def dq_kernel(block_size: int, head_dim: int, group: int, bf16_in: bool, threads
                     for d in range(D):
                         sc += sq[g, d] * to_f32(k[key, r, d])
                         dp += sdo[g, d] * to_f32(v[key, r, d])
-                    ds = math.exp(sc - l) * (dp - sdelta[g])
+                    ds = _exp(sc - l) * (dp - sdelta[g])
+                    if math.isinf(ds) and not finite_row(k, key, r):
+                        ds = nan  # the reference: dS times the key's zeroed row (inf * 0)
                 sds[g, c] = ds
             cuda.syncthreads()
+            # the keys query t sees in this block: c < nv (none after the query or past the
+            # block's end, none where its support is empty); the others are never read
+            nv = max(0, min(nk, pos - key0 + 1))
             for i in range(tid, G * D, NT):  # each (g, d) has one owner thread throughout
                 g = i // D
                 d = i % D
                 acc = float32(0.0)  # the block's sum, then added to the total: two levels
-                for c in range(nk):
+                for c in range(nv if slse[g] > neg_inf else 0):
                     acc += sds[g, c] * to_f32(k[key_base + key0 + c, r, d])
                 sacc[g, d] += acc
             cuda.syncthreads()  # sdS is rewritten by the next block
@@ -212,7 +250,7 @@ def dkdv_kernel(block_size: int, head_dim: int, group: int, bf16_in: bool, threa
                     for d in range(D):
                         sc += smem[OFF_Q + w * D + d] * to_f32(k[key_base + c, r, d])
                         dp += smem[OFF_DO + w * D + d] * to_f32(v[key_base + c, r, d])
-                    p = math.exp(sc - l)
+                    p = _exp(sc - l)
                     ds = p * (dp - smem[OFF_DL + w])
                 smem[OFF_P + i] = p
                 smem[OFF_DS + i] = ds

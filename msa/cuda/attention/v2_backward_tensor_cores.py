@@ -16,6 +16,20 @@ keeps their dK and dV (16 x D fp32) in registers across the part's query tiles. 
   h, :]`` (each (query, head, slot) has one writer: no atomics), which ``dq_sum_kernel`` adds
   in slot order (as K2 adds the forward's partials).
 
+Masking by selection (docs/design.md §3): dSᵀ is 0 by selection at a key a row cannot see
+(not ``0 * dPᵀ``, which a non-finite V or D makes NaN); Sᵀ, dPᵀ, dV and dK never mix keys, and
+rows only mix in ``dQ = dS K``, where a row's 0 at an invisible key times a non-finite K would
+be NaN. So, once per CTA after the K block lands, each thread checks the K words it copied (an
+and, an add and an or per word) and one ``bar.red.or`` makes the answer CTA-uniform. A block
+without a non-finite K (the common path) computes what it computed before, bit for bit; its
+cost is that pass and barrier, and a few shared loads and uniform branches per tile. A block with
+one (the slow path) records per key whether its K row holds one and per dim the first key whose
+K there does; per tile, the K fragments of ``dQ = dS K`` have their non-finite halves made +0
+(``_core.finite.clean_*``), the infinite dS of the keys with a non-finite K row become NaN in
+dSᵀ (the reference multiplies dS by such a key's zeroed row: its dq row is NaN), and a row that
+sees a non-finite ``K[c, d]`` gets NaN in column d (``0 * inf`` there when dS = 0). Its dq has
+the reference's NaNs; the rows that see no non-finite key keep their bits.
+
 The part's dK, dV (times ``scale``) are added to ``dk``, ``dv`` (a row of one part: several
 query chunks add in turn) or, for a hot row cut into parts, written to the part's scratch slot,
 which ``_backward_parts.dkdv_sum_kernel`` adds in part order. P and dS are rounded to the
@@ -35,6 +49,7 @@ from numba import cuda, float32, int32, uint32
 
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
+from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             ldmatrix_x4, ldmatrix_x4_trans, no_op)
 from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
@@ -51,6 +66,7 @@ TILE_ROWS = 16 if SIMULATOR else 64
 MAX_HEAD_DIM = 128
 MAX_BLOCK_SIZE = 128
 _NEG_INF = float32(-math.inf)
+_NAN = float32(math.nan)
 
 
 def layout(block_size: int, head_dim: int, rows: int):
@@ -99,12 +115,21 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
     pack = pack_bf16x2 if bf16_in else pack_f16x2
+    clean = clean_bf16x2 if bf16_in else clean_f16x2
+    nonfinite = is_nonfinite_bf16 if bf16_in else is_nonfinite_f16
+    # the exponent bits of both 16-bit halves of a word, and the carry that adding their lowest
+    # bit gives out of an all-ones exponent (inf or NaN: bits 15 and 31)
+    EXP2 = uint32(0x7F807F80 if bf16_in else 0x7C007C00)
+    EXP_LSB2 = uint32(0x00800080 if bf16_in else 0x04000400)
+    EXP = uint32(0x7F80 if bf16_in else 0x7C00)
+    QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
     copy16 = cp_async16 if use_async else copy16_plain3
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
     log2e = float32(LOG2E)
     QB = R * LD  # words per sQ / sdO buffer
     R2 = 2 * R  # rows of the two tiles' tables
+    BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
     @cuda.jit(device=True, inline=True)
@@ -162,6 +187,59 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
 
     @cuda.jit(device=True, inline=True)
+    def k_nonfinite(smem, tid):
+        """Whether a 16-bit value of the K pieces this thread copied (``load_kv``'s loop, so its
+        own copies: visible to it once they landed) is an inf or a NaN: per word an and, an add
+        and an or (an all-ones exponent carries into the half's top bit)."""
+        acc = uint32(0)
+        for e in range(tid, Bk * PIECES, NT):
+            at = (e // PIECES) * LD + (e % PIECES) * 4
+            for x in range(4):
+                acc |= (smem[at + x] & EXP2) + EXP_LSB2
+        return (acc & uint32(0x80008000)) != 0
+
+    @cuda.jit(device=True)
+    def bad_keys(smem, s_kbad, s_kcol, tid):
+        """``s_kbad[c]``: 1 where key ``c``'s row of the K block holds a non-finite value, else
+        0; ``s_kcol[d]``: the smallest key ``c`` with a non-finite ``K[c, d]`` (Bk where there is
+        none; keys past the sequence are zeros)."""
+        for c in range(tid, Bk, NT):
+            acc = uint32(0)
+            for x in range(DW):
+                acc |= (smem[c * LD + x] & EXP2) + EXP_LSB2
+            s_kbad[c] = 1 if (acc & uint32(0x80008000)) != 0 else 0
+        for d in range(tid, D, NT):
+            first = Bk
+            for c in range(Bk):
+                if nonfinite(smem[c * LD + d // 2] >> uint32(16 * (d % 2))):
+                    first = c
+                    break
+            s_kcol[d] = first
+
+    @cuda.jit(device=True)
+    def nan_bad_ds(smem, s_kbad, warp, lane):
+        """Where the block holds a non-finite K: in the dSᵀ rows of this warp's keys whose K
+        row holds one, each infinity made a NaN. The reference multiplies dS by the key's
+        zeroed row and then adds its product back (``_mask.attend``): inf * 0; ``dq_tile``
+        multiplies by K with its non-finite halves +0, so the NaN is set here."""
+        cuda.syncwarp()  # the warp's lanes wrote these rows
+        for x in range(lane, 16 * (R // 2), 32):
+            c = 16 * warp + x // (R // 2)
+            if s_kbad[c] != 0:
+                at = OFF_DS + c * LDS + x % (R // 2)
+                smem[at] = inf_to_nan(smem[at])
+
+    @cuda.jit(device=True, inline=True)
+    def inf_to_nan(word):
+        """The two 16-bit halves of ``word``, each infinity made a NaN (its quiet bit set)."""
+        w = uint32(word)
+        if (w & uint32(0x7FFF)) == EXP:
+            w |= QUIET
+        if ((w >> uint32(16)) & uint32(0x7FFF)) == EXP:
+            w |= QUIET << uint32(16)
+        return w
+
+    @cuda.jit(device=True, inline=True)
     def scores(smem, s_acc, dp_acc, a_lane, b_lane, qo, doo):
         """Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ (16 keys x R rows, fp32 registers)."""
         for i in range(S_REGS):
@@ -181,8 +259,9 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, key_top,
                       key_bot, t4, scale_log2):
         """Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also into shared
-        memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e); a key past a row's
-        limit (its position, the block's end, no query) gives P = 0."""
+        memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e). A key past a row's
+        limit (its position, the block's end, no query) gives P = 0 and dS = 0 by selection
+        (not 0 times a dP that a non-finite V or D makes NaN)."""
         for i in range(NS):
             for e in range(2):
                 w = 8 * i + 2 * t4 + e
@@ -191,14 +270,18 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                 dl = s_dl[row0 + w]
                 p0 = float32(0.0)
                 p1 = float32(0.0)
+                d0 = float32(0.0)
+                d1 = float32(0.0)
                 if key_top <= lim:
                     p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
+                    d0 = p0 * (dp_acc[4 * i + e] - dl)
                 if key_bot <= lim:
                     p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
+                    d1 = p1 * (dp_acc[4 * i + 2 + e] - dl)
                 s_acc[4 * i + e] = p0
                 s_acc[4 * i + 2 + e] = p1
-                dp_acc[4 * i + e] = p0 * (dp_acc[4 * i + e] - dl)
-                dp_acc[4 * i + 2 + e] = p1 * (dp_acc[4 * i + 2 + e] - dl)
+                dp_acc[4 * i + e] = d0
+                dp_acc[4 * i + 2 + e] = d1
             p_frag[2 * i] = pack(s_acc[4 * i], s_acc[4 * i + 1])
             p_frag[2 * i + 1] = pack(s_acc[4 * i + 2], s_acc[4 * i + 3])
             ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
@@ -223,10 +306,16 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                          ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1, b2, b3)
 
     @cuda.jit(device=True, inline=True)
-    def dq_tile(smem, q_acc, dq_part, s_t, s_slot, row0, r, warp, g4, t4, ds_lane, t_lane):
+    def dq_tile(smem, q_acc, dq_part, s_t, s_slot, s_lim, s_kbad, s_kcol, row0, r, warp, g4,
+                t4, ds_lane, t_lane):
         """dQ_tile = dS K into the rows' partial slots: units (m-tile, n-tile pair) dealt to
         the warps, ROUNDS each; a unit past the last computes unit 0 again and stores
-        nothing."""
+        nothing. Where the block holds a non-finite K (``s_kbad[Bk]``, CTA-uniform) the K
+        fragments are cleaned (non-finite halves +0: a row's dS = 0 at a key it cannot see
+        then gives 0), and a row that sees a non-finite ``K[c, d]`` (``s_kcol[d]`` within its
+        limit) gets NaN in column d, the reference's ``dS K[c, d]`` there (0 * inf, or a
+        non-finite dS)."""
+        k_bad = s_kbad[Bk] != 0
         for rnd in range(ROUNDS):
             real, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
             for i in range(8):
@@ -234,6 +323,11 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             for kb in range(KB):
                 a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, t_lane + 16 * kb * LD + 8 * n2)
+                if k_bad:
+                    b0, _ = clean(b0)
+                    b1, _ = clean(b1)
+                    b2, _ = clean(b2)
+                    b3, _ = clean(b3)
                 x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, q_acc[0], q_acc[1], q_acc[2],
                                      q_acc[3])
                 q_acc[0] = x0
@@ -254,10 +348,24 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                     if t >= 0:
                         s = s_slot[row0 + w]
                         h = r * G + w % G
-                        dq_part[s, t, h, dcol] = q_acc[2 * half]
-                        dq_part[s, t, h, dcol + 1] = q_acc[2 * half + 1]
-                        dq_part[s, t, h, dcol + 8] = q_acc[4 + 2 * half]
-                        dq_part[s, t, h, dcol + 9] = q_acc[5 + 2 * half]
+                        x0 = q_acc[2 * half]
+                        x1 = q_acc[2 * half + 1]
+                        x8 = q_acc[4 + 2 * half]
+                        x9 = q_acc[5 + 2 * half]
+                        if k_bad:
+                            lim = s_lim[row0 + w]
+                            if lim >= s_kcol[dcol]:
+                                x0 = _NAN
+                            if lim >= s_kcol[dcol + 1]:
+                                x1 = _NAN
+                            if lim >= s_kcol[dcol + 8]:
+                                x8 = _NAN
+                            if lim >= s_kcol[dcol + 9]:
+                                x9 = _NAN
+                        dq_part[s, t, h, dcol] = x0
+                        dq_part[s, t, h, dcol + 1] = x1
+                        dq_part[s, t, h, dcol + 8] = x8
+                        dq_part[s, t, h, dcol + 9] = x9
 
     @cuda.jit(device=True, inline=True)
     def store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
@@ -297,6 +405,10 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         s_lim = cuda.shared.array(R2, int32)
         s_l2 = cuda.shared.array(R2, float32)
         s_dl = cuda.shared.array(R2, float32)
+        # non-finite K values: per key, does its row hold one (and at Bk: does the block),
+        # per dim, the first key that holds one there
+        s_kbad = cuda.shared.array(BK1, int32)
+        s_kcol = cuda.shared.array(D, int32)
         s_acc = cuda.local.array(S_REGS, float32)  # Sᵀ, then Pᵀ
         dp_acc = cuda.local.array(S_REGS, float32)  # dPᵀ, then dSᵀ
         p_frag = cuda.local.array(F_REGS, uint32)
@@ -340,6 +452,18 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, r, e0,
               e1, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         commit()
+        # Masking by selection for dQ = dS K: does the K block hold an inf or a NaN? Each
+        # thread looks at the pieces it copied, one barrier makes the answer CTA-uniform; only
+        # then are the bad keys and columns found (a slow path of its own). The answers stay in
+        # shared memory (read once a tile: no register held across the loop), and the loop's
+        # first barrier publishes them.
+        wait_all()
+        k_bad = cuda.syncthreads_or(int32(1) if k_nonfinite(smem, tid) else int32(0))
+        if tid == 0:
+            s_kbad[Bk] = k_bad
+        if k_bad != 0:
+            cuda.syncthreads()  # every thread's K copies landed
+            bad_keys(smem, s_kbad, s_kcol, tid)
         for c0 in range(e0, e1, P):
             cur = ((c0 - e0) // P) % 2
             wait_all()
@@ -357,8 +481,11 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0,
                           key_top, key_bot, t4, scale_log2)
             accumulate(smem, dk_acc, dv_acc, p_frag, ds_frag, qo, doo, t_lane)
+            if s_kbad[Bk] != 0:  # CTA-uniform: the block holds a non-finite K
+                nan_bad_ds(smem, s_kbad, warp, lane)
             cuda.syncthreads()  # (C) dSᵀ complete
-            dq_tile(smem, q_acc, dq_part, s_t, s_slot, row0, r, warp, g4, t4, ds_lane, t_lane)
+            dq_tile(smem, q_acc, dq_part, s_t, s_slot, s_lim, s_kbad, s_kcol, row0, r, warp, g4,
+                    t4, ds_lane, t_lane)
         store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
                    nparts, key_base, key_top, key_bot, nk, t4, scale)
 
