@@ -125,7 +125,8 @@ def kl_kernel_thread_rows_grad(kind: str, group: int, head_dim: int, index_dim: 
                         l *= f
                         le *= f
                     m = x
-                l, le = kahan_add(l, le, math.exp(x - m))
+                if x != NEG_INF:  # a visible -inf logit adds nothing (m may be -inf)
+                    l, le = kahan_add(l, le, math.exp(x - m))
         lse_i = student_lse(m, l - le)
         lse_idx[t, r] = lse_i
         # dS_j = coef (P_idx_j - P_j); dq_idx = index_scale sum_j dS_j k_idx_j, keys in order

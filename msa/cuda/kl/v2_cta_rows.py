@@ -201,7 +201,8 @@ def kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: int
                         l *= f
                         le *= f
                     m = x
-                l, le = kahan_add(l, le, math.exp(x - m))
+                if x != NEG_INF:  # a visible -inf logit adds nothing (m may be -inf)
+                    l, le = kahan_add(l, le, math.exp(x - m))
         m, l, _, _ = tree_merge(red, tid, NT, m, l - le, zero, zero)
         lse_i = student_lse(m, l)
         if tid == 0:
