@@ -752,7 +752,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         cuda.syncthreads()
         mine = first_bad_key(smem, nk, tid)
         c_bad = Bk
-        if cuda.syncthreads_or(mine < Bk):
+        if cuda.syncthreads_or(int32(1) if mine < Bk else int32(0)):
             if mine < Bk:
                 cuda.atomic.min(s_bad, 0, int32(mine))
             cuda.syncthreads()
