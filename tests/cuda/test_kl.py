@@ -682,7 +682,8 @@ def masked_kl_cases(draw):
     tc = version == 3
     dtype = draw(st.sampled_from(["float16", "bf16"] if tc else ["float32", "float16", "bf16"]))
     kw = draw(problem_shapes(max_seqs=2, max_len=32 if tc else 28, max_heads=4, max_topk=3,
-                             block_sizes=(16,) if tc else (4, 8, 16), dims=(16,) if tc else (8, 16)))
+                             block_sizes=(16,) if tc else (4, 8, 16),
+                             dims=(16,) if tc else (8, 16)))
     p = make_problem(**kw)
     if p.q.shape[0] == 0:
         return version, dtype, p, None, 0, 0.0

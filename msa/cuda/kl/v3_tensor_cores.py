@@ -20,6 +20,23 @@ two here:
   ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
   next step staged while one computes.
 
+Non-finite keys (docs/design.md §3: a query's ``kl`` and ``dq_idx`` never depend on a key it
+cannot see). The scores ``S = Q Kᵀ`` and ``S^idx = Q_idx K_idxᵀ`` give each key its own column,
+masked by selection, and the student pass needs nothing more; only ``dq_idx = dS K_idx`` sums
+over the keys of a tile, where a hidden key's ``dS = 0`` times a NaN or infinite ``K_idx`` would
+be NaN. So the grad pass scans its key block once when it lands (every 16-bit value of sK and
+sKi of the block's ``nk`` keys, ``Bk (D + Didx) / 2`` words a CTA, then one
+``syncthreads_or``): ``c_bad``, the first key with a non-finite K or K_idx value, ``Bk`` when
+there is none. A block with one (the CTA takes the branch as a whole) cleans the K_idx
+fragments of ``dq_idx`` (non-finite halves +0, ``msa.cuda._core.finite``), treats ``-inf``
+and NaN logits of keys its rows see as visible (``dS = -P`` or NaN, a KL term of ``+inf`` or
+NaN), and the positions that see key ``c_bad`` get their ``dq_idx`` partial on CUDA cores from
+``dS`` and the unclean K_idx in key order: NaN, +inf and -inf where the reference has them
+(``tests/cuda/test_kl.py``). Without non-finite keys every result is bitwise what it was; the
+cost is the scan and a barrier per work item (at the paper's sizes 128 words a thread, against
+thousands of instructions in each of the item's tiles) and a few predicated instructions per
+``dS`` element and per stored ``dq_idx`` row; to be measured (``bench_kl``).
+
 Over v2: tensor cores, and every key block read once per work item instead of once per query.
 The default for fp16/bf16 with a selection, ``D``, ``Didx``, ``Bk`` multiples of 16,
 ``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on the H200
@@ -119,7 +136,9 @@ def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int
     positions (no heads: the index branch has one query per group), each warp 16 of them:
     ``S^idx`` in registers (fp32 mma accumulators), masked causally, the row's maximum and
     ``l = sum exp(S^idx - m)`` by quad shuffles. ``part[0..3, slot, t, h] = (m, l, 0, 0)``
-    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``."""
+    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``. Each key
+    is its own column, masked by selection; a NaN or ``+inf`` logit of a visible key makes
+    ``l`` NaN, which the state keeps (``msa.cuda.kl._state``): ``LSE^idx`` NaN."""
     Bk, DI = block_size, index_dim
     NW = warps
     PS = 16 * NW  # positions per tile
@@ -286,6 +305,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` on tensor cores:
        ``dS`` split into three 16-bit planes (``hi + mid + lo``, exact; fp16 planes scaled by
        2**14 so the residuals stay normal), three mma per product, fp32 accumulation.
+
+    Before the first tile, ``first_bad_key`` and one ``syncthreads_or`` find ``c_bad`` (module
+    docstring: non-finite keys); only where it is below ``Bk`` do steps 4-5 clean and
+    ``dq_rows_seeing_bad_keys`` rewrite the rows that see it.
 
     Outputs: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``, ``dq_part[slot, t, h, :]``, merged
     in slot order by ``msa.cuda.kl._common``'s combines."""
