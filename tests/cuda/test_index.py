@@ -228,6 +228,121 @@ def test_block_scores_unaligned_k_idx_falls_back_to_v2():
         cuda_index.block_scores(q_arg, k_view, cq, ck, 16, version=3)
 
 
+# -- masking by selection (docs/design.md §3) ----------------------------------------------------
+#
+# A query's block scores and its selection must not depend on a key it cannot see (a later
+# position, another sequence): poisoning k_idx there, to NaN or an infinity too, leaves its row
+# of M (every group, every block) bitwise unchanged, and its row of select_blocks_fused equal.
+
+_POISONS = [np.nan, np.inf, -np.inf, 1e30, -3.0]
+
+
+def _bits(x):
+    x = np.ascontiguousarray(x)
+    return x.view(np.dtype(f"u{x.itemsize}"))
+
+
+def _sees(cu_q, cu_k, tq, tk, j):
+    """bool [Tq]: query t can see packed key j (same sequence, not later)."""
+    from msa.reference.blocks import key_positions, query_positions
+
+    bq, pq = query_positions(cu_q, cu_k, tq, tk)
+    bk, pk = key_positions(cu_k, tk)
+    return (bq == bk[j]) & (pk[j] <= pq)
+
+
+@st.composite
+def _masked_index_cases(draw):
+    """``(shapes, dtype, version, j, value)``: a small problem, a version that runs on it
+    (1 on every dtype; 2 and 3 on fp16/bf16 with Didx = 16), a key counted from the end."""
+    dtype = draw(st.sampled_from(DTYPES))
+    tc = dtype in ("float16", "bf16")
+    shapes = draw(problem_shapes(max_seqs=2, max_len=32, max_heads=2, max_topk=3,
+                                 block_sizes=(8, 16) if tc else (4, 8, 16),
+                                 dims=(16,) if tc else (8, 16)))
+    version = draw(st.sampled_from(_all_versions(dtype, shapes["index_dim"],
+                                                 shapes["block_size"])))
+    tk = sum(shapes["seq_lens_k"])
+    j = tk - 1 - draw(st.integers(0, max(tk - 1, 0)))
+    return shapes, dtype, version, j, draw(st.sampled_from(_POISONS))
+
+
+def _poisoned(k64, j, value):
+    k = np.array(k64, copy=True)
+    k[j] = value
+    return k
+
+
+@fewer_in_simulator(8)
+@given(case=_masked_index_cases(), pool=st.sampled_from(["max", "mean"]))
+@example(case=(dict(seq_lens_q=[20, 5], seq_lens_k=[20, 9], num_q_heads=2, num_kv_heads=2,
+                    head_dim=16, index_dim=16, block_size=16, topk=2, seed=0),
+               "bf16", 3, 17, np.nan), pool="max")
+def test_invisible_keys_leave_block_scores_bitwise_unchanged(case, pool):
+    shapes, dtype, version, j, value = case
+    lq, lk, hkv, d_idx, bk = _shapes_args(shapes)
+    if sum(lk) == 0:
+        return
+    q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, bk, shapes["seed"], integer=False)
+    _, args = _inputs(q64, k64, dtype)
+    with np.errstate(all="ignore"):
+        _, args2 = _inputs(q64, _poisoned(k64, j, value), dtype)
+        m1 = _run(args, cu_q, cu_k, bk, None, pool, version, dtype)
+        m2 = _run(args2, cu_q, cu_k, bk, None, pool, version, dtype)
+    blind = ~_sees(cu_q, cu_k, q64.shape[0], k64.shape[0], j)  # [Tq]
+    a, b = _bits(m1).transpose(1, 0, 2)[blind], _bits(m2).transpose(1, 0, 2)[blind]
+    assert np.array_equal(a, b), (
+        f"v{version} {dtype} {pool}: rows {np.flatnonzero(blind)[(a != b).any(axis=(1, 2))][:5]}")
+
+
+@fewer_in_simulator(4)
+@given(case=_masked_index_cases())
+def test_invisible_keys_leave_the_fused_selection_unchanged(case):
+    """``select_blocks_fused`` (its index kernel with the top-k epilogue, or the chunks):
+    the rows that cannot see the poisoned key select the same blocks (bf16 runs on a GPU only:
+    the simulator's fused launcher takes no bf16 bit patterns)."""
+    from msa.cuda import select as cuda_select
+
+    shapes, dtype, version, j, value = case
+    lq, lk, hkv, d_idx, bk = _shapes_args(shapes)
+    if sum(lq) == 0 or dtype == "bf16":
+        return
+    q64, k64, cu_q, cu_k = _problem(lq, lk, hkv, d_idx, bk, shapes["seed"], integer=False)
+    (q, k), _ = _inputs(q64, k64, dtype)
+    with np.errstate(all="ignore"):
+        (_, k2), _ = _inputs(q64, _poisoned(k64, j, value), dtype)
+        got = [to_numpy(cuda_select.select_blocks_fused(q, x, cu_q, cu_k, bk, shapes["topk"],
+                                                        version=version))
+               for x in (k, k2)]
+    blind = ~_sees(cu_q, cu_k, q64.shape[0], k64.shape[0], j)
+    np.testing.assert_array_equal(got[0][blind], got[1][blind])
+
+
+@pytest.mark.parametrize("version, dtype", [(1, "float32"), (1, "bf16"), (2, "float16"),
+                                            (3, "float16"), (3, "bf16")])
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_visible_poison_gives_the_references_nan_and_inf(version, dtype, pool):
+    """The queries that see a poisoned key: NaN, +inf and -inf in M exactly where the
+    reference has them (the max skips a NaN score, the mean keeps it), in one dimension of the
+    key (a score of +-inf by the query's sign there) and in all of them."""
+    bk = 8 if version == 2 else 16
+    q64, k64, cu_q, cu_k = _problem([20, 5], [20, 9], 2, 16, bk, 4, integer=False)
+    for value in (np.nan, np.inf, -np.inf):
+        for dims in (slice(0, 1), slice(None)):
+            for c in (3, 17, 24):
+                k2 = np.array(k64, copy=True)
+                k2[c, dims] = value
+                with np.errstate(all="ignore"):
+                    (qv, kv), args = _inputs(q64, k2, dtype)
+                    want = ref_index.block_scores(qv, kv, cu_q, cu_k, bk, pool=pool)
+                    got = _run(args, cu_q, cu_k, bk, None, pool, version, dtype)
+                for name, f in (("nan", np.isnan), ("+inf", np.isposinf),
+                                ("-inf", np.isneginf)):
+                    np.testing.assert_array_equal(
+                        f(got), f(want), err_msg=f"v{version} {dtype} {pool} {value} at key "
+                        f"{c}, dims {dims}: {name}")
+
+
 # -- bad inputs ---------------------------------------------------------------------------------
 
 def _good():

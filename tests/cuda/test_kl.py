@@ -26,7 +26,7 @@ from msa.cuda._core.arrays import SIMULATOR
 from msa.cuda._core.memops import is_aligned16
 from msa.problems import make_problem
 from msa.reference.attention import dense_attention, sparse_attention
-from msa.reference.blocks import local_blocks, max_blocks, query_positions
+from msa.reference.blocks import key_positions, local_blocks, max_blocks, query_positions
 from msa.reference.index import block_scores
 from msa.reference.select import select_blocks
 from msa.testing.backends import to_numpy
@@ -619,6 +619,150 @@ def test_validate_false_skips_the_host_checks_but_stays_in_bounds():
         rows[3, 1] = False
         np.testing.assert_array_equal(kl[rows], want[rows])
         assert kl[3, 1] != want[3, 1]
+
+
+# --- masking by selection (docs/design.md §3) -------------------------------------------------
+#
+# A query's kl and dq_idx must not depend on a key it cannot see (a later position of its local
+# block, a block its group did not select, another sequence): poisoning k and k_idx there, to
+# NaN or an infinity too, leaves them bitwise unchanged (tests/test_masked_keys.py's property,
+# here for every rung). v3 multiplies whole tiles (dq_idx = dS K_idx), so its key blocks with a
+# non-finite value take a cleaned path that this must reach.
+
+# 1e30 is finite in fp32 and bf16: the scores of the queries that see it overflow exp, which
+# the simulator's math.exp raises on (the GPU's gives inf), so there it is an fp16 poison only
+# (where it rounds to inf).
+MASK_POISONS = [np.nan, np.inf, -np.inf, 1e30, -3.0]
+
+
+def poisoned(x, j, value):
+    y = np.array(x, copy=True)
+    y[j] = value
+    return y
+
+
+def bits(x):
+    x = np.ascontiguousarray(x)
+    return x.view(np.dtype(f"u{x.itemsize}"))
+
+
+def sees_key(p, I, j):
+    """bool [Tq, Hkv]: (query t, group r) has packed key ``j`` on its support."""
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    bq, pq = query_positions(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk)
+    bk_, pk = key_positions(p.cu_seqlens_k, tk)
+    causal = (bq == bk_[j]) & (pk[j] <= pq)  # [Tq]
+    if I is None:
+        return np.broadcast_to(causal[:, None], (tq, p.num_kv_heads))
+    return causal[:, None] & (np.asarray(I) == pk[j] // p.block_size).any(axis=-1)
+
+
+def kernel_input(x, dtype):
+    """``x`` as the kernels take it: rounded to ``dtype`` (bf16 as its bit patterns)."""
+    with np.errstate(over="ignore"):  # 1e30 in fp16 is inf, on purpose
+        return bf16_round(x)[1] if dtype == "bf16" else np.ascontiguousarray(x.astype(dtype))
+
+
+def kl_and_dq(version, p, I, lse, k, k_idx, dtype):
+    """``(kl, dq_idx)`` of ``kl_loss_and_backward`` on ``p`` with ``k``, ``k_idx`` replaced."""
+    kin = tuple(kernel_input(x, dtype) for x in (p.q, k, p.q_idx, k_idx))
+    with np.errstate(all="ignore"):
+        kl, _, dq, _ = gpu._kl_backward(*kin, I, lse, p.cu_seqlens_q, p.cu_seqlens_k,
+                                        p.block_size, version=version, bf16_bits=dtype == "bf16",
+                                        with_kl=True, validate=False)
+    return to_numpy(kl), to_numpy(dq)
+
+
+@st.composite
+def masked_kl_cases(draw):
+    """``(version, dtype, p, I or None, j, value)``: every rung (v1, v2 with and without a
+    selection, fp32 and the half types; v3 fp16/bf16 with D = Didx = Bk = 16), a key ``j``
+    (counted from the end: the simplest example poisons the last key) and its poison."""
+    version = draw(st.sampled_from(VERSIONS))
+    tc = version == 3
+    dtype = draw(st.sampled_from(["float16", "bf16"] if tc else ["float32", "float16", "bf16"]))
+    kw = draw(problem_shapes(max_seqs=2, max_len=32 if tc else 28, max_heads=4, max_topk=3,
+                             block_sizes=(16,) if tc else (4, 8, 16),
+                             dims=(16,) if tc else (8, 16)))
+    p = make_problem(**kw)
+    if p.q.shape[0] == 0:
+        return version, dtype, p, None, 0, 0.0
+    I = None
+    if tc or draw(st.booleans()):
+        I = draw(block_indices_for(p.cu_seqlens_q, p.cu_seqlens_k, p.num_kv_heads, p.topk,
+                                   p.block_size))
+    j = p.k.shape[0] - 1 - draw(st.integers(0, p.k.shape[0] - 1))
+    poisons = MASK_POISONS if not SIMULATOR or dtype == "float16" else [
+        x for x in MASK_POISONS if x != 1e30]
+    return version, dtype, p, I, j, draw(st.sampled_from(poisons))
+
+
+@fewer_in_simulator(6)  # two simulated kl_loss_and_backward calls an example (v3: ~10 s)
+@given(masked_kl_cases())
+@example(case=(3, "float16", case_problem([20], [20], 4, 2, 16, 16, 16, 2, seed=5),
+               np.array([[[0, 1]] * 2] * 16 + [[[1, -1]] * 2] * 4, np.int32), 17, np.nan))
+def test_invisible_keys_leave_kl_and_dq_idx_bitwise_unchanged(case):
+    """Key 17 of the example sits in block 1 after queries 16 (which see block 1) and before
+    the queries of block 0 (which selected it and cannot see it): one tile with both."""
+    version, dtype, p, I, j, value = case
+    if p.q.shape[0] == 0:
+        return
+    vals, _ = rounded(p, dtype)
+    lse = main_lse(vals, I, p)
+    kl1, dq1 = kl_and_dq(version, p, I, lse, p.k, p.k_idx, dtype)
+    kl2, dq2 = kl_and_dq(version, p, I, lse, poisoned(p.k, j, value), poisoned(p.k_idx, j, value),
+                         dtype)
+    blind = ~sees_key(p, I, j)  # [Tq, Hkv]
+    assert np.isfinite(kl1).all() and np.isfinite(dq1).all()
+    assert np.array_equal(bits(kl1)[blind], bits(kl2)[blind]), (
+        f"v{version} {dtype}: kl of rows {np.argwhere(blind & (bits(kl1) != bits(kl2)))[:5]}")
+    assert np.array_equal(bits(dq1)[blind], bits(dq2)[blind]), (
+        f"v{version} {dtype}: dq_idx of rows "
+        f"{np.argwhere(blind & (bits(dq1) != bits(dq2)).any(-1))[:5]}")
+
+
+# Poisons of one visible key: k_idx in one dimension (S^idx = +inf or -inf by the sign of the
+# query's q_idx there: NaN LSE^idx, or a -inf logit with dS = -P and a KL term +inf), k_idx
+# NaN, and k in one dimension (a teacher of +inf: dS = -inf, dq_idx +-inf by k_idx's signs).
+VISIBLE_POISONS = {
+    "k_idx[c, 0]=+inf": lambda k, k_idx, c: k_idx.__setitem__((c, 0), np.inf),
+    "k_idx[c, 0]=-inf": lambda k, k_idx, c: k_idx.__setitem__((c, 0), -np.inf),
+    "k_idx[c]=nan": lambda k, k_idx, c: k_idx.__setitem__(c, np.nan),
+    "k[c, :, 0]=+inf": lambda k, k_idx, c: k.__setitem__((c, slice(None), 0), np.inf),
+}
+
+
+def nonfinite_classes(x):
+    return np.stack([np.isnan(x), np.isposinf(x), np.isneginf(x)])
+
+
+@pytest.mark.parametrize("version, dtype, mode", [
+    (1, "float32", "select"), (1, "float32", "warmup"), (2, "float32", "select"),
+    (2, "float32", "warmup"), (3, "float16", "select"), (3, "bf16", "select")])
+def test_visible_poison_gives_the_references_nan_and_inf(version, dtype, mode):
+    """The queries that do see a poisoned key get NaN, +inf and -inf in ``kl`` and ``dq_idx``
+    exactly where the reference has them (v3: its cleaned tile and the rows it rewrites on CUDA
+    cores), and the others stay finite."""
+    bk = 16 if version == 3 else 8
+    p = case_problem([20, 9], [20, 9], 4, 2, 16, 16, bk, 2, seed=4)
+    vals, _ = rounded(p, dtype)
+    q, k, q_idx, k_idx = vals
+    I = selection(p, mode)
+    lse = main_lse(vals, I, p)
+    tail = (I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    for name, poison in VISIBLE_POISONS.items():
+        for c in (3, 24):  # inside block 0 of sequence 0, and in sequence 1
+            k2, ki2 = k.copy(), k_idx.copy()
+            poison(k2, ki2, c)
+            with np.errstate(all="ignore"):
+                want = ref.kl_loss_and_backward(q, k2, q_idx, ki2, *tail, validate=False)
+            got = kl_and_dq(version, p, I, lse, k2, ki2, dtype)
+            seen = sees_key(p, I, c)
+            assert not np.isfinite(want[0][seen]).all()  # the case reaches the rows that see c
+            for what, a, b in (("kl", got[0], want[0]), ("dq_idx", got[1], want[2])):
+                np.testing.assert_array_equal(
+                    nonfinite_classes(a), nonfinite_classes(b),
+                    err_msg=f"v{version} {dtype} {mode} {name} at key {c}: {what}")
 
 
 # --- production sizes (real GPU only) ---------------------------------------------------------

@@ -2,10 +2,12 @@
 
 Thread ``(r, t, b)`` walks the keys of block ``b`` that query ``t`` can see (``j <= pos_t``),
 takes each dot product ``q_idx[t, r] . k_idx[j]`` from global memory and keeps their maximum
-(or sum, for the mean pool); nothing is shared between threads. Any dtype (float64 computes in
-float64) and any size: the default for float32 and float64 inputs, and for bf16/fp16 where no
-tensor-core rung applies. Not timed at the paper's sizes: every score reads ``2 Didx`` values
-from global memory, so it is the rung to read, not to run at 128K tokens.
+(or sum, for the mean pool); nothing is shared between threads. A key the query cannot see is
+never read (docs/design.md §3); a NaN score is skipped by the max and kept by the mean, as in
+the reference. Any dtype (float64 computes in float64) and any size: the default for float32
+and float64 inputs, and for bf16/fp16 where no tensor-core rung applies. Not timed at the
+paper's sizes: every score reads ``2 Didx`` values from global memory, so it is the rung to
+read, not to run at 128K tokens.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ rows; the four lanes of a quad stage theirs in shared memory, and they are combi
 blocks at a time are stored (no shuffle, no extra barrier). With the top-k epilogue instead of
 the M store (``cap >= 1``) the same kernel is ``select_blocks_fused(version=2)``.
 
+Non-finite keys (docs/design.md §3): a score is one key's column of the mma, and ``fold``
+keeps only the keys a row sees (masking by selection, never a product with 0), so a NaN or
+infinite ``k_idx`` reaches exactly the rows that see it, as in the reference (the max skips a
+NaN score, the mean keeps it); the fused top-k offers a row only blocks it sees whole. No
+extra cost.
+
 Needs bf16/fp16 inputs, ``Didx % 16 == 0`` and ``Bk % 8 == 0``. The default where v3 does not
 apply: ``Bk % 16 != 0``, ``k_idx`` data not 16-byte aligned, or v3's key buffers over 48 KB of
 static shared memory. Measured (H200, 128K tokens, paper index): 105.6 ms writing M, 102.3 ms

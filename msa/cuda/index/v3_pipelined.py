@@ -14,7 +14,8 @@ What it adds over v2:
 * the quad's four partials combined by two shuffles, in v2's order, before they are staged;
   the fused kernel (which only compares its maxima) folds them by one ``max.f32``.
 
-Every row's products, sums and maxima are taken in v2's order: the same results bit for bit.
+Every row's products, sums and maxima are taken in v2's order: the same results bit for bit,
+non-finite keys included (masked by selection as in v2, at no extra cost).
 Needs what v2 needs, ``Bk % 16 == 0``, 16-byte aligned ``k_idx`` data and its two key chunks
 and staged maxima within 48 KB of static shared memory; the default where it applies. Measured
 (H200, paper index): fused with the top-k (``select_blocks_fused(version=3)``) 23.9-24.4 ms at

@@ -8,6 +8,10 @@ order). The backward's first kernel writes ``dS`` of every selected block into t
 over the queries of its CSR row (the warmup: over every later query of its sequence, ``dS``
 recomputed), in runs of ``FOLD`` terms folded into a compensated sum.
 
+Non-finite keys (docs/design.md §3): every loop runs over the keys its query sees only, so a
+key it cannot see is never read; a visible NaN or infinity gives the reference's NaN, +inf or
+-inf through the state functions of ``msa.cuda.kl._state`` (a compare a key, no other cost).
+
 Default nowhere (``version=1``): the teaching rung, and the one the simulator runs fastest (no
 barriers). Not timed at the benchmark sizes (``bench_kl --v1-max-n``, default 0): every thread
 reads its ``G`` query heads and the keys from global memory once per key.
@@ -125,7 +129,8 @@ def kl_kernel_thread_rows_grad(kind: str, group: int, head_dim: int, index_dim: 
                         l *= f
                         le *= f
                     m = x
-                l, le = kahan_add(l, le, math.exp(x - m))
+                if x != NEG_INF:  # a visible -inf logit adds nothing (m may be -inf)
+                    l, le = kahan_add(l, le, math.exp(x - m))
         lse_i = student_lse(m, l - le)
         lse_idx[t, r] = lse_i
         # dS_j = coef (P_idx_j - P_j); dq_idx = index_scale sum_j dS_j k_idx_j, keys in order

@@ -8,6 +8,10 @@ dot products of ``D`` and one of ``Didx``); the threads' states merge in a fixed
 CTA per key block (CSR row), the row's queries and their ``dS`` rows staged ``KEY_ENTRIES`` at a
 time, each thread a register tile of ``KEY_TILE`` keys x dims. Any dtype and size.
 
+Non-finite keys (docs/design.md §3): each thread sums the keys of the query it sees only (and
+``dq_idx`` the chunk's visible keys), so a key the query cannot see is never read; a visible
+NaN or infinity gives the reference's classes through ``msa.cuda.kl._state`` (a compare a key).
+
 Default for what the tensor cores (v3) do not take: float32 inputs, the warmup (no selection),
 ``D``, ``Didx`` or ``Bk`` not multiples of 16, ``Bk > 256``, ``G`` not in 1, 2, 4, 8, 16, or
 tensor-core tiles that do not fit shared memory; its ``dk_idx`` kernel also runs for v3 where
@@ -201,7 +205,8 @@ def kl_kernel_cta_rows_grad(kind: str, group: int, head_dim: int, index_dim: int
                         l *= f
                         le *= f
                     m = x
-                l, le = kahan_add(l, le, math.exp(x - m))
+                if x != NEG_INF:  # a visible -inf logit adds nothing (m may be -inf)
+                    l, le = kahan_add(l, le, math.exp(x - m))
         m, l, _, _ = tree_merge(red, tid, NT, m, l - le, zero, zero)
         lse_i = student_lse(m, l)
         if tid == 0:

@@ -20,6 +20,23 @@ two here:
   ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
   next step staged while one computes.
 
+Non-finite keys (docs/design.md §3: a query's ``kl`` and ``dq_idx`` never depend on a key it
+cannot see). The scores ``S = Q Kᵀ`` and ``S^idx = Q_idx K_idxᵀ`` give each key its own column,
+masked by selection, and the student pass needs nothing more; only ``dq_idx = dS K_idx`` sums
+over the keys of a tile, where a hidden key's ``dS = 0`` times a NaN or infinite ``K_idx`` would
+be NaN. So the grad pass scans its key block once when it lands (every 16-bit value of sK and
+sKi of the block's ``nk`` keys, ``Bk (D + Didx) / 2`` words a CTA, then one
+``syncthreads_or``): ``c_bad``, the first key with a non-finite K or K_idx value, ``Bk`` when
+there is none. A block with one (the CTA takes the branch as a whole) cleans the K_idx
+fragments of ``dq_idx`` (non-finite halves +0, ``msa.cuda._core.finite``), treats ``-inf``
+and NaN logits of keys its rows see as visible (``dS = -P`` or NaN, a KL term of ``+inf`` or
+NaN), and the positions that see key ``c_bad`` get their ``dq_idx`` partial on CUDA cores from
+``dS`` and the unclean K_idx in key order: NaN, +inf and -inf where the reference has them
+(``tests/cuda/test_kl.py``). Without non-finite keys every result is bitwise what it was; the
+cost is the scan and a barrier per work item (at the paper's sizes 128 words a thread, against
+thousands of instructions in each of the item's tiles) and a few predicated instructions per
+``dS`` element and per stored ``dq_idx`` row; to be measured (``bench_kl``).
+
 Over v2: tensor cores, and every key block read once per work item instead of once per query.
 The default for fp16/bf16 with a selection, ``D``, ``Didx``, ``Bk`` multiples of 16,
 ``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on the H200
@@ -38,6 +55,8 @@ from numba import cuda, float32, int32, uint32
 from ..._checks import GQA_GROUP_SIZES
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
+from .._core.finite import (clean_bf16x2, clean_f16x2, is_nonfinite_bf16,
+                            is_nonfinite_f16)
 from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                             cp_async_wait_all, ldmatrix_x4, ldmatrix_x4_trans, no_op)
 from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pair,
@@ -117,7 +136,9 @@ def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int
     positions (no heads: the index branch has one query per group), each warp 16 of them:
     ``S^idx`` in registers (fp32 mma accumulators), masked causally, the row's maximum and
     ``l = sum exp(S^idx - m)`` by quad shuffles. ``part[0..3, slot, t, h] = (m, l, 0, 0)``
-    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``."""
+    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``. Each key
+    is its own column, masked by selection; a NaN or ``+inf`` logit of a visible key makes
+    ``l`` NaN, which the state keeps (``msa.cuda.kl._state``): ``LSE^idx`` NaN."""
     Bk, DI = block_size, index_dim
     NW = warps
     PS = 16 * NW  # positions per tile
@@ -248,12 +269,14 @@ def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int
             l_bot += cuda.shfl_xor_sync(FULL_MASK, l_bot, 2)
             if t4 == 0:
                 if t_top >= 0:
-                    part[0, s_top, t_top, h] = m_top * float32(LN2) if l_top > 0 else NEG_INF
+                    part[0, s_top, t_top, h] = (m_top * float32(LN2) if not (l_top <= 0)
+                                                 else NEG_INF)
                     part[1, s_top, t_top, h] = l_top
                     part[2, s_top, t_top, h] = float32(0.0)
                     part[3, s_top, t_top, h] = float32(0.0)
                 if t_bot >= 0:
-                    part[0, s_bot, t_bot, h] = m_bot * float32(LN2) if l_bot > 0 else NEG_INF
+                    part[0, s_bot, t_bot, h] = (m_bot * float32(LN2) if not (l_bot <= 0)
+                                                 else NEG_INF)
                     part[1, s_bot, t_bot, h] = l_bot
                     part[2, s_bot, t_bot, h] = float32(0.0)
                     part[3, s_bot, t_bot, h] = float32(0.0)
@@ -282,6 +305,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     5. the slot's ``dq_idx`` partial ``coef s_idx sum_j dS_j k_idx_j`` on tensor cores:
        ``dS`` split into three 16-bit planes (``hi + mid + lo``, exact; fp16 planes scaled by
        2**14 so the residuals stay normal), three mma per product, fp32 accumulation.
+
+    Before the first tile, ``first_bad_key`` and one ``syncthreads_or`` find ``c_bad`` (module
+    docstring: non-finite keys); only where it is below ``Bk`` do steps 4-5 clean and
+    ``dq_rows_seeing_bad_keys`` rewrite the rows that see it.
 
     Outputs: ``part[0, slot, t, h]``, ``ds[t, h, slot, :]``, ``dq_part[slot, t, h, :]``, merged
     in slot order by ``msa.cuda.kl._common``'s combines."""
@@ -336,6 +363,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
+    nonfinite = is_nonfinite_bf16 if bf16_in else is_nonfinite_f16
+    clean = clean_bf16x2 if bf16_in else clean_f16x2
     copy16 = cp_async16 if use_async else copy16_plain3
     copy16_2d = cp_async16 if use_async else copy16_plain2
     commit = cp_async_commit if use_async else no_op
@@ -366,6 +395,43 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         for e in range(tid, 3 * (PP - P) * LDE, NT):
             smem[OFF_E + (e // ((PP - P) * LDE)) * PLANE + P * LDE + e % ((PP - P) * LDE)] = \
                 uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def first_bad_key(smem, nk, tid):
+        """The smallest key ``c < nk`` of this thread's share of sK and sKi whose row holds a
+        non-finite 16-bit value, else ``Bk`` (one pass over the landed key block)."""
+        first = Bk
+        for e in range(tid, nk * DW, NT):
+            c = e // DW
+            w = smem[c * LD + e % DW]
+            if c < first and (nonfinite(w) or nonfinite(w >> uint32(16))):
+                first = c
+        for e in range(tid, nk * DIW, NT):
+            c = e // DIW
+            w = smem[OFF_KI + c * LDI + e % DIW]
+            if c < first and (nonfinite(w) or nonfinite(w >> uint32(16))):
+                first = c
+        return first
+
+    @cuda.jit(device=True, inline=True)
+    def dq_rows_seeing_bad_keys(smem, sf, tid, buf, pos_t, pos_s, pos_q, h, key_pos0, nk,
+                                c_bad, index_scale, dq_part):
+        """Only for a key block with a non-finite key (``c_bad < Bk``): the ``dq_idx``
+        partials of the positions that see key ``c_bad`` (hence a non-finite K or K_idx), on
+        CUDA cores, ``index_scale sum_c dS_c K_idx[c, d]`` over the keys they see in key
+        order, ``coef dS`` from sX (``ds_and_kl_terms``) and ``K_idx`` as loaded: NaN and
+        infinities as the reference's sums have them. ``dq_partials`` left these rows out."""
+        for e in range(tid, P * DI, NT):
+            p = e // DI
+            d = e % DI
+            t = pos_t[buf, p]
+            lim = min(pos_q[buf, p] - key_pos0, nk - 1)
+            if t >= 0 and c_bad <= lim:
+                acc = float32(0.0)
+                for c in range(lim + 1):
+                    w = smem[OFF_KI + c * LDI + d // 2] >> uint32(16 * (d % 2))
+                    acc += sf[OFF_X + c * LDT + p] * half_to_f32(w & uint32(0xFFFF))
+                dq_part[pos_s[buf, p], t, h, d] = acc * index_scale
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, q_idx, h, row, half, t, buf, pos_t, pos_s, pos_q, s, pos):
@@ -513,11 +579,17 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
 
     @cuda.jit(device=True, inline=True)
     def ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
-                        li_bot, t_top, t_bot, s_top, s_bot):
+                        li_bot, t_top, t_bot, s_top, s_bot, lim_top, lim_bot, c_bad):
         """Step 4: on this lane's share of the keys ``dS = P^idx - P`` (times ``coef`` into
         the ``ds`` buffer, and as ``hi + mid + lo`` 16-bit planes into sE for step 5) and the
         slot's KL term ``sum P (log P - S^idx + LSE^idx)``, summed over the lanes sharing a
-        position into ``part[0, slot, t, h]``. Without GRADS the KL terms only."""
+        position into ``part[0, slot, t, h]``. Without GRADS the KL terms only.
+
+        A key is visible where its logit is not ``-inf``; in a block with a non-finite key
+        (``c_bad < Bk``) also where its position is (``c <= lim``): a visible ``-inf`` or NaN
+        logit then gives the reference's ``dS = -P`` (or NaN) and KL term ``+inf`` (or NaN),
+        and ``coef dS`` goes to sX for ``dq_rows_seeing_bad_keys``. A NaN teacher gives a NaN
+        term (``not (P <= 0)``)."""
         kl_top = float32(0.0)
         kl_bot = float32(0.0)
         own = (u_own & LOW_MASK) == 0  # one lane of those holding the same sums
@@ -526,6 +598,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             for half in range(1 if BOTH else 2):
                 pp = p_top if half == 0 else p_bot
                 li = li_top if half == 0 else li_bot
+                lim = lim_top if half == 0 else lim_bot
                 t = t_top if half == 0 else t_bot
                 sl = s_top if half == 0 else s_bot
                 ds0 = float32(0.0)
@@ -538,11 +611,16 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                     x = sf[OFF_X + (c + e) * LDT + pp]
                     dsv = float32(0.0)
                     klv = float32(0.0)
-                    if own and x > NEG_INF:
+                    visible = x > NEG_INF
+                    if c_bad < Bk and not visible:
+                        visible = c + e <= lim
+                    if own and visible:
                         if GRADS:
                             dsv = math.exp(x - li) - pj
-                        if pj > float32(0.0):
+                        if not (pj <= float32(0.0)):
                             klv = pj * (math.log(pj) - (x - li))
+                    if own and GRADS and c_bad < Bk:
+                        sf[OFF_X + (c + e) * LDT + pp] = coef * dsv
                     if e == 0:
                         ds0 = dsv
                     else:
@@ -577,11 +655,16 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
 
     @cuda.jit(device=True, inline=True)
     def dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s, h,
-                    cqs, dq_part):
+                    cqs, dq_part, pos_q, key_pos0, nk, c_bad):
         """Step 5: the slots' ``dq_idx`` partials ``coef s_idx dS K_idx`` on tensor cores, A =
         the three planes of sE (exact products), B = K_idx by ``ldmatrix.trans`` (K1's V);
         (m-tile, n-tile pair) units dealt to the warps, every warp running the same mma
-        count. ``acc``, ``afr``: the caller's register arrays."""
+        count. ``acc``, ``afr``: the caller's register arrays.
+
+        In a block with a non-finite key (``c_bad < Bk``) the B fragments are cleaned
+        (non-finite halves +0), so that ``0 * NaN`` never reaches a row that does not see
+        the key (its ``dS`` there is 0), and the rows that see key ``c_bad`` are not written
+        (``dq_rows_seeing_bad_keys`` writes them)."""
         for it in range(DQ_ITERS):
             real, mt, n2 = _deal(warp, it, NW, MT * NPD, NPD)
             for i in range(8):
@@ -596,6 +679,11 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                     afr[4 * plane + 2] = a2
                     afr[4 * plane + 3] = a3
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, vi_lane + 16 * kp * LDI + 8 * n2)
+                if c_bad < Bk:
+                    b0, _ = clean(b0)
+                    b1, _ = clean(b1)
+                    b2, _ = clean(b2)
+                    b3, _ = clean(b3)
                 for plane in range(3):
                     c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
                                          afr[4 * plane + 2], afr[4 * plane + 3], b0, b1,
@@ -617,6 +705,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                     p = 16 * mt + g4 + 8 * r8
                     if p < P:
                         t = pos_t[buf, p]
+                        if c_bad < Bk and c_bad <= min(pos_q[buf, p] - key_pos0, nk - 1):
+                            t = -1  # written by dq_rows_seeing_bad_keys
                         if t >= 0:
                             sl = pos_s[buf, p]
                             for nn in range(2):
@@ -632,6 +722,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         pos_t = cuda.shared.array((2, P), int32)
         pos_s = cuda.shared.array((2, P), int32)
         pos_q = cuda.shared.array((2, P), int32)
+        s_bad = cuda.shared.array(1, int32)
         s_acc = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(8, float32)
         afr = cuda.local.array(12, uint32)  # A fragments of the three dS planes
@@ -652,6 +743,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
         num_tiles = (q_count + P - 1) // P
         cqs = coef * index_scale * ds_down
+        if tid == 0:
+            s_bad[0] = Bk
 
         load_key_block(smem, k, k_idx, h, key0, nk, tid)
         g_row = tid // 2
@@ -675,6 +768,18 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
         vi_lane = OFF_KI + l_rows * LDI + (lane >> 4) * 4  # K_idx as the B of dq_idx (.trans)
         u_own = g4 % GG  # this lane among the GG holding a position's rows (one row half)
+
+        # Masking by selection (docs/design.md §3): c_bad, the first key of the block with a
+        # non-finite K or K_idx value (Bk: none, the common path), the same for the CTA
+        wait_all()
+        cuda.syncthreads()
+        mine = first_bad_key(smem, nk, tid)
+        c_bad = Bk
+        if cuda.syncthreads_or(int32(1) if mine < Bk else int32(0)):
+            if mine < Bk:
+                cuda.atomic.min(s_bad, 0, int32(mine))
+            cuda.syncthreads()
+            c_bad = int(s_bad[0])
 
         for tile in range(num_tiles):
             buf = tile % 2
@@ -707,11 +812,16 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
 
             # 4-5: dS and the KL terms; dq_idx = dS K_idx
             ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
-                            li_bot, t_top, t_bot, s_top, s_bot)
+                            li_bot, t_top, t_bot, s_top, s_bot,
+                            min(pos_top - key_pos0, nk - 1), min(pos_bot - key_pos0, nk - 1),
+                            c_bad)
             if not GRADS:
                 continue
             cuda.syncthreads()  # the planes hold dS of every position
             dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s,
-                        h, cqs, dq_part)
+                        h, cqs, dq_part, pos_q, key_pos0, nk, c_bad)
+            if c_bad < Bk:  # the same for the CTA
+                dq_rows_seeing_bad_keys(smem, sf, tid, buf, pos_t, pos_s, pos_q, h, key_pos0, nk,
+                                        c_bad, index_scale, dq_part)
 
     return _kl_kernel_grad_v3
