@@ -5,9 +5,11 @@ One CTA per work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``: loa
 walk the item's CSR entries in tiles of ``P`` query positions x ``G`` heads; per tile one thread
 per score ``S = (Q s) Kᵀ`` under the token-level causal mask, then one thread per row for the
 block-local softmax ``m = rowmax(S)``, ``P = exp(S - m)``, ``l = rowsum(P)``, then one thread per
-output element ``O_s = P V / l``, ``L_s = m + log l`` into the slot the CSR assigned. Any dtype
-(fp32/fp16/bf16), any ``D <= 256`` and ``Bk`` that fit shared memory (the planner halves ``P``
-until they do).
+output element ``O_s = P V / l``, ``L_s = m + log l`` into the slot the CSR assigned. The sum
+of ``P V`` runs over the row's visible keys only (masking by selection, docs/design.md §3: a NaN
+or an infinity in V at a key the row cannot see never reaches it, and one it sees gives the
+reference's NaN or infinity; no cost: the loop is shorter). Any dtype (fp32/fp16/bf16), any
+``D <= 256`` and ``Bk`` that fit shared memory (the planner halves ``P`` until they do).
 
 Where it runs: fp32 inputs (the tensor cores take 16-bit ones), and 16-bit inputs whose ``D`` or
 ``Bk`` is not a multiple of 16. Verdict: the tested fallback; slow (one thread per dot
@@ -142,7 +144,9 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
                 row_m[r] = m
                 row_l[r] = l
             cuda.syncthreads()
-            # O_s = P V / l, L_s = m + log l (0 and -inf when nothing is visible)
+            # O_s = P V / l, L_s = m + log l (0 and -inf when nothing is visible). The sum runs
+            # over the row's visible keys only (masking by selection: P = 0 at a later key
+            # would multiply its V, and 0 * NaN or 0 * inf is NaN).
             for i in range(tid, R * D, NT):
                 r = i // D
                 d = i % D
@@ -151,7 +155,7 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
                     l = row_l[r]
                     acc = float32(0.0)
                     if l > float32(0.0):
-                        for c in range(nk):
+                        for c in range(min(nk, row_pos[r] - key_pos0 + 1)):
                             acc += smem[OFF_S + r * LDS + c] * smem[OFF_V + c * D + d]
                         acc = acc / l
                     o_part[row_slot[r], t, h * G + r % G, d] = store(acc)
