@@ -15,7 +15,7 @@ sit in shared memory (their own mainloop files); this module holds the rest, by 
   own copies of V have landed, replaces every non-finite 16-bit value of them by +0
   (``msa.cuda._core.finite``) and says whether it met one; the CTA ORs that into one flag at the
   barrier it needs anyway (``syncthreads_or``), so that ``P = 0`` at an invisible key multiplies
-  a zero, never a NaN or an infinity. Common path: four shared loads and about ten integer
+  a zero, never a NaN or an infinity. Common path: four shared loads and about fifteen integer
   instructions per 16 bytes of V, once per CTA (the block serves all of its tiles); a block
   without a non-finite V computes bitwise what it did without the pass;
 * ``gather``: a thread's half of a query row into a Q buffer (``cp.async`` or plain loads);
@@ -52,6 +52,7 @@ from .._core.wgmma import core_word
 MAX_HEAD_DIM = 128  # O lives in registers
 MAX_BLOCK_SIZE = 128  # S lives in registers
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
 
 
 @cuda.jit(device=True, inline=True)
@@ -219,9 +220,13 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
         m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
-        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN)
-        mb_top = m_top * scale_log2 if m_top > _NEG_INF else float32(0.0)
-        mb_bot = m_bot * scale_log2 if m_bot > _NEG_INF else float32(0.0)
+        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN); so
+        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf). The
+        # max passes over a NaN score, whose P = NaN makes l and L_s NaN.
+        mb_top = (m_top * scale_log2 if m_top > _NEG_INF and m_top < _POS_INF
+                  else float32(0.0))
+        mb_bot = (m_bot * scale_log2 if m_bot > _NEG_INF and m_bot < _POS_INF
+                  else float32(0.0))
         # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
         l_top = float32(0.0)
@@ -300,16 +305,17 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
     @cuda.jit(device=True, inline=True)
     def store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                   l_top, l_bot):
-        """L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible)."""
+        """L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible, NaN or +inf
+        where l is: a NaN or +inf score, which K2 then propagates)."""
         if t4 == 0:
             if t_top >= 0:
                 lse = _NEG_INF
-                if l_top > float32(0.0):
+                if l_top != float32(0.0):
                     lse = (mb_top + math.log2(l_top)) * float32(LN2)
                 lse_part[s_top, t_top, hq_top] = lse
             if t_bot >= 0:
                 lse = _NEG_INF
-                if l_bot > float32(0.0):
+                if l_bot != float32(0.0):
                     lse = (mb_bot + math.log2(l_bot)) * float32(LN2)
                 lse_part[s_bot, t_bot, hq_bot] = lse
 

@@ -10,6 +10,15 @@ query rows of tile i+1 are prefetched into L1 while tile i computes. fp16/bf16 o
 ``Bk`` multiples of 16 (up to 256). About 168 KB of dynamic shared memory at D = Bk = 128,
 R = 128 (one CTA of 8 warps per SM); 168 registers, no spills (sm_90, offline ptxas).
 
+Masking by selection inside the block (docs/design.md §3; ``msa.cuda._core.finite``): ``P V``
+multiplies ``P = 0`` by V at the keys a row cannot see, so V's non-finite 16-bit values are
+stored into sVt as +0 as the block is loaded (four integer instructions a word in registers,
+once per CTA) and a ``syncthreads_or`` after the load (one more CTA barrier per item) says
+whether the block had one. Only then (the rare path) the CTA finds each column's first such key (one
+pass over V in global memory, two barriers) and, after each tile's stores, the elements whose
+row sees one get the fp32 sum of the visible non-finite values added (NaN, or the infinity the
+reference gives). A block without one gives bitwise the results it gave without the pass.
+
 Where it runs: the tensor-core default where version 3 does not fit (D or Bk above 128: S or O
 would not fit in registers). Verdict (H200, paper configuration): the sparse attention at 128K
 took 216 ms against version 3's 51.8 in the same run, whose scores and probabilities stay in
@@ -32,6 +41,7 @@ from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
 
 
 def layout(block_size, head_dim, rows):
@@ -177,8 +187,9 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         half_m[tid] = m_local
         cuda.syncthreads()
         m = max(half_m[2 * r], half_m[2 * r + 1])
-        # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN)
-        m_use = m if m > _NEG_INF else float32(0.0)
+        # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN); so
+        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf)
+        m_use = m if m > _NEG_INF and m < _POS_INF else float32(0.0)
         l_local = float32(0.0)
         for w in range(half, Bk // 2, 2):
             p0 = exp2(sf[OFF_S + r * LDS + 2 * w] - m_use)
@@ -271,10 +282,11 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
 
     @cuda.jit(device=True, inline=True)
     def store_lse(lse_part, row_m, r, t, s, hq, l):
-        """L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible)."""
+        """L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible, NaN or +inf
+        where l is: a NaN or +inf score, which K2 then propagates)."""
         if t >= 0:
             lse = _NEG_INF
-            if l > float32(0.0):
+            if l != float32(0.0):
                 lse = (row_m[r] + math.log2(l)) * float32(LN2)
             lse_part[s, t, hq] = lse
 

@@ -17,6 +17,16 @@ fp16/bf16, D and Bk multiples of 16 up to 128. 136 KB of dynamic shared memory a
 D = Bk = 128, R = 128; 168 registers, no spills (every D, Bk in {16, 32, 64, 128}; sm_90,
 offline ptxas). Inputs that are not 16-byte aligned are copied by plain loads.
 
+Masking by selection inside the block (docs/design.md §3; ``_tile.clean_v`` / ``fix_o``): before
+the K/V barrier each thread replaces the non-finite 16-bit values of the V words it copied by
++0 (four shared loads and about fifteen integer instructions per 16 bytes, once per CTA, which
+serves all of its tiles), and the barrier becomes a ``syncthreads_or`` that flags the block.
+Only a flagged block (the rare path) finds each column's first non-finite key (a pass over V in
+global memory) and, after each tile's stores, adds to the elements whose row sees one the fp32
+sum of the visible non-finite values (NaN, or the infinity the reference gives). An unflagged
+block runs the same mma, softmax and stores as before (bitwise the same results; one
+predicated branch a tile).
+
 Where it runs: the default on GPUs without ``wgmma`` (and in the simulator), for 64-row tiles
 and 3 warp groups where a CTA stays at 12 warps. Verdict (H200, paper configuration): 64-row
 tiles 7.32 against 8.16 ms a 16K-query chunk for 128 rows; 3 groups of 4 warps 3-4% faster

@@ -10,7 +10,9 @@ stores and the warp groups are version 3's (``_tile``), and so are the results (
 paper configuration at 128K).
 
 Compute capability 9.0 only, no simulator twin; 64-row tiles; fp16/bf16, D and Bk multiples of
-16 up to 128.
+16 up to 128. Masking by selection inside the block is version 3's (``_tile.clean_v`` on the
+core-matrix layout before the async-proxy fence and the ``syncthreads_or`` barrier, ``fix_o``
+after a flagged block's stores), so the results stay version 3's on non-finite values too.
 
 Where it runs: the default on compute capability 9.0 (H100, H200). Verdict (H200, paper
 configuration at 128K): K1 3.9-4.2 ms a 16K-query chunk against 4.6-5.0 for version 3; the
