@@ -9,7 +9,10 @@ later position, or (sparse attention and the KL) a block its group did not selec
 Backends: ``msa.reference`` and ``msa.torch`` (CPU). The NumPy-in, NumPy-out cases call the
 stage functions through ``msa.testing.backends.Backend``, so ``msa.cuda`` is one more entry of
 ``NUMPY_BACKENDS`` (it then needs float32 inputs and skips what it lacks; to be added by the
-cuda owner).
+cuda owner). ``msa.cuda``'s forward kernels (K1 and K2, every rung: v1 on float32, the tensor-core
+rungs on float16 and bf16 with D and Bk multiples of 16) have their own tests at the end, which
+also check that a NaN or an infinity in V at a key a row does see gives the reference's NaN and
+infinities.
 """
 
 import contextlib
@@ -24,7 +27,7 @@ import msa.reference as R
 from msa.problems import make_problem
 from msa.reference.blocks import key_positions, query_positions
 from msa.testing import strategies as mst
-from msa.testing.backends import Backend
+from msa.testing.backends import SIMULATOR, Backend, cuda_runnable
 
 torch = pytest.importorskip("torch")
 
@@ -294,3 +297,182 @@ def test_layer_output_rows(backend, case):
     else:
         assert np.isfinite(out[1][~causal]).all()
         np.testing.assert_allclose(out[1][~causal], out[0][~causal], rtol=1e-13, atol=1e-15)
+
+
+# --- msa.cuda's forward: K1 (every rung) and K2, simulator or GPU -------------------------------
+# A tensor-core rung computes O = P V over the whole block, P = 0 at the keys a row cannot see:
+# it keeps non-finite V values out of its tiles and restores the rows that see them (_tile).
+
+def _cuda_or_skip():
+    ok, why = cuda_runnable()
+    if not ok:
+        pytest.skip(why)
+
+
+def _v4_or_skip():
+    from msa.cuda._core.wgmma import why_not_available
+
+    why = "wgmma: GPU only" if SIMULATOR else why_not_available()
+    if why:
+        pytest.skip(why)
+
+
+# version, input kind: v1 on float32, v2 and v3 on float16 and bf16 (bit patterns), v4 on a GPU
+CUDA_RUNGS = [pytest.param(1, "float32", id="v1-f32"), pytest.param(2, "float16", id="v2-f16"),
+              pytest.param(2, "bfloat16", id="v2-bf16"), pytest.param(3, "float16", id="v3-f16"),
+              pytest.param(3, "bfloat16", id="v3-bf16"), pytest.param(4, "float16", id="v4-f16"),
+              pytest.param(4, "bfloat16", id="v4-bf16")]
+# The tensor-core rungs need D and Bk multiples of 16; the simulator is slow (a Python thread a
+# CUDA thread): small problems, a few examples.
+CUDA_SHAPES = {1: dict(max_len=24, max_heads=4, max_topk=3, dims=(4, 8), block_sizes=(4, 8, 16)),
+               2: dict(max_len=40, max_heads=4, max_topk=3, dims=(16,), block_sizes=(16,))}
+
+
+def _cuda_inputs(kind, *arrays):
+    """``(what msa.cuda gets, the same values in float32)`` for each array: float32, float16,
+    or bf16 bit patterns (uint16; the simulator's NumPy has no bf16)."""
+    from tests.cuda.attention_cases import cast
+
+    return [cast(x, kind) for x in arrays]
+
+
+@st.composite
+def cuda_cases(draw, version):
+    p, I = draw(mst.problems_with_indices(**CUDA_SHAPES[min(version, 2)]))
+    assume(p.k.shape[0] > 0 and p.q.shape[0] > 0)
+    j = p.k.shape[0] - 1 - draw(st.integers(0, p.k.shape[0] - 1))
+    return p, I, j, draw(st.sampled_from(POISONS))
+
+
+def _cuda_partials(version, kind, q, k, v, work, q_indices, slots, p, **knobs):
+    from msa.cuda.attention import _attention_partials
+
+    o, lse = _attention_partials(q, k, v, work, q_indices, slots, p.cu_seqlens_q,
+                                 p.cu_seqlens_k, p.block_size, p.topk, version=version,
+                                 bf16_bits=kind == "bfloat16", **knobs)
+    return np.array(o), np.array(lse)
+
+
+@pytest.mark.parametrize("version,kind", CUDA_RUNGS)
+@mst.fewer_in_simulator(3)
+@given(data=st.data())
+def test_cuda_attention_partials_and_combine(version, kind, data):
+    """K1 then K2 of msa.cuda, as ``test_attention_partials_and_combine``: a key's k and v
+    poisoned leave the partials, o and lse of every query that cannot see it bitwise unchanged,
+    and the combined LSEs of the poisoned run have the reference's NaN and infinities."""
+    _cuda_or_skip()
+    if version == 4:
+        _v4_or_skip()
+    from msa.cuda.combine import combine_partials
+
+    p, I, j, value = data.draw(cuda_cases(version))
+    args = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    row_ptr, q_indices, slots = R.build_csr(I, *args)
+    work = R.build_schedule(row_ptr, p.cu_seqlens_k, p.block_size, 5)
+    with quiet():
+        (q, q32), (k, _), (v, _) = _cuda_inputs(kind, p.q, p.k, p.v)
+        (k2, k32), (v2, v32) = _cuda_inputs(kind, poisoned(p.k, j, value),
+                                            poisoned(p.v, j, value))
+        parts1 = _cuda_partials(version, kind, q, k, v, work, q_indices, slots, p)
+        parts2 = _cuda_partials(version, kind, q, k2, v2, work, q_indices, slots, p)
+        o1, l1 = (np.array(x) for x in combine_partials(*parts1))
+        o2, l2 = (np.array(x) for x in combine_partials(*parts2))
+        _, l8 = R.sparse_attention(q32, k32, v32, I, *args)
+    _, support = sees(p, I, j)
+    blind = heads(~support, p.group_size)  # [Tq, Hq]
+    for s in range(p.topk):
+        assert_same_bits(parts1[0][s], parts2[0][s], blind, f"o_part[{s}]")
+        assert_same_bits(parts1[1][s], parts2[1][s], blind, f"lse_part[{s}]")
+    assert_same_bits(o1, o2, blind, "o")
+    assert_same_bits(l1, l2, blind, "lse")
+    np.testing.assert_array_equal(np.isnan(l2), np.isnan(l8))
+    np.testing.assert_array_equal(np.isposinf(l2), np.isposinf(l8))
+    np.testing.assert_array_equal(np.isneginf(l2), np.isneginf(l8))
+    assert np.isnan(o2[np.isnan(l8) | np.isposinf(l8)]).all()
+    assert (o2[np.isneginf(l8)] == 0).all()
+
+
+@pytest.mark.parametrize("version,kind,partials", [
+    pytest.param(1, "float32", "float32", id="v1-f32"),
+    pytest.param(2, "float16", "bfloat16", id="v2-f16-bf16part"),
+    pytest.param(3, "bfloat16", "bfloat16", id="v3-bf16-bf16part"),
+    pytest.param(4, "bfloat16", "bfloat16", id="v4-bf16-bf16part")])
+@mst.fewer_in_simulator(2)
+@given(data=st.data())
+def test_cuda_sparse_attention_forward(version, kind, partials, data):
+    """The forward half of ``test_sparse_attention_and_its_backward`` on msa.cuda (CSR,
+    schedule, K1, K2 in one call), with bf16 partials on the tensor-core rungs."""
+    _cuda_or_skip()
+    if version == 4:
+        _v4_or_skip()
+    from msa.cuda.attention import _sparse_attention
+
+    p, I, j, value = data.draw(cuda_cases(version))
+    args = (I, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    out = []
+    with quiet():
+        (q, _), = _cuda_inputs(kind, p.q)
+        for kk, vv in ((p.k, p.v), (poisoned(p.k, j, value), poisoned(p.v, j, value))):
+            (k, _), (v, _) = _cuda_inputs(kind, kk, vv)
+            o, lse = _sparse_attention(q, k, v, *args, version=version, partial_dtype=partials,
+                                       bf16_bits=kind == "bfloat16")
+            out.append((np.array(o), np.array(lse)))
+    _, support = sees(p, I, j)
+    blind = heads(~support, p.group_size)
+    assert_same_bits(out[0][0], out[1][0], blind, "o")
+    assert_same_bits(out[0][1], out[1][1], blind, "lse")
+
+
+def _visible_poison_case():
+    """A problem whose V holds, at keys every later query of the sequence sees (k stays finite),
+    a NaN in one column, +inf in another, -inf in a third, and +inf and -inf in a fourth; with
+    the selection of every block up to the query's (``(p, I)``; D = Bk = 16, two sequences)."""
+    from tests.cuda.attention_cases import problem
+
+    p, I = problem([20, 9], [37, 9], 4, 2, 16, 16, 3, seed=7)
+    v = np.array(p.v)
+    for t, d, value in ((3, 1, np.nan), (17, 5, np.inf), (21, 5, np.inf), (18, 9, -np.inf),
+                        (19, 12, np.inf), (33, 12, -np.inf), (37 + 4, 2, np.inf)):
+        v[t, 0, d] = value
+    v[20, 1, 7] = np.nan  # the other KV head
+    p.v = v
+    return p, I
+
+
+@pytest.mark.parametrize("version,kind", CUDA_RUNGS)
+def test_cuda_visible_nonfinite_values_give_the_references_classes(version, kind):
+    """A NaN or an infinity in V at a key a row sees makes that row's output NaN or that
+    infinity, as the reference's (IEEE) arithmetic does, in K1's partials and in the whole
+    sparse attention (bf16 partials on the tensor-core rungs: the epilogue that restores them
+    reads back and re-rounds its 16-bit stores); every other element stays close to it."""
+    _cuda_or_skip()
+    if version == 4:
+        _v4_or_skip()
+    from msa.cuda.attention import _sparse_attention
+    from tests.cuda.attention_cases import as_float
+
+    p, I = _visible_poison_case()
+    args = (p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    row_ptr, q_indices, slots = R.build_csr(I, *args)
+    work = R.build_schedule(row_ptr, p.cu_seqlens_k, p.block_size, 6)
+    with quiet():
+        (q, q32), (k, k32), (v, v32) = _cuda_inputs(kind, p.q, p.k, p.v)
+        got = [_cuda_partials(version, kind, q, k, v, work, q_indices, slots, p)[0]]
+        want = [R.attention_partials(q32, k32, v32, work, q_indices, slots, *args, p.topk)[0]]
+        o, _ = _sparse_attention(q, k, v, I, *args, version=version,
+                                 partial_dtype="float32" if version == 1 else "bfloat16",
+                                 bf16_bits=kind == "bfloat16")
+        got.append(as_float(np.array(o), kind))
+        want.append(R.sparse_attention(q32, k32, v32, I, *args)[0])
+    for name, a, b in zip(("o_part", "o"), got, want):
+        assert np.isnan(b).any() and np.isposinf(b).any() and np.isneginf(b).any()
+        for cls in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(cls(a), cls(b), err_msg=f"{name}: {cls.__name__}")
+        finite = np.isfinite(b)
+        np.testing.assert_allclose(a[finite], b[finite], atol=5e-2, err_msg=name)
+    if version == 3:  # 3 warp groups over the block, and plain loads instead of cp.async
+        for knobs in ({"groups": 3}, {"assume_unaligned": True}):
+            with quiet():
+                other = _cuda_partials(version, kind, q, k, v, work, q_indices, slots, p,
+                                       **knobs)[0]
+            assert bits(other).tobytes() == bits(got[0]).tobytes(), knobs

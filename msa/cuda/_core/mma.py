@@ -290,6 +290,8 @@ else:
         x = float(x)
         if x == -math.inf:
             return np.float32(0.0)
+        if x != x:  # NaN stays NaN (ex2.approx)
+            return np.float32(math.nan)
         return np.float32(2.0 ** x) if x < 128.0 else np.float32(math.inf)
 
 

@@ -9,12 +9,26 @@ differs between the rungs is how ``S = Q Kᵀ`` and ``O = P V`` are multiplied a
 sit in shared memory (their own mainloop files); this module holds the rest, by role:
 
 * ``layout`` / ``o_parts`` / ``smem16``: the shared memory and the column parts of O;
+* ``load_kv``: the K/V block into shared memory (``cp.async`` or plain loads), row-major
+  (version 3) or as 8 x 8 core matrices (version 4, ``core_matrices``);
+* ``clean_v``: masking by selection inside the block (docs/design.md §3): each thread, once its
+  own copies of V have landed, replaces every non-finite 16-bit value of them by +0
+  (``msa.cuda._core.finite``) and says whether it met one; the CTA ORs that into one flag at the
+  barrier it needs anyway (``syncthreads_or``), so that ``P = 0`` at an invisible key multiplies
+  a zero, never a NaN or an infinity. Common path: four shared loads and about fifteen integer
+  instructions per 16 bytes of V, once per CTA (the block serves all of its tiles); a block
+  without a non-finite V computes bitwise what it did without the pass;
 * ``gather``: a thread's half of a query row into a Q buffer (``cp.async`` or plain loads);
 * ``softmax``: the causal mask, the row max and sum over the quad, ``P = 2**(S s log2 e - m)``
   packed to 16-bit pairs (already the A fragments of ``O = P V``);
 * ``o_offsets`` / ``store_o``: the rows' ``O_s = O / l`` into their slots (16-byte stores of bf16
   partials after a quad transpose, where a part of O has a multiple of 4 n-tiles);
-* ``store_lse``: the rows' ``L_s = ln 2 (m + log2 l)``.
+* ``store_lse``: the rows' ``L_s = ln 2 (m + log2 l)``;
+* ``fix_o``: only in a flagged block (the rare path), after a tile's stores: each element
+  ``(row, d)`` whose row sees a non-finite ``V[c, d]`` (``first[d]``, the block's first such key,
+  is visible to the row) gets the fp32 sum of those values, re-read from global memory, added
+  to what the tile stored (NaN, or the infinity the reference gives; a NaN the tile computed
+  from a NaN score stays NaN). Rows that see none keep the stored value.
 
 ``tile(...)`` builds them for one specialisation (compile-time sizes as closure constants).
 """
@@ -28,14 +42,17 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
+from .._core.finite import block_checks
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             no_op, store_u32x4)
-from .._core.mma import exp2, pack_bf16x2, pack_f16x2
+from .._core.mma import bf16_to_f32, exp2, pack_bf16x2, pack_f16x2
 from .._core.packed import LN2
+from .._core.wgmma import core_word
 
 MAX_HEAD_DIM = 128  # O lives in registers
 MAX_BLOCK_SIZE = 128  # S lives in registers
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
 
 
 @cuda.jit(device=True, inline=True)
@@ -92,19 +109,23 @@ else:
 
 
 def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_async, parts,
-         groups, vector_stores):
-    """Sizes and device functions of one tile specialisation (see the module docstring).
+         groups, vector_stores, core_matrices=False):
+    """Sizes and device functions of one tile specialisation (see the module docstring);
+    ``core_matrices``: K and V in shared memory as 8 x 8 core matrices (version 4), else
+    row-major.
 
     Returns a namespace of the constants the mainloops use (``R``, ``NT``, ``NG``, ``LD``,
     ``OFF_V``, ``OFF_Q``, ``DW``, ``QBUF``, ``PIECES``, ``NS``, ``NO``, ``KS``, ``KP``,
     ``NO_PART``, ``S_REGS``, ``P_REGS``, ``O_REGS``, ``CTA_THREADS``, ``UNIFORM``, ``JIT``) and
-    the functions ``copy16``, ``commit``, ``wait_all``, ``gather``, ``softmax``, ``o_offsets``,
-    ``store_o``, ``store_lse``."""
+    the functions ``copy16``, ``commit``, ``wait_all``, ``load_kv``, ``clean_v``,
+    ``first_nonfinite``, ``gather``, ``softmax``, ``o_offsets``, ``store_o``, ``store_lse``,
+    ``fix_o``."""
     Bk, D, G, P = block_size, head_dim, group, positions
     R = P * G
     NW = R // 16
     NT = 32 * NW
     NG = groups
+    CTA_THREADS = NG * NT
     assert R % 16 == 0 and NW * NG <= _mma.MAX_WARPS and D % 16 == 0 and Bk % 16 == 0
     assert 1 <= NG <= 15
     LD, OFF_V, OFF_Q, _ = layout(Bk, D, R, NG)
@@ -123,6 +144,39 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
     # quad in groups of four n-tiles, each lane stores 16 contiguous bytes (one st.global.v4
     # instead of four 4-byte stores a lane: a quarter of the scattered store instructions).
     STORE_V4 = bf16_partials and vector_stores and NO_PART % 4 == 0
+    CORE_MATRICES = core_matrices
+    checks = block_checks(bf16_in)
+    clean4, nonfinite_sum = checks.clean4, checks.nonfinite_sum
+
+    @cuda.jit(device=True, inline=True)
+    def kv_word(c, w):
+        """Word offset of row ``c``, word ``w`` (a multiple of 4) of the K or the V tile."""
+        if CORE_MATRICES:
+            return core_word(c, w, D)
+        return c * LD + w
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv(smem, k, v, cta_tid, key0, nk, h, hkv):
+        """Start copying the K/V block, 16 bytes a copy, ``CTA_THREADS`` apart (keys past the
+        sequence: zeros, so that 0 * V stays 0)."""
+        for e in range(cta_tid, Bk * PIECES, CTA_THREADS):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
+            dst = kv_word(c, w)
+            copy16(smem, dst, k, src, 16 if ok else 0)
+            copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def clean_v(smem, cta_tid):
+        """After ``wait_all``: the V words this thread copied in ``load_kv`` (its own copies,
+        so no barrier first) with every non-finite half replaced by +0; uint32 1 if it met
+        one."""
+        bad = uint32(0)
+        for e in range(cta_tid, Bk * PIECES, CTA_THREADS):
+            bad |= clean4(smem, OFF_V + kv_word(e // PIECES, (e % PIECES) * 4))
+        return bad
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, h, row, half, t, dst_buf):
@@ -166,9 +220,13 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
         m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
-        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN)
-        mb_top = m_top * scale_log2 if m_top > _NEG_INF else float32(0.0)
-        mb_bot = m_bot * scale_log2 if m_bot > _NEG_INF else float32(0.0)
+        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN); so
+        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf). The
+        # max passes over a NaN score, whose P = NaN makes l and L_s NaN.
+        mb_top = (m_top * scale_log2 if m_top > _NEG_INF and m_top < _POS_INF
+                  else float32(0.0))
+        mb_bot = (m_bot * scale_log2 if m_bot > _NEG_INF and m_bot < _POS_INF
+                  else float32(0.0))
         # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
         l_top = float32(0.0)
@@ -247,23 +305,64 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
     @cuda.jit(device=True, inline=True)
     def store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                   l_top, l_bot):
-        """L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible)."""
+        """L_s = ln 2 (m + log2 l) (natural log; -inf when nothing is visible, NaN or +inf
+        where l is: a NaN or +inf score, which K2 then propagates)."""
         if t4 == 0:
             if t_top >= 0:
                 lse = _NEG_INF
-                if l_top > float32(0.0):
+                if l_top != float32(0.0):
                     lse = (mb_top + math.log2(l_top)) * float32(LN2)
                 lse_part[s_top, t_top, hq_top] = lse
             if t_bot >= 0:
                 lse = _NEG_INF
-                if l_bot > float32(0.0):
+                if l_bot != float32(0.0):
                     lse = (mb_bot + math.log2(l_bot)) * float32(LN2)
                 lse_part[s_bot, t_bot, hq_bot] = lse
+
+    @cuda.jit(device=True, inline=True)
+    def fix_row(o_part, v, first, t4, row0, nvis, key0, h):
+        """One row's elements that see a non-finite V (``first[d] < nvis``): + the sum of the
+        visible non-finite ``V[c, d]``. Lane ``t4`` of the quad takes words (bf16 partials) or
+        columns ``t4, t4 + 4, ...`` of the row at ``row0``."""
+        if BF16_PARTIALS:
+            for w in range(t4, DW, 4):
+                f0 = first[2 * w]
+                f1 = first[2 * w + 1]
+                if f0 < nvis or f1 < nvis:
+                    word = o_part[row0 + uint64(w)]
+                    lo = bf16_to_f32(word & uint32(0xFFFF))
+                    hi = bf16_to_f32(word >> uint32(16))
+                    if f0 < nvis:
+                        lo += nonfinite_sum(v, key0, h, 2 * w, f0, nvis)
+                    if f1 < nvis:
+                        hi += nonfinite_sum(v, key0, h, 2 * w + 1, f1, nvis)
+                    o_part[row0 + uint64(w)] = pack_bf16x2(lo, hi)
+        else:
+            for d in range(t4, D, 4):
+                f = first[d]
+                if f < nvis:
+                    o_part[row0 + uint64(d)] += nonfinite_sum(v, key0, h, d, f, nvis)
+
+    @cuda.jit(device=True, inline=True)
+    def fix_o(o_part, v, first, t4, t_top, t_bot, at_top, at_bot, pos_top, pos_bot, key_pos0,
+              key0, nk, h):
+        """The rare path of a flagged block (``clean_v``), after every part of a tile is
+        stored: the elements of this lane's two rows that see a non-finite V get the
+        reference's NaN or infinity (the module docstring). Warp-uniform (every lane of the
+        warp calls it: the stores it reads back came from the quad's four lanes)."""
+        cuda.syncwarp()  # the quad's stores of the two rows are visible to its lanes
+        back = uint64(t4) if BF16_PARTIALS else uint64(2 * t4)  # o_offsets' lane column
+        if t_top >= 0:
+            fix_row(o_part, v, first, t4, at_top - back, min(nk, pos_top - key_pos0 + 1),
+                    key0, h)
+        if t_bot >= 0:
+            fix_row(o_part, v, first, t4, at_bot - back, min(nk, pos_bot - key_pos0 + 1),
+                    key0, h)
 
     return SimpleNamespace(
         R=R, NT=NT, NG=NG, LD=LD, OFF_V=OFF_V, OFF_Q=OFF_Q, DW=DW, QBUF=R * LD, PIECES=PIECES,
         NS=NS, NO=NO, KS=D // 16, KP=Bk // 16, NO_PART=NO_PART, S_REGS=4 * NS, P_REGS=2 * NS,
-        O_REGS=4 * NO_PART, CTA_THREADS=NG * NT,
+        O_REGS=4 * NO_PART, CTA_THREADS=CTA_THREADS,
         # The twin mma on a GPU (MSA_MMA=twin) runs syncthreads inside: every group then walks
         # the same number of tiles (a group past the end computes on stale rows and stores
         # nothing); the simulator's twin, which meets only its warp, does the same so that both
@@ -271,5 +370,6 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         UNIFORM=_mma.MMA_BACKEND == "twin",
         JIT={} if SIMULATOR or NG == 1 else {"launch_bounds": (NG * NT, 1)},
         copy16=copy16, commit=cp_async_commit if use_async else no_op,
-        wait_all=cp_async_wait_all if use_async else no_op, gather=gather, softmax=softmax,
-        o_offsets=o_offsets, store_o=store_o, store_lse=store_lse)
+        wait_all=cp_async_wait_all if use_async else no_op, load_kv=load_kv, clean_v=clean_v,
+        first_nonfinite=checks.first_nonfinite, gather=gather, softmax=softmax,
+        o_offsets=o_offsets, store_o=store_o, store_lse=store_lse, fix_o=fix_o)

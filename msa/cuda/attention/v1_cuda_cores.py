@@ -5,9 +5,11 @@ One CTA per work item ``[kv_head, row, q_begin, q_count, batch, kv_block]``: loa
 walk the item's CSR entries in tiles of ``P`` query positions x ``G`` heads; per tile one thread
 per score ``S = (Q s) Kᵀ`` under the token-level causal mask, then one thread per row for the
 block-local softmax ``m = rowmax(S)``, ``P = exp(S - m)``, ``l = rowsum(P)``, then one thread per
-output element ``O_s = P V / l``, ``L_s = m + log l`` into the slot the CSR assigned. Any dtype
-(fp32/fp16/bf16), any ``D <= 256`` and ``Bk`` that fit shared memory (the planner halves ``P``
-until they do).
+output element ``O_s = P V / l``, ``L_s = m + log l`` into the slot the CSR assigned. The sum
+of ``P V`` runs over the row's visible keys only (masking by selection, docs/design.md §3: a NaN
+or an infinity in V at a key the row cannot see never reaches it, and one it sees gives the
+reference's NaN or infinity; no cost: the loop is shorter). Any dtype (fp32/fp16/bf16), any
+``D <= 256`` and ``Bk`` that fit shared memory (the planner halves ``P`` until they do).
 
 Where it runs: fp32 inputs (the tensor cores take 16-bit ones), and 16-bit inputs whose ``D`` or
 ``Bk`` is not a multiple of 16. Verdict: the tested fallback; slow (one thread per dot
@@ -28,6 +30,7 @@ from .._core.diskcache import kernel_jit
 
 THREADS = 32 if SIMULATOR else 128
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
 
 
 def _identity_f32(x):
@@ -130,19 +133,25 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
                 m = _NEG_INF
                 for c in range(nk):
                     m = max(m, smem[OFF_S + r * LDS + c])
+                # As the reference: m = 0 where it is not finite (nothing visible: S - m stays
+                # -inf, P = 0; a +inf score: P = inf there, so l = L_s = +inf), and a NaN score
+                # (the max passes over it) gives P = NaN, so l = L_s = NaN.
+                m_use = m if m > _NEG_INF and m < _POS_INF else float32(0.0)
                 l = float32(0.0)
-                if m > _NEG_INF:
-                    for c in range(nk):
-                        e_rc = smem[OFF_S + r * LDS + c]
-                        p_rc = float32(0.0)
-                        if e_rc > _NEG_INF:
-                            p_rc = math.exp(e_rc - m)
-                        smem[OFF_S + r * LDS + c] = p_rc
-                        l += p_rc
-                row_m[r] = m
+                for c in range(nk):
+                    e_rc = smem[OFF_S + r * LDS + c]
+                    p_rc = float32(0.0)
+                    if e_rc != _NEG_INF:
+                        p_rc = math.exp(e_rc - m_use)
+                    smem[OFF_S + r * LDS + c] = p_rc
+                    l += p_rc
+                row_m[r] = m_use
                 row_l[r] = l
             cuda.syncthreads()
-            # O_s = P V / l, L_s = m + log l (0 and -inf when nothing is visible)
+            # O_s = P V / l, L_s = m + log l (0 and -inf when nothing is visible: l = 0; NaN and
+            # +inf L_s where l is). The sum runs over the row's visible keys only (masking by
+            # selection: P = 0 at a later key would multiply its V, and 0 * NaN or 0 * inf is
+            # NaN).
             for i in range(tid, R * D, NT):
                 r = i // D
                 d = i % D
@@ -150,8 +159,8 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
                 if t >= 0:
                     l = row_l[r]
                     acc = float32(0.0)
-                    if l > float32(0.0):
-                        for c in range(nk):
+                    if l != float32(0.0):
+                        for c in range(min(nk, row_pos[r] - key_pos0 + 1)):
                             acc += smem[OFF_S + r * LDS + c] * smem[OFF_V + c * D + d]
                         acc = acc / l
                     o_part[row_slot[r], t, h * G + r % G, d] = store(acc)
@@ -160,7 +169,7 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
                 if t >= 0:
                     l = row_l[r]
                     lse = _NEG_INF
-                    if l > float32(0.0):
+                    if l != float32(0.0):
                         lse = row_m[r] + math.log(l)
                     lse_part[row_slot[r], t, h * G + r % G] = lse
 

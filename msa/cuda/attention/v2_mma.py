@@ -10,6 +10,15 @@ query rows of tile i+1 are prefetched into L1 while tile i computes. fp16/bf16 o
 ``Bk`` multiples of 16 (up to 256). About 168 KB of dynamic shared memory at D = Bk = 128,
 R = 128 (one CTA of 8 warps per SM); 168 registers, no spills (sm_90, offline ptxas).
 
+Masking by selection inside the block (docs/design.md §3; ``msa.cuda._core.finite``): ``P V``
+multiplies ``P = 0`` by V at the keys a row cannot see, so V's non-finite 16-bit values are
+stored into sVt as +0 as the block is loaded (four integer instructions a word in registers,
+once per CTA) and a ``syncthreads_or`` after the load (one more CTA barrier per item) says
+whether the block had one. Only then (the rare path) the CTA finds each column's first such key (one
+pass over V in global memory, two barriers) and, after each tile's stores, the elements whose
+row sees one get the fp32 sum of the visible non-finite values added (NaN, or the infinity the
+reference gives). A block without one gives bitwise the results it gave without the pass.
+
 Where it runs: the tensor-core default where version 3 does not fit (D or Bk above 128: S or O
 would not fit in registers). Verdict (H200, paper configuration): the sparse attention at 128K
 took 216 ms against version 3's 51.8 in the same run, whose scores and probabilities stay in
@@ -24,13 +33,15 @@ import math
 from numba import cuda, float32, int32, uint16, uint32
 
 from .._core import mma as _mma
-from .._core.mma import (exp2, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
+from .._core.finite import block_checks
+from .._core.mma import (bf16_to_f32, exp2, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
 from .._core.packed import LN2, check_entry, item_fields, load_entry
 from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
 _NEG_INF = float32(-math.inf)
+_POS_INF = float32(math.inf)
 
 
 def layout(block_size, head_dim, rows):
@@ -81,11 +92,17 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     pack = pack_bf16x2 if bf16_in else pack_f16x2
     BF16_PARTIALS = bf16_partials
+    checks = block_checks(bf16_in)
+    nonfinite_bits, clean = checks.nonfinite_bits, checks.clean
+    first_nonfinite, nonfinite_sum = checks.first_nonfinite, checks.nonfinite_sum
 
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h, tid):
         """The K/V block, once: K row-major, V transposed (keys past the sequence: zero).
-        KV_BATCH loads are issued before the first store, so that they are in flight together."""
+        KV_BATCH loads are issued before the first store, so that they are in flight together.
+        Every non-finite half of V is stored as +0 (masking by selection: ``P = 0`` at a key a
+        row cannot see then multiplies a zero); returns uint32 1 if this thread met one."""
+        bad = uint32(0)
         for base in range(0, Bk * DW, NT * KV_BATCH):
             for u in range(KV_BATCH):
                 i = base + u * NT + tid
@@ -100,9 +117,14 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
                     c = i // DW
                     w = i % DW
                     smem[c * LDK + w] = kv_k[u]
+                    vw = kv_v[u]
+                    if nonfinite_bits(vw) != uint32(0):  # the rare path
+                        vw, _ = clean(vw)
+                        bad = uint32(1)
                     # V[c, 2w], V[c, 2w+1] go to rows 2w, 2w+1 of Vᵀ, column c (16-bit halves)
-                    sh[2 * (OFF_V + 2 * w * LDV) + c] = uint16(kv_v[u] & uint32(0xFFFF))
-                    sh[2 * (OFF_V + (2 * w + 1) * LDV) + c] = uint16(kv_v[u] >> uint32(16))
+                    sh[2 * (OFF_V + 2 * w * LDV) + c] = uint16(vw & uint32(0xFFFF))
+                    sh[2 * (OFF_V + (2 * w + 1) * LDV) + c] = uint16(vw >> uint32(16))
+        return bad
 
     @cuda.jit(device=True, inline=True)
     def gather_q(smem, q, row_t, cur, h, tid, q_words):
@@ -165,8 +187,9 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         half_m[tid] = m_local
         cuda.syncthreads()
         m = max(half_m[2 * r], half_m[2 * r + 1])
-        # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN)
-        m_use = m if m > _NEG_INF else float32(0.0)
+        # a row with nothing visible uses m = 0, so S - m stays -inf and P = 0 (no NaN); so
+        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf)
+        m_use = m if m > _NEG_INF and m < _POS_INF else float32(0.0)
         l_local = float32(0.0)
         for w in range(half, Bk // 2, 2):
             p0 = exp2(sf[OFF_S + r * LDS + 2 * w] - m_use)
@@ -219,11 +242,51 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
                         t_bot, s_bot, hq_bot, inv_bot)
 
     @cuda.jit(device=True, inline=True)
+    def fix_row(o_part, v, first, t4, t, s, hq, nvis, key0, h):
+        """One row's elements that see a non-finite V (``first[d] < nvis``): + the sum of the
+        visible non-finite ``V[c, d]`` (NaN or the infinity). Lane ``t4`` of the quad takes
+        words (bf16 partials) or columns ``t4, t4 + 4, ...``."""
+        if BF16_PARTIALS:
+            for w in range(t4, DW, 4):
+                f0 = first[2 * w]
+                f1 = first[2 * w + 1]
+                if f0 < nvis or f1 < nvis:
+                    word = o_part[s, t, hq, w]
+                    lo = bf16_to_f32(word & uint32(0xFFFF))
+                    hi = bf16_to_f32(word >> uint32(16))
+                    if f0 < nvis:
+                        lo += nonfinite_sum(v, key0, h, 2 * w, f0, nvis)
+                    if f1 < nvis:
+                        hi += nonfinite_sum(v, key0, h, 2 * w + 1, f1, nvis)
+                    o_part[s, t, hq, w] = pack_bf16x2(lo, hi)
+        else:
+            for d in range(t4, D, 4):
+                f = first[d]
+                if f < nvis:
+                    o_part[s, t, hq, d] += nonfinite_sum(v, key0, h, d, f, nvis)
+
+    @cuda.jit(device=True, inline=True)
+    def fix_o(o_part, v, first, t4, t_top, s_top, hq_top, pos_top, t_bot, s_bot, hq_bot,
+              pos_bot, key_pos0, key0, nk, h):
+        """The rare path of a block with a non-finite V, after ``values``: the elements of
+        this lane's two rows that see one get the reference's NaN or infinity, added to what
+        ``values`` stored (a NaN it computed from a NaN score stays NaN). Rows that see none
+        keep their stored values. Every lane of the warp calls it."""
+        cuda.syncwarp()  # the quad's stores of the two rows are visible to its lanes
+        if t_top >= 0:
+            fix_row(o_part, v, first, t4, t_top, s_top, hq_top,
+                    min(nk, pos_top - key_pos0 + 1), key0, h)
+        if t_bot >= 0:
+            fix_row(o_part, v, first, t4, t_bot, s_bot, hq_bot,
+                    min(nk, pos_bot - key_pos0 + 1), key0, h)
+
+    @cuda.jit(device=True, inline=True)
     def store_lse(lse_part, row_m, r, t, s, hq, l):
-        """L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible)."""
+        """L_s = ln 2 * (m + log2 l) (natural log; -inf when nothing is visible, NaN or +inf
+        where l is: a NaN or +inf score, which K2 then propagates)."""
         if t >= 0:
             lse = _NEG_INF
-            if l > float32(0.0):
+            if l != float32(0.0):
                 lse = (row_m[r] + math.log2(l)) * float32(LN2)
             lse_part[s, t, hq] = lse
 
@@ -243,6 +306,7 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         kv_k = cuda.local.array(KV_BATCH, uint32)
         kv_v = cuda.local.array(KV_BATCH, uint32)
         q_words = cuda.local.array(Q_BATCH, uint32)
+        first_bad = cuda.shared.array(D, int32)  # per column: the block's first non-finite V
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -260,7 +324,13 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)  # Lk - Lq: bottom-right
         num_tiles = (q_count + P - 1) // P
 
-        load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h, tid)
+        # The K/V block, its non-finite V values stored as +0; the barrier ORs whether a thread
+        # met one (then, the rare path, first_bad[d]: the block's first key with V[c, d]
+        # non-finite, for fix_o).
+        bad_v = cuda.syncthreads_or(int32(load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h,
+                                                  tid)))
+        if bad_v:
+            first_nonfinite(first_bad, v, key0, nk, h, tid, NT)
 
         # Pipeline: while tile i computes, the CSR entries of tile i+2 load into registers (row r
         # of the table is thread r's) and tile i+1's query rows are prefetched into L1.
@@ -315,6 +385,9 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
             s_bot = row_slot[cur + r_bot]
             values(smem, o_part, a_base, t4, t_top, s_top, hq_top, inv_top, t_bot, s_bot,
                    hq_bot, inv_bot, keys_rt, dw_rt)
+            if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
+                fix_o(o_part, v, first_bad, t4, t_top, s_top, hq_top, pos_top, t_bot, s_bot,
+                      hq_bot, pos_bot, key_pos0, key0, nk, h)
             if t4 == 0:
                 store_lse(lse_part, row_m, r_top, t_top, s_top, hq_top, l_top)
                 store_lse(lse_part, row_m, r_bot, t_bot, s_bot, hq_bot, l_bot)

@@ -17,6 +17,16 @@ fp16/bf16, D and Bk multiples of 16 up to 128. 136 KB of dynamic shared memory a
 D = Bk = 128, R = 128; 168 registers, no spills (every D, Bk in {16, 32, 64, 128}; sm_90,
 offline ptxas). Inputs that are not 16-byte aligned are copied by plain loads.
 
+Masking by selection inside the block (docs/design.md §3; ``_tile.clean_v`` / ``fix_o``): before
+the K/V barrier each thread replaces the non-finite 16-bit values of the V words it copied by
++0 (four shared loads and about fifteen integer instructions per 16 bytes, once per CTA, which
+serves all of its tiles), and the barrier becomes a ``syncthreads_or`` that flags the block.
+Only a flagged block (the rare path) finds each column's first non-finite key (a pass over V in
+global memory) and, after each tile's stores, adds to the elements whose row sees one the fp32
+sum of the visible non-finite values (NaN, or the infinity the reference gives). An unflagged
+block runs the same mma, softmax and stores as before (bitwise the same results; one
+predicated branch a tile).
+
 Where it runs: the default on GPUs without ``wgmma`` (and in the simulator), for 64-row tiles
 and 3 warp groups where a CTA stays at 12 warps. Verdict (H200, paper configuration): 64-row
 tiles 7.32 against 8.16 ms a 16K-query chunk for 128 rows; 3 groups of 4 warps 3-4% faster
@@ -59,28 +69,18 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
     T = tile_functions(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_async,
              o_parts, groups, vector_stores)
     Bk, G, P = block_size, group, positions
-    R, NT, NG, LD, OFF_V, OFF_Q, DW = T.R, T.NT, T.NG, T.LD, T.OFF_V, T.OFF_Q, T.DW
-    QBUF, PIECES, NS, KS, KP, NO_PART = T.QBUF, T.PIECES, T.NS, T.KS, T.KP, T.NO_PART
+    R, NT, NG, LD, OFF_V, OFF_Q = T.R, T.NT, T.NG, T.LD, T.OFF_V, T.OFF_Q
+    QBUF, NS, KS, KP, NO_PART = T.QBUF, T.NS, T.KS, T.KP, T.NO_PART
     S_REGS, P_REGS, O_REGS, CTA_THREADS, UNIFORM = (T.S_REGS, T.P_REGS, T.O_REGS,
                                                     T.CTA_THREADS, T.UNIFORM)
     O_PARTS = o_parts
-    copy16, commit, wait_all, gather = T.copy16, T.commit, T.wait_all, T.gather
+    commit, wait_all, gather, load_kv, clean_v = (T.commit, T.wait_all, T.gather, T.load_kv,
+                                                   T.clean_v)
     softmax, o_offsets, store_o, store_lse = T.softmax, T.o_offsets, T.store_o, T.store_lse
+    first_nonfinite, fix_o = T.first_nonfinite, T.fix_o
+    D = head_dim
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
     BF16_PARTIALS = bf16_partials
-
-    @cuda.jit(device=True, inline=True)
-    def load_kv(smem, k, v, cta_tid, key0, nk, h, hkv):
-        """Start copying the K/V block, row-major (keys past the sequence: zeros, so that
-        0 * V stays 0)."""
-        for e in range(cta_tid, Bk * PIECES, CTA_THREADS):
-            c = e // PIECES
-            w = (e % PIECES) * 4
-            ok = c < nk
-            src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
-            dst = c * LD + w
-            copy16(smem, dst, k, src, 16 if ok else 0)
-            copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
 
     @kernel_jit(**T.JIT)
     def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
@@ -88,6 +88,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         s_acc = cuda.local.array(S_REGS, float32)
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V mma
         o_acc = cuda.local.array(O_REGS, float32)
+        first_bad = cuda.shared.array(D, int32)  # per column: the block's first non-finite V
         cta_tid = cuda.threadIdx.x
         grp = cta_tid // NT  # this thread's warp group ...
         tid = cta_tid % NT  # ... and its index in it
@@ -129,8 +130,12 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         # warp reads only Q rows it gathered itself (thread tid copies half of row tid // 2,
         # and warp w's A fragments are rows 16 w .. 16 w + 15), so a tile needs no barrier
         # across warps: each warp waits for its own copies and syncs its lanes.
+        # Before the barrier each thread cleans the V words it copied (non-finite -> +0) and
+        # the barrier ORs whether any thread met one: masking by selection (_tile.clean_v).
         wait_all()
-        cuda.syncthreads()
+        bad_v = cuda.syncthreads_or(int32(clean_v(smem, cta_tid)))
+        if bad_v:  # the rare path: where the block's non-finite values are, per column
+            first_nonfinite(first_bad, v, key0, nk, h, cta_tid, CTA_THREADS)
 
         # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
         r_top = 16 * warp + g4
@@ -204,6 +209,9 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
                         mma_pair(o_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
                 store_o(o_part, o_acc, part, t4, t_top, t_bot, at_top, at_bot, inv_top,
                         inv_bot)
+            if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
+                fix_o(o_part, v, first_bad, t4, t_top, t_bot, at_top, at_bot, pos_top, pos_bot,
+                      key_pos0, key0, nk, h)
             store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                       l_top, l_bot)
 

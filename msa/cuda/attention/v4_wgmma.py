@@ -10,7 +10,9 @@ stores and the warp groups are version 3's (``_tile``), and so are the results (
 paper configuration at 128K).
 
 Compute capability 9.0 only, no simulator twin; 64-row tiles; fp16/bf16, D and Bk multiples of
-16 up to 128.
+16 up to 128. Masking by selection inside the block is version 3's (``_tile.clean_v`` on the
+core-matrix layout before the async-proxy fence and the ``syncthreads_or`` barrier, ``fix_o``
+after a flagged block's stores), so the results stay version 3's on non-finite values too.
 
 Where it runs: the default on compute capability 9.0 (H100, H200). Verdict (H200, paper
 configuration at 128K): K1 3.9-4.2 ms a 16K-query chunk against 4.6-5.0 for version 3; the
@@ -26,7 +28,6 @@ from numba import cuda, float32, int32, uint32, uint64
 from .._core import wgmma as _wgmma
 from .._core.memops import ldmatrix_x4
 from .._core.packed import check_entry, item_fields, load_entry
-from .._core.wgmma import core_word
 from ._tile import smem16, tile as tile_functions
 from .._core.diskcache import kernel_jit
 
@@ -38,17 +39,19 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
     """K1 v4 specialised as ``k1_kernel_v3`` (same arguments and kernel arguments), for tiles
     of ``positions * group = 64`` rows: a warp group is one warpgroup."""
     T = tile_functions(block_size, head_dim, group, positions, bf16_in, bf16_partials,
-                       use_async, o_parts, groups, vector_stores)
+                       use_async, o_parts, groups, vector_stores, core_matrices=True)
     Bk, D, G, P = block_size, head_dim, group, positions
-    R, NT, NG, LD, OFF_V, OFF_Q, DW = T.R, T.NT, T.NG, T.LD, T.OFF_V, T.OFF_Q, T.DW
-    QBUF, PIECES, KS, KP, NO_PART = T.QBUF, T.PIECES, T.KS, T.KP, T.NO_PART
+    R, NT, NG, LD, OFF_V, OFF_Q = T.R, T.NT, T.NG, T.LD, T.OFF_V, T.OFF_Q
+    QBUF, KS, KP, NO_PART = T.QBUF, T.KS, T.KP, T.NO_PART
     S_REGS, P_REGS, O_REGS, CTA_THREADS, UNIFORM = (T.S_REGS, T.P_REGS, T.O_REGS,
                                                     T.CTA_THREADS, T.UNIFORM)
     assert R == 64 and _wgmma.AVAILABLE
     O_PARTS = o_parts
     Q_REGS = 4 * KS
-    copy16, commit, wait_all, gather = T.copy16, T.commit, T.wait_all, T.gather
+    commit, wait_all, gather, load_kv, clean_v = (T.commit, T.wait_all, T.gather, T.load_kv,
+                                                   T.clean_v)
     softmax, o_offsets, store_o, store_lse = T.softmax, T.o_offsets, T.store_o, T.store_lse
+    first_nonfinite, fix_o = T.first_nonfinite, T.fix_o
     BF16_PARTIALS = bf16_partials
     ab = "bf16" if bf16_in else "f16"
     wg_s = _wgmma.make_wgmma_rs(Bk, ab, 0)  # S: B = Kᵀ, K-major
@@ -59,19 +62,6 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
     # next 8 keys, n: next 8 dims); a k-step of S moves 256 B, of O 32 D B (/16: descriptor)
     KV_GROUP_BYTES = 16 * D
 
-    @cuda.jit(device=True, inline=True)
-    def load_kv(smem, k, v, cta_tid, key0, nk, h, hkv):
-        """Start copying the K/V block as 8 x 8 core matrices (keys past the sequence: zeros,
-        so that 0 * V stays 0)."""
-        for e in range(cta_tid, Bk * PIECES, CTA_THREADS):
-            c = e // PIECES
-            w = (e % PIECES) * 4
-            ok = c < nk
-            src = ((key0 + (c if ok else 0)) * hkv + h) * DW + w
-            dst = core_word(c, w, D)
-            copy16(smem, dst, k, src, 16 if ok else 0)
-            copy16(smem, OFF_V + dst, v, src, 16 if ok else 0)
-
     @kernel_jit(**T.JIT)
     def _k1_kernel_v4(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
         smem = smem16()
@@ -79,6 +69,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V wgmma
         o_acc = cuda.local.array(O_REGS, float32)
         q_frag = cuda.local.array(Q_REGS, uint32)  # Q's A fragments
+        first_bad = cuda.shared.array(D, int32)  # per column: the block's first non-finite V
         cta_tid = cuda.threadIdx.x
         grp = cta_tid // NT  # this thread's warpgroup ...
         tid = cta_tid % NT  # ... and its index in it
@@ -116,11 +107,16 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
         commit()
         t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, grp + NG, P, G, g_row,
                                   R)
-        # One CTA barrier for K/V (as version 3); K/V came through the generic proxy, and
-        # wgmma reads them through the async one.
+        # One CTA barrier for K/V (as version 3), which also ORs whether a thread cleaned a
+        # non-finite V (_tile.clean_v, before the fence: the cleaned words are generic-proxy
+        # stores too); K/V came through the generic proxy, and wgmma reads them through the
+        # async one.
         wait_all()
+        bad = clean_v(smem, cta_tid)
         _wgmma.fence_proxy_async()
-        cuda.syncthreads()
+        bad_v = cuda.syncthreads_or(int32(bad))
+        if bad_v:  # the rare path: where the block's non-finite values are, per column
+            first_nonfinite(first_bad, v, key0, nk, h, cta_tid, CTA_THREADS)
         k_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, 0), 128, KV_GROUP_BYTES)
         v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), KV_GROUP_BYTES, 128)
 
@@ -191,6 +187,9 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
                 wait_o(o_acc)
                 store_o(o_part, o_acc, part, t4, t_top, t_bot, at_top, at_bot, inv_top,
                         inv_bot)
+            if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
+                fix_o(o_part, v, first_bad, t4, t_top, t_bot, at_top, at_bot, pos_top, pos_bot,
+                      key_pos0, key0, nk, h)
             store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                       l_top, l_bot)
 
