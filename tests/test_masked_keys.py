@@ -6,13 +6,15 @@ KL), to NaN or an infinity too, must leave everything of ``t`` bitwise unchanged
 ``dq_idx``), and in a layer its output row. "Cannot see" is the support: another sequence, a
 later position, or (sparse attention and the KL) a block its group did not select.
 
-Backends: ``msa.reference`` and ``msa.torch`` (CPU). The NumPy-in, NumPy-out cases call the
-stage functions through ``msa.testing.backends.Backend``, so ``msa.cuda`` is one more entry of
-``NUMPY_BACKENDS`` (it then needs float32 inputs and skips what it lacks; to be added by the
-cuda owner). ``msa.cuda``'s forward kernels (K1 and K2, every rung: v1 on float32, the tensor-core
-rungs on float16 and bf16 with D and Bk multiples of 16) have their own tests at the end, which
-also check that a NaN or an infinity in V at a key a row does see gives the reference's NaN and
-infinities.
+Backends: ``msa.reference`` and ``msa.torch`` (CPU) run the properties below through
+``msa.testing.backends.Backend`` on float64 and float32 problems. ``msa.cuda`` has them per
+stage, on the inputs that reach each of its rungs (v1 on float32, the tensor-core rungs on
+float16 and bf16 with D and Bk multiples of 16): the forward (K1 every rung, K2,
+``sparse_attention``) at the end of this file, which also checks that a NaN or an infinity in V
+at a key a row does see gives the reference's NaN and infinities; the backward's ``dq`` in
+``tests/cuda/test_attention_backward.py``; ``kl`` and ``dq_idx`` in ``tests/cuda/test_kl.py``;
+block scores and the fused selection in ``tests/cuda/test_index.py``; decode on a paged cache
+(stale slots, later drafts) in ``tests/cuda/test_decode.py``.
 """
 
 import contextlib
@@ -31,7 +33,7 @@ from msa.testing.backends import SIMULATOR, Backend, cuda_runnable
 
 torch = pytest.importorskip("torch")
 
-NUMPY_BACKENDS = ["reference"]  # + "cuda" (simulator or GPU): to be added by the cuda owner
+NUMPY_BACKENDS = ["reference"]  # msa.cuda: its own per-rung tests (module docstring)
 POISONS = [float("nan"), float("inf"), float("-inf"), 1e30, -3.0]
 
 SHAPES = dict(max_len=40, max_heads=4, max_topk=3, dims=(4, 8), block_sizes=(4, 8, 16))
