@@ -42,9 +42,10 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, types, uint32
 
 from .._core.arrays import SIMULATOR
+from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, ldmatrix_x4,
                             ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
@@ -131,14 +132,24 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     to_bits = f32_to_bf16 if bf16 else f32_to_f16_bits
+    clean_x2 = clean_bf16x2 if bf16 else clean_f16x2
+    nonfinite = is_nonfinite_bf16 if bf16 else is_nonfinite_f16
+    MANT = 0x7F if bf16 else 0x3FF  # mantissa bits: non-zero in a NaN
+    # Lq > 1: rows of one CTA see different keys of a page (the union, the later drafts' keys);
+    # Lq = 1 compiles none of the masking by selection below (every loaded key is visible)
+    DRAFTS = LQ > 1
+    NMIX = NE if DRAFTS else 1  # entries of the union's mixing flags
+    NBAD = SK + 1 if DRAFTS else 1  # a stamp per key of a stage, then one for the stage
     QA, SA, PF, OA = 4 * KSD, 4 * NSC, 2 * NSC, 4 * NO  # register array sizes (constants)
     COMB_L = KSPLIT * ROWS * D  # float offsets of the combine region: O, then m, then l
     COMB_M = COMB_L + KSPLIT * ROWS
-    assert KR % KC == 0 and D % 16 == 0 and R <= 128 and W <= 8
+    assert KR % KC == 0 and KC in (16, 32) and D % 16 == 0 and R <= 128 and W <= 8
 
     @cuda.jit(device=True, inline=True)
-    def build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount):
-        """The distinct valid blocks of the Lq selections, ascending, and who selected them."""
+    def build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount):
+        """The distinct valid blocks of the Lq selections, ascending, who selected them
+        (``umask``: bit i for draft i) and whether an m-tile holds both rows that selected the
+        block and rows that did not (``umix``: its V then needs cleaning, ``clean_stage``)."""
         tid = cuda.threadIdx.x
         for e in range(tid, NE, NTH):
             v = block_indices[t0 + e // K, r, e % K]
@@ -169,7 +180,110 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                         mask |= 1 << (e2 // K)
                 union[rank] = v
                 umask[rank] = mask
+                if DRAFTS:
+                    umix[rank] = mixes(mask)
         cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def mixes(mask):
+        """1 if some m-tile's real rows include drafts in ``mask`` and drafts not in it."""
+        mix = 0
+        for m in range(MT):
+            a = (16 * m) // G
+            width = min(R - 1, 16 * m + 15) // G - a + 1
+            sub = (mask >> a) & ((1 << width) - 1)
+            if sub != 0 and sub != (1 << width) - 1:
+                mix = 1
+        return mix
+
+    @cuda.jit(device=True, inline=True)
+    def clean_stage(smem, base, lo, hi, vbad, stamp):
+        """Masking by selection inside the V tile: the non-finite halves of keys ``lo .. hi -
+        1`` of the stage at word ``base`` become +0 (a row that cannot see such a key multiplies
+        it by P = 0, and 0 * NaN is NaN); ``vbad[c] = stamp`` marks a key that had one and
+        ``vbad[SK] = stamp`` the stage, for ``restore``. Finite words are not written."""
+        for e in range(cuda.threadIdx.x, (hi - lo) * DW, NTH):
+            c = lo + e // DW
+            at = base + OFF_V + c * LD + e % DW
+            w, bad = clean_x2(smem[at])
+            if bad:
+                smem[at] = w
+                vbad[c] = stamp
+                vbad[SK] = stamp
+
+    @cuda.jit(device=True, inline=True)
+    def mark_code(bits, p_zero):
+        """What a seen V half adds to ``O`` once cleaned: 0 (finite), 1 (+inf), 2 (-inf) or 4
+        (NaN: a NaN, or an infinity times P = 0)."""
+        if not nonfinite(bits):
+            return uint32(0)
+        if (bits & MANT) != 0 or p_zero:
+            return uint32(4)
+        return uint32(2) if bits & 0x8000 else uint32(1)
+
+    @cuda.jit(device=True, inline=True)
+    def mark_keys(smem, w_top, w_bot, k0, vbad, stamp, lim_top, lim_bot, v_cache, page, r,
+                  key0, row_top, t4):
+        """``restore`` for this lane's keys ``k0 + 2 t4`` and ``+ 1`` of one n-tile of P
+        (``w_top``, ``w_bot``: its P words of rows g and g + 8)."""
+        for e in range(2):
+            c = k0 + 2 * t4 + e
+            if vbad[c] == stamp:
+                for tb in range(2):
+                    w = w_top if tb == 0 else w_bot
+                    if c <= (lim_top if tb == 0 else lim_bot):
+                        p_zero = ((w >> (16 * e)) & 0x7FFF) == 0
+                        at = OFF_Q + (row_top + 8 * tb) * LD
+                        for wd in range(DW):
+                            vw = v_cache[page, r, key0 + c, wd]
+                            code = mark_code(vw & 0xFFFF, p_zero) | (
+                                mark_code(vw >> 16, p_zero) << 16)
+                            if code:
+                                cuda.atomic.or_(smem, at + wd, code)
+
+    @cuda.jit(device=True, inline=True)
+    def restore(smem, p_frag, vbad, stamp, c0, lim_top, lim_bot, v_cache, page, r, key0,
+                row_top, t4):
+        """After ``O += P V`` of a chunk whose V tile ``clean_stage`` cleaned: every non-finite
+        half of a cleaned key that a row sees is marked (``mark_code``, or-ed into the row's
+        words of the query region, free once the queries are in registers) so that ``finish``
+        adds to the row what the product gave before cleaning: NaN, +inf or -inf
+        (docs/design.md §3). The n-tiles of P one by one with constant indices (P stays in
+        registers); the values come from global memory (a rare path)."""
+        mark_keys(smem, p_frag[0], p_frag[1], c0, vbad, stamp, lim_top, lim_bot, v_cache, page,
+                  r, key0, row_top, t4)
+        mark_keys(smem, p_frag[2], p_frag[3], c0 + 8, vbad, stamp, lim_top, lim_bot, v_cache,
+                  page, r, key0, row_top, t4)
+        if NSC == 4:
+            mark_keys(smem, p_frag[4], p_frag[5], c0 + 16, vbad, stamp, lim_top, lim_bot,
+                      v_cache, page, r, key0, row_top, t4)
+            mark_keys(smem, p_frag[6], p_frag[7], c0 + 24, vbad, stamp, lim_top, lim_bot,
+                      v_cache, page, r, key0, row_top, t4)
+
+    @cuda.jit(device=True, inline=True)
+    def marked(smem, row, d, val):
+        """``val`` of element ``(row, d)`` plus what ``restore`` marked there: NaN (a NaN, an
+        infinity times 0, or both infinities), +inf or -inf; ``val`` itself if nothing."""
+        code = (smem[OFF_Q + row * LD + d // 2] >> (16 * (d % 2))) & 0xFFFF
+        if code == 0:
+            return val
+        if code & 4 or code == 3:
+            return val + float32(math.nan)
+        return val + (float32(math.inf) if code == 1 else float32(-math.inf))
+
+    if DRAFTS:
+        @cuda.jit(device=True, inline=True)
+        def draft_arrays(umask, raw):
+            """The shared arrays of masking by selection: the union's mixing flags and the
+            cleaned keys' stamps."""
+            umix = cuda.shared.array(NMIX, int32)  # one line each: the simulator keys
+            vbad = cuda.shared.array(NBAD, int32)  # a shared array by its source line
+            return umix, vbad
+    else:
+        @cuda.jit(device=True, inline=True)
+        def draft_arrays(umask, raw):
+            """Lq = 1 declares none (stand-ins, never read)."""
+            return umask, raw
 
     @cuda.jit(device=True, inline=True)
     def load_stage(smem, base, r, k_cache, v_cache, page, ok, key0, n_keys):
@@ -307,8 +421,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             smem_f[COMB_L + bot] = l_bot
 
     @cuda.jit(device=True, inline=True)
-    def finish(smem_f, s, t0, r, o_part, lse_part, o, lse):
-        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the outputs."""
+    def finish(smem_f, smem, marks, s, t0, r, o_part, lse_part, o, lse):
+        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the outputs;
+        ``marks``: add what ``restore`` marked."""
         for e in range(cuda.threadIdx.x, R * D, NTH):
             row = e // D
             d = e % D
@@ -323,6 +438,8 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                     total += smem_f[COMB_L + kr * ROWS + row] * w
                     acc += smem_f[(kr * ROWS + row) * D + d] * w
             val = acc / total if total > float32(0.0) else float32(0.0)
+            if DRAFTS and marks:
+                val = marked(smem, row, d, val)
             ls = (mb + math.log2(total)) * float32(LN2) if total > float32(0.0) else NEG_INF
             t = t0 + row // G
             h = r * G + row % G
@@ -346,6 +463,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         first = cuda.shared.array(NE, int32)
         union = cuda.shared.array(NE, int32)
         umask = cuda.shared.array(NE, int32)
+        umix, vbad = draft_arrays(umask, raw)  # mixing flags; stamps of the cleaned keys
         ucount = cuda.shared.array(1, int32)
         qa = cuda.local.array(QA, types.uint32)  # Q's A fragments
         s_acc = cuda.local.array(SA, float32)
@@ -366,7 +484,10 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         t0 = b * LQ
         _, pos_last = query_of(t0 + LQ - 1, LQ, cache_seqlens, block_table.shape[1] * BK)
         nb = (pos_last + BK) // BK if pos_last >= 0 else 0
-        build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount)
+        if DRAFTS:
+            for e in range(tid, NBAD, NTH):
+                vbad[e] = 0
+        build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount)
         n_union = ucount[0]
         per = (n_union + splits - 1) // splits
         u0 = s * per
@@ -378,6 +499,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         i_bot = row_bot // G if row_bot < R else -1
         pos_top = pos_last - (LQ - 1 - i_top)
         pos_bot = pos_last - (LQ - 1 - i_bot)
+        pos_first = pos_last - (LQ - 1)  # the first draft's position: later keys are hidden
         for i in range(4 * NO):
             o_acc[i] = float32(0.0)
         st[0] = NEG_INF
@@ -387,6 +509,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         n_keys = pos_last + 1
         n_stages = max(0, u1 - u0) * SPP
+        marking = False  # restore marked a value (the query region holds the marks)
         # the queries and stage 0; then at stage c: wait for it, free stage c - 1 (barrier),
         # start copying stage c + 1, compute stage c
         load_queries(smem, q, t0, r)
@@ -415,15 +538,42 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                 lim_top = pos_top - j * BK - key0 if i_top >= 0 and (mask >> i_top) & 1 else -1
                 lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
                 base = (c % STAGES) * STAGE
+                lim_warp = -1
+                stage_bad = False
+                if DRAFTS:
+                    # keys lo .. hi - 1 may be hidden from a row that multiplies them: all of
+                    # them where an m-tile mixes selecting and other drafts, else those after
+                    # the first draft's position (the later drafts' keys); none past the length
+                    at = j * BK + key0
+                    lo = 0 if umix[u] else max(0, pos_first + 1 - at)
+                    hi = min(SK, n_keys - at)
+                    if lo < hi:
+                        clean_stage(smem, base, lo, hi, vbad, c + 1)
+                        cuda.syncthreads()
+                        stage_bad = vbad[SK] == c + 1
+                        if stage_bad and not marking:  # the first: clear the marks' region
+                            for e in range(tid, ROWS * LD, NTH):
+                                smem[OFF_Q + e] = 0
+                            cuda.syncthreads()
+                            marking = True
+                    # a warp none of whose rows sees a key of a chunk skips it (its rows' P
+                    # would be 0 there: the same state, no product with what they cannot see)
+                    lim_warp = max(lim_top, lim_bot)
+                    for off in (16, 8, 4, 2, 1):
+                        lim_warp = max(lim_warp, cuda.shfl_xor_sync(FULL_MASK, lim_warp, off))
                 for c0 in range(kr * KR, (kr + 1) * KR, KC):
-                    chunk_scores(smem, base, qa, s_acc, c0, lane)
-                    online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
-                    chunk_pv(smem, base, p_frag, o_acc, c0, lane)
+                    if not DRAFTS or c0 <= lim_warp:  # Lq = 1: every chunk computes
+                        chunk_scores(smem, base, qa, s_acc, c0, lane)
+                        online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
+                        chunk_pv(smem, base, p_frag, o_acc, c0, lane)
+                        if DRAFTS and stage_bad:
+                            restore(smem, p_frag, vbad, c + 1, c0, lim_top, lim_bot, v_cache,
+                                    page, r, key0, row_top, t4)
         cp_async_wait_all()  # nothing in flight at exit (an empty split's queries)
         cuda.syncthreads()  # every warp is done with the stages: their memory is reused
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
         cuda.syncthreads()
-        finish(smem_f, s, t0, r, o_part, lse_part, o, lse)
+        finish(smem_f, smem, marking, s, t0, r, o_part, lse_part, o, lse)
 
     return kernel
 
