@@ -10,6 +10,11 @@ compared with a float64 oracle within twice the float32 reference's error, plus 
 of the 16-bit P (rung 2) and of the 16-bit output (``msa.testing.tolerance``). Outputs start as
 NaN (the cuda conftest's poison).
 
+Masking by selection (docs/design.md §3): every slot a draft may not see is poisoned (NaN,
+infinities, 1e30) and its O, LSE and selection must stay bitwise those of the clean run, in the
+reference and both rungs; a NaN or infinity a row does see must give the reference's NaN or
+infinity, element by element, also where rung 2 cleaned the tile for the rows that do not.
+
 Shapes stay tiny in the simulator (Bk = D = Didx = 16); ``big`` tests run the paper
 configuration on a GPU, and ``gpu`` tests capture a step in a CUDA graph.
 """
@@ -303,7 +308,7 @@ def step_of(version):
 @st.composite
 def stale_cases(draw, lq, g):
     """Ragged lengths (one below a block, one a multiple of Bk, one a block and one over), the
-    sizes, and the poison: which of ``POISONS`` fill the hidden slots and the generator seed."""
+    sizes, and the poison: which of ``POISONS`` fill the hidden slots and the seed."""
     bk = draw(st.sampled_from([16, 32] if g < 16 else [16]))
     lens = [draw(st.integers(lq, bk - 1)), bk * draw(st.integers(1, 3)),
             bk * draw(st.integers(1, 3)) + 1]
@@ -327,14 +332,18 @@ def _stale_params():
 @settings(max_examples=2 if SIMULATOR else 10)
 @given(data=st.data())
 def test_a_query_never_reads_a_slot_it_cannot_see(version, lq, g, data):
-    # docs/design.md §3 and §8: every slot draft i may not see (past the lengths, unlisted pages,
-    # the later drafts' keys, the blocks only other drafts selected) holds NaN, +-inf or 1e30,
-    # and draft i's O, LSE and selection are bitwise those of the run with finite values there
+    # docs/design.md §3 and §8: every slot draft i may not see (past the lengths, unlisted pages
+    # and pages listed past a request's blocks, the later drafts' keys, the blocks only other
+    # drafts selected) holds NaN, +-inf or 1e30, and draft i's O, LSE and selection are bitwise
+    # those of the run with finite values there
     case = data.draw(stale_cases(lq, g), label="case")
     bk, topk = case["bk"], case["topk"]
     p = paged_problem(case["lens"], lq, hq=g * case["hkv"], hkv=case["hkv"], bk=bk, topk=topk,
                       dtype=np.float16, seed=case["seed"] % 1000, integer_index=True)
     clean = with_finite_slots(p, case["seed"])
+    unused = p.block_table < 0  # past each request's blocks: page ids too, never to be read
+    p.block_table[unused] = np.random.default_rng(case["seed"]).integers(
+        0, p.k_cache.shape[0], int(unused.sum()))
     step = step_of(version)
     o, lse, I = step(p.q, p.q_idx, clean.k_cache, clean.v_cache, clean.k_idx_cache,
                      p.block_table, p.cache_seqlens, bk, topk)
@@ -348,6 +357,38 @@ def test_a_query_never_reads_a_slot_it_cannot_see(version, lq, g, data):
         assert_exact(I2[rows], I[rows], name=f"block_indices of draft {i}")
         assert_exact(bits(lse2)[rows], bits(lse)[rows], name=f"lse bits of draft {i}")
         assert_exact(bits(o2)[rows], bits(o)[rows], name=f"o bits of draft {i}")
+
+
+@pytest.mark.parametrize("lq,g", [(1, 4), (2, 1), (4, 4), (4, 16)])
+def test_a_seen_non_finite_value_gives_what_the_reference_gives(lq, g):
+    # rung 2 cleans the V tiles that rows which cannot see a key multiply (Lq > 1), and must
+    # not hide a value that a row does see: the rows that see a NaN or an infinity get NaN or
+    # that infinity exactly where the reference does, element by element; the rest is close
+    p = paged_problem([40, 49], lq, hq=g, hkv=1, bk=16, topk=2, dtype=np.float16, seed=21,
+                      integer_index=True)
+    w = widened(p)
+    I = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table, p.cache_seqlens,
+                                 16, 2)
+    v = p.v_cache.copy()
+    for b, n in enumerate(p.cache_seqlens.tolist()):
+        last = n - 1  # seen by the last draft only
+        other = int(I[b * lq, 0, 0]) * 16 + 3  # in draft 0's first block, maybe no one else's
+        for pos, values in ((last, {0: np.nan, 1: np.inf, 2: -np.inf}),
+                            (other, {1: -np.inf, 5: np.inf})):
+            page, slot = p.block_table[b, pos // 16], pos % 16
+            for d, x in values.items():
+                v[page, 0, slot, d] = x
+    want, _ = ref.decode_attention(w["q"], w["k_cache"], f32(v), I, p.block_table,
+                                   p.cache_seqlens, 16)
+    assert np.isnan(want).any() and np.isinf(want).any()
+    for version in (1, 2):
+        o, _ = gpu.decode_attention(p.q, p.k_cache, v, I, p.block_table, p.cache_seqlens, 16,
+                                    version=version)
+        got = f32(to_numpy(o))
+        for what, cls in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+            assert_exact(cls(got), cls(want), name=f"{what} in o of v{version}")
+        fin = np.isfinite(want)
+        assert np.abs(got[fin] - want[fin]).max() < 3e-3
 
 
 # -- plan and run -------------------------------------------------------------------------------
