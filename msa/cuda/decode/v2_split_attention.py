@@ -18,6 +18,18 @@ that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of ten
   pos_i``: masked scores are ``-inf`` before the softmax, never multiplied by 0), the online
   softmax in base 2 in registers (``ex2.approx``), ``P`` packed to 16 bits as the A fragments
   of ``O += P V`` (V's B fragments by ``ldmatrix.trans``).
+* Masking by selection inside the tiles (docs/design.md §3; Lq > 1 only, Lq = 1 compiles none
+  of it: every key it loads is one its rows see). Keys past the length are loaded as zeros. A
+  warp none of whose rows sees a key of a chunk skips the chunk (the state it would compute is
+  the state it has; at G = 16 an m-tile is one draft, so it skips the other drafts' pages).
+  Where a computing warp has a row that cannot see a loaded key (the later drafts' keys; every
+  key of a block where an m-tile mixes drafts that selected it with drafts that did not,
+  ``mixes``), that row multiplies the key's V by P = 0, so ``clean_stage`` replaces the
+  non-finite halves of those V rows by +0 in shared memory (``_core.finite``) before any warp
+  reads them. The rows that do see a cleaned value get it back: ``restore`` marks NaN, +inf or
+  -inf per (row, column) in the query region (free once Q is in registers), and ``finish``
+  adds the marks, the IEEE result of ``p * v`` (NaN where ``p`` is 0). On finite data the
+  cleaning changes no bit (a skipped chunk adds exact zeros, a cleaned word is finite already).
 * The warps of one m-tile combine their ``(m, l, O)`` through shared memory; the split writes
   ``o_part [S, B*Lq, Hq, D]`` float32 and ``lse_part [S, B*Lq, Hq]`` (or, with one split, the
   outputs themselves).
@@ -33,7 +45,10 @@ registers) and every row's scores computed against every page of the union, sele
 Two key stages (copy the next while one is computed) against one page at a time: 0.073
 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x 8K. More splits are slower (0.094 ms
 at 9, 0.129 at 16 against 0.076 at 5: the union and query loads of each split); a register cap
-of 168 changed nothing.
+of 168 changed nothing. The masking by selection (offline ``ptxas``, sm_90a): 224 -> 235
+registers at Lq = 4 and 8 (no spills), Lq = 1 unchanged; its cost on the GPU is not measured
+yet (on finite data: a few integer ops and five shuffles a stage, a sweep of the V words of the
+later drafts' keys in the last page, a full sweep only where an m-tile mixes drafts).
 """
 
 from __future__ import annotations
