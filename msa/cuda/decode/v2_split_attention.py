@@ -26,10 +26,11 @@ that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of ten
   key of a block where an m-tile mixes drafts that selected it with drafts that did not,
   ``mixes``), that row multiplies the key's V by P = 0, so ``clean_stage`` replaces the
   non-finite halves of those V rows by +0 in shared memory (``_core.finite``) before any warp
-  reads them. The rows that do see a cleaned value get it back: ``restore`` marks NaN, +inf or
-  -inf per (row, column) in the query region (free once Q is in registers), and ``finish``
-  adds the marks, the IEEE result of ``p * v`` (NaN where ``p`` is 0). On finite data the
-  cleaning changes no bit (a skipped chunk adds exact zeros, a cleaned word is finite already).
+  reads them, keeping their 2-bit classes in the rows' padding words. The rows that do see a
+  cleaned value get it back: ``restore`` or-s the classes into per-(row, column) marks in the
+  query region (free once Q is in registers) and ``finish`` adds them (NaN, +inf or -inf, the
+  reference's result). On finite data no bit changes (a skipped chunk adds exact zeros, a
+  finite word is not written).
 * The warps of one m-tile combine their ``(m, l, O)`` through shared memory; the split writes
   ``o_part [S, B*Lq, Hq, D]`` float32 and ``lse_part [S, B*Lq, Hq]`` (or, with one split, the
   outputs themselves).
@@ -45,10 +46,11 @@ registers) and every row's scores computed against every page of the union, sele
 Two key stages (copy the next while one is computed) against one page at a time: 0.073
 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x 8K. More splits are slower (0.094 ms
 at 9, 0.129 at 16 against 0.076 at 5: the union and query loads of each split); a register cap
-of 168 changed nothing. The masking by selection (offline ``ptxas``, sm_90a): 224 -> 235
-registers at Lq = 4 and 8 (no spills), Lq = 1 unchanged; its cost on the GPU is not measured
-yet (on finite data: a few integer ops and five shuffles a stage, a sweep of the V words of the
-later drafts' keys in the last page, a full sweep only where an m-tile mixes drafts).
+of 168 changed nothing. The masking by selection (offline ``ptxas``, sm_90a, no spills): 224 ->
+227 registers at G = 16, Lq = 4 and 8 (the same occupancy), 168 -> 212 at G <= 8, Lq > 1 (three
+CTAs an SM by registers become two), Lq = 1 unchanged; on the GPU not measured yet (finite data:
+a few integer ops and five shuffles a stage, a sweep of the V words of the later drafts' keys in
+the last pages, a full sweep of a stage only where an m-tile mixes drafts).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     clean_x2 = clean_bf16x2 if bf16 else clean_f16x2
     nonfinite = is_nonfinite_bf16 if bf16 else is_nonfinite_f16
     MANT = 0x7F if bf16 else 0x3FF  # mantissa bits: non-zero in a NaN
+    D16 = D // 16  # words of 2-bit codes a row (16 columns each): V's classes, the marks
     # Lq > 1: rows of one CTA see different keys of a page (the union, the later drafts' keys);
     # Lq = 1 compiles none of the masking by selection below (every loaded key is visible)
     DRAFTS = LQ > 1
@@ -212,77 +215,73 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         return mix
 
     @cuda.jit(device=True, inline=True)
+    def half_code(bits):
+        """The 2-bit class of a 16-bit value: 0 finite, 1 +inf, 2 -inf, 3 NaN (or-ing two
+        codes gives the class of their sum: +inf | -inf = NaN)."""
+        if not nonfinite(bits):
+            return uint32(0)
+        if bits & MANT:
+            return uint32(3)
+        return uint32(2) if bits & 0x8000 else uint32(1)
+
+    @cuda.jit(device=True, inline=True)
+    def code_at(base, c, q):
+        """Word of key ``c``'s codes for columns ``16 q .. 16 q + 15`` of the stage at ``base``:
+        the padding words of its K row (q < 4), then of its V row (``D / 16 <= 8`` words)."""
+        return base + c * LD + DW + q if q < 4 else base + OFF_V + c * LD + DW + q - 4
+
+    @cuda.jit(device=True, inline=True)
     def clean_stage(smem, base, lo, hi, vbad, stamp):
         """Masking by selection inside the V tile: the non-finite halves of keys ``lo .. hi -
         1`` of the stage at word ``base`` become +0 (a row that cannot see such a key multiplies
-        it by P = 0, and 0 * NaN is NaN); ``vbad[c] = stamp`` marks a key that had one and
-        ``vbad[SK] = stamp`` the stage, for ``restore``. Finite words are not written."""
-        for e in range(cuda.threadIdx.x, (hi - lo) * DW, NTH):
-            c = lo + e // DW
-            at = base + OFF_V + c * LD + e % DW
-            w, bad = clean_x2(smem[at])
-            if bad:
-                smem[at] = w
+        it by P = 0, and 0 * NaN is NaN). What was there is kept for ``restore``: ``half_code``
+        of every column in the key's padding words (``code_at``), ``vbad[c] = stamp`` for a key
+        that had one, ``vbad[SK] = stamp`` for the stage. Finite V words are not written."""
+        for e in range(cuda.threadIdx.x, (hi - lo) * D16, NTH):
+            c = lo + e // D16
+            q = e % D16
+            at = base + OFF_V + c * LD + 8 * q
+            code = uint32(0)
+            for k in range(8):  # the 16 columns of code word q
+                w = smem[at + k]
+                cw, bad = clean_x2(w)
+                if bad:
+                    smem[at + k] = cw
+                    code |= (half_code(w & 0xFFFF) | (half_code(w >> 16) << 2)) << (4 * k)
+            smem[code_at(base, c, q)] = code
+            if code:
                 vbad[c] = stamp
                 vbad[SK] = stamp
 
     @cuda.jit(device=True, inline=True)
-    def mark_code(bits, p_zero):
-        """What a seen V half adds to ``O`` once cleaned: 0 (finite), 1 (+inf), 2 (-inf) or 4
-        (NaN: a NaN, or an infinity times P = 0)."""
-        if not nonfinite(bits):
-            return uint32(0)
-        if (bits & MANT) != 0 or p_zero:
-            return uint32(4)
-        return uint32(2) if bits & 0x8000 else uint32(1)
-
-    @cuda.jit(device=True, inline=True)
-    def mark_keys(smem, w_top, w_bot, k0, vbad, stamp, lim_top, lim_bot, v_cache, page, r,
-                  key0, row_top, t4):
-        """``restore`` for this lane's keys ``k0 + 2 t4`` and ``+ 1`` of one n-tile of P
-        (``w_top``, ``w_bot``: its P words of rows g and g + 8)."""
-        for e in range(2):
-            c = k0 + 2 * t4 + e
-            if vbad[c] == stamp:
-                for tb in range(2):
-                    w = w_top if tb == 0 else w_bot
-                    if c <= (lim_top if tb == 0 else lim_bot):
-                        p_zero = ((w >> (16 * e)) & 0x7FFF) == 0
-                        at = OFF_Q + (row_top + 8 * tb) * LD
-                        for wd in range(DW):
-                            vw = v_cache[page, r, key0 + c, wd]
-                            code = mark_code(vw & 0xFFFF, p_zero) | (
-                                mark_code(vw >> 16, p_zero) << 16)
-                            if code:
-                                cuda.atomic.or_(smem, at + wd, code)
-
-    @cuda.jit(device=True, inline=True)
-    def restore(smem, p_frag, vbad, stamp, c0, lim_top, lim_bot, v_cache, page, r, key0,
-                row_top, t4):
-        """After ``O += P V`` of a chunk whose V tile ``clean_stage`` cleaned: every non-finite
-        half of a cleaned key that a row sees is marked (``mark_code``, or-ed into the row's
-        words of the query region, free once the queries are in registers) so that ``finish``
-        adds to the row what the product gave before cleaning: NaN, +inf or -inf
-        (docs/design.md §3). The n-tiles of P one by one with constant indices (P stays in
-        registers); the values come from global memory (a rare path)."""
-        mark_keys(smem, p_frag[0], p_frag[1], c0, vbad, stamp, lim_top, lim_bot, v_cache, page,
-                  r, key0, row_top, t4)
-        mark_keys(smem, p_frag[2], p_frag[3], c0 + 8, vbad, stamp, lim_top, lim_bot, v_cache,
-                  page, r, key0, row_top, t4)
-        if NSC == 4:
-            mark_keys(smem, p_frag[4], p_frag[5], c0 + 16, vbad, stamp, lim_top, lim_bot,
-                      v_cache, page, r, key0, row_top, t4)
-            mark_keys(smem, p_frag[6], p_frag[7], c0 + 24, vbad, stamp, lim_top, lim_bot,
-                      v_cache, page, r, key0, row_top, t4)
+    def restore(smem, base, lo, hi, vbad, stamp, mask, at, pos_last):
+        """After ``clean_stage`` cleaned a non-finite value: the codes of every cleaned key
+        ``lo .. hi - 1`` of the stage at ``base`` (block positions from ``at``) are or-ed into
+        the marks of each real row that sees it (draft ``i`` selected the block, ``mask``,
+        and the key is at or before its position), ``D / 16`` words a row in the query region
+        (free once the queries are in registers). ``finish`` adds them to the row: NaN, +inf or
+        -inf, what the reference's products of the seen values give (docs/design.md §3; P > 0
+        there, so an infinity stays one even where the 16-bit P rounded to 0). A rare path,
+        run by the whole CTA outside the chunks (no registers of theirs)."""
+        n = hi - lo
+        for e in range(cuda.threadIdx.x, R * n, NTH):
+            row = e // n
+            c = lo + e % n
+            i = row // G
+            if vbad[c] == stamp and (mask >> i) & 1 and at + c <= pos_last - (LQ - 1 - i):
+                for q in range(D16):
+                    code = smem[code_at(base, c, q)]
+                    if code:
+                        cuda.atomic.or_(smem, OFF_Q + row * D16 + q, code)
 
     @cuda.jit(device=True, inline=True)
     def marked(smem, row, d, val):
-        """``val`` of element ``(row, d)`` plus what ``restore`` marked there: NaN (a NaN, an
-        infinity times 0, or both infinities), +inf or -inf; ``val`` itself if nothing."""
-        code = (smem[OFF_Q + row * LD + d // 2] >> (16 * (d % 2))) & 0xFFFF
+        """``val`` of element ``(row, d)`` plus what ``restore`` marked there (``half_code``):
+        NaN, +inf or -inf; ``val`` itself if nothing."""
+        code = (smem[OFF_Q + row * D16 + d // 16] >> (2 * (d % 16))) & 3
         if code == 0:
             return val
-        if code & 4 or code == 3:
+        if code == 3:
             return val + float32(math.nan)
         return val + (float32(math.inf) if code == 1 else float32(-math.inf))
 
@@ -554,7 +553,6 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                 lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
                 base = (c % STAGES) * STAGE
                 lim_warp = -1
-                stage_bad = False
                 if DRAFTS:
                     # keys lo .. hi - 1 may be hidden from a row that multiplies them: all of
                     # them where an m-tile mixes selecting and other drafts, else those after
@@ -565,12 +563,13 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                     if lo < hi:
                         clean_stage(smem, base, lo, hi, vbad, c + 1)
                         cuda.syncthreads()
-                        stage_bad = vbad[SK] == c + 1
-                        if stage_bad and not marking:  # the first: clear the marks' region
-                            for e in range(tid, ROWS * LD, NTH):
-                                smem[OFF_Q + e] = 0
-                            cuda.syncthreads()
-                            marking = True
+                        if vbad[SK] == c + 1:  # a non-finite value was cleaned
+                            if not marking:  # the first: clear the marks
+                                for e in range(tid, ROWS * D16, NTH):
+                                    smem[OFF_Q + e] = 0
+                                cuda.syncthreads()
+                                marking = True
+                            restore(smem, base, lo, hi, vbad, c + 1, mask, at, pos_last)
                     # a warp none of whose rows sees a key of a chunk skips it (its rows' P
                     # would be 0 there: the same state, no product with what they cannot see)
                     lim_warp = max(lim_top, lim_bot)
@@ -581,9 +580,6 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                         chunk_scores(smem, base, qa, s_acc, c0, lane)
                         online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
                         chunk_pv(smem, base, p_frag, o_acc, c0, lane)
-                        if DRAFTS and stage_bad:
-                            restore(smem, p_frag, vbad, c + 1, c0, lim_top, lim_bot, v_cache,
-                                    page, r, key0, row_top, t4)
         cp_async_wait_all()  # nothing in flight at exit (an empty split's queries)
         cuda.syncthreads()  # every warp is done with the stages: their memory is reused
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
