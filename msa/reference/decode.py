@@ -34,6 +34,11 @@ The definition (``decode_step``) is the existing reference on the gathered seque
 with ``cu_q = [0, Lq, 2 Lq, ...]``; block ids in ``I`` are the request's logical blocks ``j``
 (batch-local, as everywhere in msa), not page numbers. ``msa.cuda.decode`` computes the same
 functions straight from the pages.
+
+Stale slots: the gather reads only each request's listed blocks up to its length, and the
+prefill functions mask by selection (docs/design.md §3), so a query's results do not depend on
+any slot it cannot see (past the length, unlisted pages, later drafts' keys, blocks it did not
+select), whatever the slot holds: a freed request's pages need no clearing.
 """
 
 from __future__ import annotations

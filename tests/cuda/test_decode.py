@@ -10,6 +10,11 @@ compared with a float64 oracle within twice the float32 reference's error, plus 
 of the 16-bit P (rung 2) and of the 16-bit output (``msa.testing.tolerance``). Outputs start as
 NaN (the cuda conftest's poison).
 
+Masking by selection (docs/design.md §3): every slot a draft may not see is poisoned (NaN,
+infinities, 1e30) and its O, LSE and selection must stay bitwise those of the clean run, in the
+reference and both rungs; a NaN or infinity a row does see must give the reference's NaN or
+infinity, element by element, also where rung 2 cleaned the tile for the rows that do not.
+
 Shapes stay tiny in the simulator (Bk = D = Didx = 16); ``big`` tests run the paper
 configuration on a GPU, and ``gpu`` tests capture a step in a CUDA graph.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from msa.cuda import decode as gpu
 from msa.cuda._core.arrays import SIMULATOR
@@ -226,6 +233,162 @@ def test_gather_is_the_references():
     p = paged_problem([1, 16, 33], 1, bk=16, dtype=np.float16, seed=7)
     for got, want in zip(gpu.gather_cache(*p.cache), ref.gather_cache(*p.cache)):
         np.testing.assert_array_equal(got, want)
+
+
+# -- masking by selection: nothing a query cannot see reaches it -------------------------------
+
+POISONS = (np.nan, np.inf, -np.inf, 1e30)
+DRAFTS_AND_GROUPS = [(lq, g) for lq in (1, 2, 4) for g in (1, 4, 16)]
+
+
+def with_finite_slots(p, seed):
+    """``p`` with every cache slot no token owns (NaN in ``paged_problem``) given finite random
+    values: the clean run against which a poisoned one must be bitwise equal."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in ("k_cache", "v_cache", "k_idx_cache"):
+        x = getattr(p, name).copy()
+        stale = np.isnan(x)
+        x[stale] = rng.integers(-3, 4, int(stale.sum())) if name == "k_idx_cache" else (
+            rng.standard_normal(int(stale.sum())))
+        out[name] = x
+    return Paged(**{**p.__dict__, **out})
+
+
+def hidden_slots(p, I, i):
+    """``(kv [P, Hkv, Bk], idx [P, Bk])`` bool: the slots draft ``i`` of every request may not
+    see. Its keys are the positions up to its own (``cache_seqlens[b] - Lq + i``) in the pages
+    its block table lists; the K and V of KV head ``r`` count only in the blocks that
+    ``I[b*Lq + i, r]`` selected. Everything else is hidden: the slots past the request's length,
+    the later drafts' keys, unlisted pages, and (K and V) the blocks only other drafts chose."""
+    num_pages, hkv, bk = p.k_cache.shape[:3]
+    kv_seen = np.zeros((num_pages, hkv, bk), bool)
+    idx_seen = np.zeros((num_pages, bk), bool)
+    for b, n in enumerate(p.cache_seqlens.tolist()):
+        t = b * p.lq + i
+        pos = n - p.lq + i
+        for j in range(-(-n // bk)):
+            upto = min(bk, pos - j * bk + 1)  # keys of block j at positions <= pos
+            if upto <= 0:
+                continue
+            page = p.block_table[b, j]
+            idx_seen[page, :upto] = True
+            for r in range(hkv):
+                if j in I[t, r]:
+                    kv_seen[page, r, :upto] = True
+    return ~kv_seen, ~idx_seen
+
+
+def poisoned(x, hidden, values, rng):
+    """``x`` with every element of a hidden slot drawn from ``values`` (NaN, infinities, 1e30;
+    in float16 1e30 is +inf)."""
+    y = x.copy()
+    shape = y[hidden].shape
+    with np.errstate(over="ignore"):
+        y[hidden] = rng.choice(np.asarray(values, np.float64), size=shape).astype(y.dtype)
+    return y
+
+
+def bits(x):
+    x = np.ascontiguousarray(to_numpy(x))
+    return x.view(np.dtype(f"u{x.itemsize}"))
+
+
+def step_of(version):
+    """``decode_step`` of the reference or of one rung, NumPy out."""
+    def step(q, q_idx, k_cache, v_cache, k_idx_cache, table, lens, bk, topk):
+        if version == "reference":
+            return ref.decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, table, lens, bk, topk)
+        return tuple(to_numpy(x) for x in gpu.decode_step(q, q_idx, k_cache, v_cache, k_idx_cache,
+                                                           table, lens, bk, topk,
+                                                           version=version))
+    return step
+
+
+@st.composite
+def stale_cases(draw, lq, g):
+    """Ragged lengths (one below a block, one a multiple of Bk, one a block and one over), the
+    sizes, and the poison: which of ``POISONS`` fill the hidden slots and the seed."""
+    bk = draw(st.sampled_from([16, 32] if g < 16 else [16]))
+    lens = [draw(st.integers(lq, bk - 1)), bk * draw(st.integers(1, 3)),
+            bk * draw(st.integers(1, 3)) + 1]
+    return dict(lens=lens, bk=bk, hkv=draw(st.integers(1, 2 if g < 16 else 1)),
+                topk=draw(st.integers(1, 3)),
+                values=draw(st.lists(st.sampled_from(POISONS), min_size=1, max_size=4,
+                                     unique_by=str)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _stale_params():
+    """(version, Lq, G) for the reference and both rungs; rung 1 at Lq = 4 (half a minute each
+    in the simulator) is sim_heavy: it reads key by key, and Lq = 2 runs the same code."""
+    for version in ("reference", 1, 2):
+        for lq, g in DRAFTS_AND_GROUPS:
+            marks = [pytest.mark.sim_heavy] if version == 1 and lq == 4 else []
+            yield pytest.param(version, lq, g, marks=marks, id=f"{version}-Lq{lq}-G{g}")
+
+
+@pytest.mark.parametrize("version,lq,g", list(_stale_params()))
+@settings(max_examples=2 if SIMULATOR else 10)
+@given(data=st.data())
+def test_a_query_never_reads_a_slot_it_cannot_see(version, lq, g, data):
+    # docs/design.md §3 and §8: every slot draft i may not see (past the lengths, unlisted pages
+    # and pages listed past a request's blocks, the later drafts' keys, the blocks only other
+    # drafts selected) holds NaN, +-inf or 1e30, and draft i's O, LSE and selection are bitwise
+    # those of the run with finite values there
+    case = data.draw(stale_cases(lq, g), label="case")
+    bk, topk = case["bk"], case["topk"]
+    p = paged_problem(case["lens"], lq, hq=g * case["hkv"], hkv=case["hkv"], bk=bk, topk=topk,
+                      dtype=np.float16, seed=case["seed"] % 1000, integer_index=True)
+    clean = with_finite_slots(p, case["seed"])
+    unused = p.block_table < 0  # past each request's blocks: page ids too, never to be read
+    p.block_table[unused] = np.random.default_rng(case["seed"]).integers(
+        0, p.k_cache.shape[0], int(unused.sum()))
+    step = step_of(version)
+    o, lse, I = step(p.q, p.q_idx, clean.k_cache, clean.v_cache, clean.k_idx_cache,
+                     p.block_table, p.cache_seqlens, bk, topk)
+    rng = np.random.default_rng(case["seed"])
+    for i in range(lq):
+        kv, idx = hidden_slots(p, I, i)
+        dirty = [poisoned(getattr(clean, n), m, case["values"], rng)
+                 for n, m in (("k_cache", kv), ("v_cache", kv), ("k_idx_cache", idx))]
+        o2, lse2, I2 = step(p.q, p.q_idx, *dirty, p.block_table, p.cache_seqlens, bk, topk)
+        rows = np.arange(len(case["lens"])) * lq + i
+        assert_exact(I2[rows], I[rows], name=f"block_indices of draft {i}")
+        assert_exact(bits(lse2)[rows], bits(lse)[rows], name=f"lse bits of draft {i}")
+        assert_exact(bits(o2)[rows], bits(o)[rows], name=f"o bits of draft {i}")
+
+
+@pytest.mark.parametrize("lq,g", [(1, 4), (2, 1), (4, 4), (4, 16)])
+def test_a_seen_non_finite_value_gives_what_the_reference_gives(lq, g):
+    # rung 2 cleans the V tiles that rows which cannot see a key multiply (Lq > 1), and must
+    # not hide a value that a row does see: the rows that see a NaN or an infinity get NaN or
+    # that infinity exactly where the reference does, element by element; the rest is close
+    p = paged_problem([40, 49], lq, hq=g, hkv=1, bk=16, topk=2, dtype=np.float16, seed=21,
+                      integer_index=True)
+    w = widened(p)
+    I = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table, p.cache_seqlens,
+                                 16, 2)
+    v = p.v_cache.copy()
+    for b, n in enumerate(p.cache_seqlens.tolist()):
+        last = n - 1  # seen by the last draft only
+        other = int(I[b * lq, 0, 0]) * 16 + 3  # in draft 0's first block, maybe no one else's
+        for pos, values in ((last, {0: np.nan, 1: np.inf, 2: -np.inf}),
+                            (other, {1: -np.inf, 5: np.inf})):
+            page, slot = p.block_table[b, pos // 16], pos % 16
+            for d, x in values.items():
+                v[page, 0, slot, d] = x
+    want, _ = ref.decode_attention(w["q"], w["k_cache"], f32(v), I, p.block_table,
+                                   p.cache_seqlens, 16)
+    assert np.isnan(want).any() and np.isinf(want).any()
+    for version in (1, 2):
+        o, _ = gpu.decode_attention(p.q, p.k_cache, v, I, p.block_table, p.cache_seqlens, 16,
+                                    version=version)
+        got = f32(to_numpy(o))
+        for what, cls in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+            assert_exact(cls(got), cls(want), name=f"{what} in o of v{version}")
+        fin = np.isfinite(want)
+        assert np.abs(got[fin] - want[fin]).max() < 3e-3
 
 
 # -- plan and run -------------------------------------------------------------------------------

@@ -68,6 +68,41 @@ def test_append_and_decode_equal_the_reference_on_the_gathered_cache():
     np.testing.assert_array_equal(lse.numpy(), lse2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_freed_requests_pages_do_not_reach_the_next_one(device):
+    # pages are handed back without clearing: the stale K, V and K_idx (NaN, infinities) of a
+    # freed request past the new one's length must not change its step, bit for bit
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    kw = dict(num_pages=8, num_kv_heads=2, head_dim=16, index_dim=16, block_size=16,
+              max_requests=2, max_pages_per_request=4, device=device, dtype=dtype)
+    rng = np.random.default_rng(4)
+
+    def rand(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).to(device, dtype)
+
+    used, fresh = PagedKVCache(**kw), PagedKVCache(**kw)
+    old = used.add_request()
+    bad = torch.tensor([np.nan, np.inf, -np.inf], dtype=torch.float64)
+    used.append([old], *(bad[torch.from_numpy(rng.integers(0, 3, s))].to(device, dtype)
+                         for s in ((60, 2, 16), (60, 2, 16), (60, 16))))
+    used.free_request(old)
+    k, v, k_idx = rand(21, 2, 16), rand(21, 2, 16), rand(21, 16)  # 19 tokens, then 2 drafts
+    q, q_idx = rand(2, 8, 16), rand(2, 2, 16)
+    results = []
+    for c in (used, fresh):
+        slot = c.add_request()
+        c.append([slot], k[:19], v[:19], k_idx[:19])
+        c.append([slot], k[19:], v[19:], k_idx[19:])
+        results.append(c.decode([slot], q, q_idx, 2))
+    assert torch.equal(*(c.block_table[0] for c in (used, fresh)))  # the same pages
+    page = int(used.block_table[0, 1])  # the last page: slots 5.. are past the length, stale
+    assert not torch.isfinite(used.v_cache[page, :, 5:].float()).any()
+    for got, want in zip(*results):
+        bits = {torch.bfloat16: torch.int16, torch.float64: torch.int64,
+                torch.float32: torch.int32}.get(got.dtype)
+        assert torch.equal(got.view(bits) if bits else got, want.view(bits) if bits else want)
+
+
 def test_generation_with_the_layer_equals_its_prefill():
     """Prefill 9 + 12 tokens into the cache, then decode the next 3 tokens one at a time: each
     step's output equals the layer's forward over the whole sequence at that position."""

@@ -23,6 +23,11 @@ What ``run`` trusts: pages outside ``[0, P)`` are skipped and lengths above ``ma
 clamped (no read or write out of bounds), but results are only specified for inputs that
 ``plan(validate=True)`` would accept.
 
+Stale slots (docs/decode.md): a query's output, LSE and selection do not depend on any cache
+slot it cannot see, whatever it holds (NaN and infinities included): the slots past its
+request's length, pages its block table does not list for the request's blocks, the later
+drafts' keys, and K and V of the blocks only other drafts selected. Every rung, bit for bit.
+
 Rungs (``version=``; ``None`` takes 2 where it applies, else 1):
 
 =====  ==========================  ===========================================================

@@ -18,6 +18,19 @@ that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of ten
   pos_i``: masked scores are ``-inf`` before the softmax, never multiplied by 0), the online
   softmax in base 2 in registers (``ex2.approx``), ``P`` packed to 16 bits as the A fragments
   of ``O += P V`` (V's B fragments by ``ldmatrix.trans``).
+* Masking by selection inside the tiles (docs/design.md §3; Lq > 1 only, Lq = 1 compiles none
+  of it: every key it loads is one its rows see). Keys past the length are loaded as zeros. A
+  warp none of whose rows sees a key of a chunk skips the chunk (the state it would compute is
+  the state it has; at G = 16 an m-tile is one draft, so it skips the other drafts' pages).
+  Where a computing warp has a row that cannot see a loaded key (the later drafts' keys; every
+  key of a block where an m-tile mixes drafts that selected it with drafts that did not,
+  ``mixes``), that row multiplies the key's V by P = 0, so ``clean_stage`` replaces the
+  non-finite halves of those V rows by +0 in shared memory (``_core.finite``) before any warp
+  reads them, keeping their 2-bit classes in the rows' padding words. The rows that do see a
+  cleaned value get it back: ``restore`` or-s the classes into per-(row, column) marks in the
+  query region (free once Q is in registers) and ``finish`` adds them (NaN, +inf or -inf, the
+  reference's result). On finite data no bit changes (a skipped chunk adds exact zeros, a
+  finite word is not written).
 * The warps of one m-tile combine their ``(m, l, O)`` through shared memory; the split writes
   ``o_part [S, B*Lq, Hq, D]`` float32 and ``lse_part [S, B*Lq, Hq]`` (or, with one split, the
   outputs themselves).
@@ -33,7 +46,11 @@ registers) and every row's scores computed against every page of the union, sele
 Two key stages (copy the next while one is computed) against one page at a time: 0.073
 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x 8K. More splits are slower (0.094 ms
 at 9, 0.129 at 16 against 0.076 at 5: the union and query loads of each split); a register cap
-of 168 changed nothing.
+of 168 changed nothing. The masking by selection (offline ``ptxas``, sm_90a, no spills): 224 ->
+227 registers at G = 16, Lq = 4 and 8 (the same occupancy), 168 -> 212 at G <= 8, Lq > 1 (three
+CTAs an SM by registers become two), Lq = 1 unchanged; on the GPU not measured yet (finite data:
+a few integer ops and five shuffles a stage, a sweep of the V words of the later drafts' keys in
+the last pages, a full sweep of a stage only where an m-tile mixes drafts).
 """
 
 from __future__ import annotations
@@ -42,9 +59,10 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, types, uint32
 
 from .._core.arrays import SIMULATOR
+from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, ldmatrix_x4,
                             ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
@@ -131,14 +149,25 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     to_bits = f32_to_bf16 if bf16 else f32_to_f16_bits
+    clean_x2 = clean_bf16x2 if bf16 else clean_f16x2
+    nonfinite = is_nonfinite_bf16 if bf16 else is_nonfinite_f16
+    MANT = 0x7F if bf16 else 0x3FF  # mantissa bits: non-zero in a NaN
+    D16 = D // 16  # words of 2-bit codes a row (16 columns each): V's classes, the marks
+    # Lq > 1: rows of one CTA see different keys of a page (the union, the later drafts' keys);
+    # Lq = 1 compiles none of the masking by selection below (every loaded key is visible)
+    DRAFTS = LQ > 1
+    NMIX = NE if DRAFTS else 1  # entries of the union's mixing flags
+    NBAD = SK + 1 if DRAFTS else 1  # a stamp per key of a stage, then one for the stage
     QA, SA, PF, OA = 4 * KSD, 4 * NSC, 2 * NSC, 4 * NO  # register array sizes (constants)
     COMB_L = KSPLIT * ROWS * D  # float offsets of the combine region: O, then m, then l
     COMB_M = COMB_L + KSPLIT * ROWS
-    assert KR % KC == 0 and D % 16 == 0 and R <= 128 and W <= 8
+    assert KR % KC == 0 and KC in (16, 32) and D % 16 == 0 and R <= 128 and W <= 8
 
     @cuda.jit(device=True, inline=True)
-    def build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount):
-        """The distinct valid blocks of the Lq selections, ascending, and who selected them."""
+    def build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount):
+        """The distinct valid blocks of the Lq selections, ascending, who selected them
+        (``umask``: bit i for draft i) and whether an m-tile holds both rows that selected the
+        block and rows that did not (``umix``: its V then needs cleaning, ``clean_stage``)."""
         tid = cuda.threadIdx.x
         for e in range(tid, NE, NTH):
             v = block_indices[t0 + e // K, r, e % K]
@@ -169,7 +198,106 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                         mask |= 1 << (e2 // K)
                 union[rank] = v
                 umask[rank] = mask
+                if DRAFTS:
+                    umix[rank] = mixes(mask)
         cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def mixes(mask):
+        """1 if some m-tile's real rows include drafts in ``mask`` and drafts not in it."""
+        mix = 0
+        for m in range(MT):
+            a = (16 * m) // G
+            width = min(R - 1, 16 * m + 15) // G - a + 1
+            sub = (mask >> a) & ((1 << width) - 1)
+            if sub != 0 and sub != (1 << width) - 1:
+                mix = 1
+        return mix
+
+    @cuda.jit(device=True, inline=True)
+    def half_code(bits):
+        """The 2-bit class of a 16-bit value: 0 finite, 1 +inf, 2 -inf, 3 NaN (or-ing two
+        codes gives the class of their sum: +inf | -inf = NaN)."""
+        if not nonfinite(bits):
+            return uint32(0)
+        if bits & MANT:
+            return uint32(3)
+        return uint32(2) if bits & 0x8000 else uint32(1)
+
+    @cuda.jit(device=True, inline=True)
+    def code_at(base, c, q):
+        """Word of key ``c``'s codes for columns ``16 q .. 16 q + 15`` of the stage at ``base``:
+        the padding words of its K row (q < 4), then of its V row (``D / 16 <= 8`` words)."""
+        return base + c * LD + DW + q if q < 4 else base + OFF_V + c * LD + DW + q - 4
+
+    @cuda.jit(device=True, inline=True)
+    def clean_stage(smem, base, lo, hi, vbad, stamp):
+        """Masking by selection inside the V tile: the non-finite halves of keys ``lo .. hi -
+        1`` of the stage at word ``base`` become +0 (a row that cannot see such a key multiplies
+        it by P = 0, and 0 * NaN is NaN). What was there is kept for ``restore``: ``half_code``
+        of every column in the key's padding words (``code_at``), ``vbad[c] = stamp`` for a key
+        that had one, ``vbad[SK] = stamp`` for the stage. Finite V words are not written."""
+        for e in range(cuda.threadIdx.x, (hi - lo) * D16, NTH):
+            c = lo + e // D16
+            q = e % D16
+            at = base + OFF_V + c * LD + 8 * q
+            code = uint32(0)
+            for k in range(8):  # the 16 columns of code word q
+                w = smem[at + k]
+                cw, bad = clean_x2(w)
+                if bad:
+                    smem[at + k] = cw
+                    code |= (half_code(w & 0xFFFF) | (half_code(w >> 16) << 2)) << (4 * k)
+            smem[code_at(base, c, q)] = code
+            if code:
+                vbad[c] = stamp
+                vbad[SK] = stamp
+
+    @cuda.jit(device=True, inline=True)
+    def restore(smem, base, lo, hi, vbad, stamp, mask, at, pos_last):
+        """After ``clean_stage`` cleaned a non-finite value: the codes of every cleaned key
+        ``lo .. hi - 1`` of the stage at ``base`` (block positions from ``at``) are or-ed into
+        the marks of each real row that sees it (draft ``i`` selected the block, ``mask``,
+        and the key is at or before its position), ``D / 16`` words a row in the query region
+        (free once the queries are in registers). ``finish`` adds them to the row: NaN, +inf or
+        -inf, what the reference's products of the seen values give (docs/design.md §3; P > 0
+        there, so an infinity stays one even where the 16-bit P rounded to 0). A rare path,
+        run by the whole CTA outside the chunks (no registers of theirs)."""
+        n = hi - lo
+        for e in range(cuda.threadIdx.x, R * n, NTH):
+            row = e // n
+            c = lo + e % n
+            i = row // G
+            if vbad[c] == stamp and (mask >> i) & 1 and at + c <= pos_last - (LQ - 1 - i):
+                for q in range(D16):
+                    code = smem[code_at(base, c, q)]
+                    if code:
+                        cuda.atomic.or_(smem, OFF_Q + row * D16 + q, code)
+
+    @cuda.jit(device=True, inline=True)
+    def marked(smem, row, d, val):
+        """``val`` of element ``(row, d)`` plus what ``restore`` marked there (``half_code``):
+        NaN, +inf or -inf; ``val`` itself if nothing."""
+        code = (smem[OFF_Q + row * D16 + d // 16] >> (2 * (d % 16))) & 3
+        if code == 0:
+            return val
+        if code == 3:
+            return val + float32(math.nan)
+        return val + (float32(math.inf) if code == 1 else float32(-math.inf))
+
+    if DRAFTS:
+        @cuda.jit(device=True, inline=True)
+        def draft_arrays(umask, raw):
+            """The shared arrays of masking by selection: the union's mixing flags and the
+            cleaned keys' stamps."""
+            umix = cuda.shared.array(NMIX, int32)  # one line each: the simulator keys
+            vbad = cuda.shared.array(NBAD, int32)  # a shared array by its source line
+            return umix, vbad
+    else:
+        @cuda.jit(device=True, inline=True)
+        def draft_arrays(umask, raw):
+            """Lq = 1 declares none (stand-ins, never read)."""
+            return umask, raw
 
     @cuda.jit(device=True, inline=True)
     def load_stage(smem, base, r, k_cache, v_cache, page, ok, key0, n_keys):
@@ -307,8 +435,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             smem_f[COMB_L + bot] = l_bot
 
     @cuda.jit(device=True, inline=True)
-    def finish(smem_f, s, t0, r, o_part, lse_part, o, lse):
-        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the outputs."""
+    def finish(smem_f, smem, marks, s, t0, r, o_part, lse_part, o, lse):
+        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the outputs;
+        ``marks``: add what ``restore`` marked."""
         for e in range(cuda.threadIdx.x, R * D, NTH):
             row = e // D
             d = e % D
@@ -323,6 +452,8 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                     total += smem_f[COMB_L + kr * ROWS + row] * w
                     acc += smem_f[(kr * ROWS + row) * D + d] * w
             val = acc / total if total > float32(0.0) else float32(0.0)
+            if DRAFTS and marks:
+                val = marked(smem, row, d, val)
             ls = (mb + math.log2(total)) * float32(LN2) if total > float32(0.0) else NEG_INF
             t = t0 + row // G
             h = r * G + row % G
@@ -346,6 +477,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         first = cuda.shared.array(NE, int32)
         union = cuda.shared.array(NE, int32)
         umask = cuda.shared.array(NE, int32)
+        umix, vbad = draft_arrays(umask, raw)  # mixing flags; stamps of the cleaned keys
         ucount = cuda.shared.array(1, int32)
         qa = cuda.local.array(QA, types.uint32)  # Q's A fragments
         s_acc = cuda.local.array(SA, float32)
@@ -366,7 +498,10 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         t0 = b * LQ
         _, pos_last = query_of(t0 + LQ - 1, LQ, cache_seqlens, block_table.shape[1] * BK)
         nb = (pos_last + BK) // BK if pos_last >= 0 else 0
-        build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount)
+        if DRAFTS:
+            for e in range(tid, NBAD, NTH):
+                vbad[e] = 0
+        build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount)
         n_union = ucount[0]
         per = (n_union + splits - 1) // splits
         u0 = s * per
@@ -378,6 +513,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         i_bot = row_bot // G if row_bot < R else -1
         pos_top = pos_last - (LQ - 1 - i_top)
         pos_bot = pos_last - (LQ - 1 - i_bot)
+        pos_first = pos_last - (LQ - 1)  # the first draft's position: later keys are hidden
         for i in range(4 * NO):
             o_acc[i] = float32(0.0)
         st[0] = NEG_INF
@@ -387,6 +523,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         n_keys = pos_last + 1
         n_stages = max(0, u1 - u0) * SPP
+        marking = False  # restore marked a value (the query region holds the marks)
         # the queries and stage 0; then at stage c: wait for it, free stage c - 1 (barrier),
         # start copying stage c + 1, compute stage c
         load_queries(smem, q, t0, r)
@@ -415,15 +552,39 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                 lim_top = pos_top - j * BK - key0 if i_top >= 0 and (mask >> i_top) & 1 else -1
                 lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
                 base = (c % STAGES) * STAGE
+                lim_warp = -1
+                if DRAFTS:
+                    # keys lo .. hi - 1 may be hidden from a row that multiplies them: all of
+                    # them where an m-tile mixes selecting and other drafts, else those after
+                    # the first draft's position (the later drafts' keys); none past the length
+                    at = j * BK + key0
+                    lo = 0 if umix[u] else max(0, pos_first + 1 - at)
+                    hi = min(SK, n_keys - at)
+                    if lo < hi:
+                        clean_stage(smem, base, lo, hi, vbad, c + 1)
+                        cuda.syncthreads()
+                        if vbad[SK] == c + 1:  # a non-finite value was cleaned
+                            if not marking:  # the first: clear the marks
+                                for e in range(tid, ROWS * D16, NTH):
+                                    smem[OFF_Q + e] = 0
+                                cuda.syncthreads()
+                                marking = True
+                            restore(smem, base, lo, hi, vbad, c + 1, mask, at, pos_last)
+                    # a warp none of whose rows sees a key of a chunk skips it (its rows' P
+                    # would be 0 there: the same state, no product with what they cannot see)
+                    lim_warp = max(lim_top, lim_bot)
+                    for off in (16, 8, 4, 2, 1):
+                        lim_warp = max(lim_warp, cuda.shfl_xor_sync(FULL_MASK, lim_warp, off))
                 for c0 in range(kr * KR, (kr + 1) * KR, KC):
-                    chunk_scores(smem, base, qa, s_acc, c0, lane)
-                    online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
-                    chunk_pv(smem, base, p_frag, o_acc, c0, lane)
+                    if not DRAFTS or c0 <= lim_warp:  # Lq = 1: every chunk computes
+                        chunk_scores(smem, base, qa, s_acc, c0, lane)
+                        online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
+                        chunk_pv(smem, base, p_frag, o_acc, c0, lane)
         cp_async_wait_all()  # nothing in flight at exit (an empty split's queries)
         cuda.syncthreads()  # every warp is done with the stages: their memory is reused
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
         cuda.syncthreads()
-        finish(smem_f, s, t0, r, o_part, lse_part, o, lse)
+        finish(smem_f, smem, marking, s, t0, r, o_part, lse_part, o, lse)
 
     return kernel
 
