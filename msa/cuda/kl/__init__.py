@@ -107,7 +107,7 @@ from ..._batch import Batch
 from ..._checks import (check_array, check_gqa, check_lse, check_positive_int, check_scale,
                         cu_to_host)
 from ...reference.select import check_block_indices
-from .._core.arrays import float_kind
+from .._core.arrays import float_kind, index_dtype
 from .._core.mma import DYNAMIC_SMEM_LIMIT
 from ._plan import (DEFAULT_VERSION, MAX_DS_BYTES, VERSIONS, Plan, tensor_core_tiles,
                     why_not_tensor_cores)
@@ -147,6 +147,7 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
     host_I = None
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
+        index_dtype("block_indices", block_indices)
         if (int(block_indices.shape[0]) != tq or int(block_indices.shape[1]) != hkv
                 or int(block_indices.shape[2]) < 1):
             raise ValueError(
@@ -244,6 +245,15 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     if max_ds_bytes is None:
         max_ds_bytes = MAX_DS_BYTES
     max_ds_bytes = check_positive_int("max_ds_bytes", max_ds_bytes)
+    if not p.warmup:  # the chunks hold at least one query: its dS must fit the budget
+        per_query = p.hkv * p.topk * p.block_size * 4  # dS [Hkv, K, Bk] float32
+        if per_query > max_ds_bytes:
+            longest = int(p.batch.lk.max()) if p.batch.num_seqs else 0
+            raise ValueError(
+                f"block_size={p.block_size}: one query's dS buffer [Hkv, K, block_size] float32 "
+                f"takes {per_query} bytes, more than max_ds_bytes={max_ds_bytes}; pass a larger "
+                f"max_ds_bytes, or a block_size of at most the longest sequence's {longest} "
+                f"keys (every block_size >= {longest} is one block a sequence: the same loss)")
     ctx = p.ctx
     dq = ctx.empty((p.tq, p.hkv, p.d_idx), np.float32)
     dk = ctx.empty((p.tk, p.d_idx), np.float32, fill=0.0 if p.tk * p.d_idx else None)
