@@ -84,7 +84,10 @@ Memory: the ``dS`` buffer is ``Tq*Hkv*K*Bk`` float32 (4 GiB at 128K tokens in th
 configuration; v3 adds the ``dq_idx`` partials, ``Tq*Hkv*K*Didx``). ``kl_backward`` processes
 queries in chunks whose buffers fit ``max_ds_bytes`` (default 4 GiB): each chunk is a smaller
 problem of the same kind (its queries against the keys they can see, ``msa._batch.Batch.chunks``)
-with its own CSR, and adds its ``dk_idx`` contribution to the keys in chunk order.
+with its own CSR, and adds its ``dk_idx`` contribution to the keys in chunk order. A
+``block_size`` longer than every sequence is taken as the longest sequence's length (the same
+blocks: one a sequence), so that the buffer is sized by the keys there are; one query's buffer
+beyond ``max_ds_bytes`` is an error naming ``block_size``.
 
 Bad input raises before any launch; the public functions check everything once (a
 ``msa._batch.Batch`` of the offsets, the arrays' shapes and dtypes, the version) and the plan
@@ -144,6 +147,12 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
         if other != kind:
             raise TypeError(f"{name} must have the dtype of q ({kind}), got {other}")
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+    longest = int(batch.lk.max()) if batch.num_seqs else 0
+    if batch.block_size > max(longest, 1):
+        # every sequence is one block (block 0) whatever block_size >= its length: the
+        # longest sequence's length is the same blocking, and it sizes the dS buffer
+        # [Tq, Hkv, K, Bk] by the keys there are instead of by block_size
+        batch = Batch.of(batch.cu_q, batch.cu_k, max(longest, 1))
     host_I = None
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
@@ -248,12 +257,10 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     if not p.warmup:  # the chunks hold at least one query: its dS must fit the budget
         per_query = p.hkv * p.topk * p.block_size * 4  # dS [Hkv, K, Bk] float32
         if per_query > max_ds_bytes:
-            longest = int(p.batch.lk.max()) if p.batch.num_seqs else 0
             raise ValueError(
                 f"block_size={p.block_size}: one query's dS buffer [Hkv, K, block_size] float32 "
                 f"takes {per_query} bytes, more than max_ds_bytes={max_ds_bytes}; pass a larger "
-                f"max_ds_bytes, or a block_size of at most the longest sequence's {longest} "
-                f"keys (every block_size >= {longest} is one block a sequence: the same loss)")
+                f"max_ds_bytes or a smaller block_size")
     ctx = p.ctx
     dq = ctx.empty((p.tq, p.hkv, p.d_idx), np.float32)
     dk = ctx.empty((p.tk, p.d_idx), np.float32, fill=0.0 if p.tk * p.d_idx else None)
