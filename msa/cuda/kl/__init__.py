@@ -85,9 +85,9 @@ configuration; v3 adds the ``dq_idx`` partials, ``Tq*Hkv*K*Didx``). ``kl_backwar
 queries in chunks whose buffers fit ``max_ds_bytes`` (default 4 GiB): each chunk is a smaller
 problem of the same kind (its queries against the keys they can see, ``msa._batch.Batch.chunks``)
 with its own CSR, and adds its ``dk_idx`` contribution to the keys in chunk order. A
-``block_size`` longer than every sequence is taken as the longest sequence's length (the same
-blocks: one a sequence), so that the buffer is sized by the keys there are; one query's buffer
-beyond ``max_ds_bytes`` is an error naming ``block_size``.
+``block_size`` above 256 and longer than every sequence is taken as the longest sequence's
+length rounded up to 16 (the same blocks: one a sequence), so that the buffer is sized by the
+keys there are; one query's buffer beyond ``max_ds_bytes`` is an error naming ``block_size``.
 
 Bad input raises before any launch; the public functions check everything once (a
 ``msa._batch.Batch`` of the offsets, the arrays' shapes and dtypes, the version) and the plan
@@ -118,6 +118,9 @@ from ._plan import (DEFAULT_VERSION, MAX_DS_BYTES, VERSIONS, Plan, tensor_core_t
 __all__ = ["kl_loss", "kl_backward", "kl_loss_and_backward"]
 
 DTYPE_KINDS = ("float32", "float16", "bfloat16")
+# A block_size above this and above every sequence is taken as the longest sequence (rounded up
+# to 16): the same blocks, one a sequence, with buffers sized by the keys there are.
+_LONG_BLOCK = 256
 
 
 def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
@@ -147,12 +150,12 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
         if other != kind:
             raise TypeError(f"{name} must have the dtype of q ({kind}), got {other}")
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
-    longest = int(batch.lk.max()) if batch.num_seqs else 0
-    if batch.block_size > max(longest, 1):
+    longest = -(-int(batch.lk.max()) // 16) * 16 if batch.num_seqs else 0
+    if batch.block_size > max(longest, _LONG_BLOCK):
         # every sequence is one block (block 0) whatever block_size >= its length: the
-        # longest sequence's length is the same blocking, and it sizes the dS buffer
-        # [Tq, Hkv, K, Bk] by the keys there are instead of by block_size
-        batch = Batch.of(batch.cu_q, batch.cu_k, max(longest, 1))
+        # longest length (a multiple of 16, as the tensor cores want) is the same blocking,
+        # and it sizes the dS buffer [Tq, Hkv, K, Bk] by the keys there are
+        batch = Batch.of(batch.cu_q, batch.cu_k, max(longest, _LONG_BLOCK))
     host_I = None
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
