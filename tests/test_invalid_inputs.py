@@ -604,16 +604,23 @@ def _cuda_specs():
     attention = {"q": with_group3(no64), "k": no64, "v": no64}
     kl = {n: no64 for n in ("q", "k", "q_idx", "k_idx", "lse")}
     index = {"q_idx": mismatch64, "k_idx": mismatch64}
+
+    def topk_arg(P):  # select_blocks' topk
+        return ("topk", P.topk, functools.partial(size, huge="raises_named"))
+
+    fused = Spec(None, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx"))
+                 + _offsets2(P, ops, ("q_idx",), ("k_idx",))
+                 + [_bk(P), topk_arg(P), _scale()], keywords=1, knob=("scale", 0.5))
+    prefill = Spec(None, lambda P, ops: _qkv(P, ops, ("q", "k", "v", "q_idx", "k_idx"))
+                   + _offsets2(P, ops, ("q", "q_idx"), ("k", "k_idx"))
+                   + [_bk(P), topk_arg(P), _scale(), _scale("index_scale")], keywords=2,
+                   knob=("scale", 0.5))
     return {
         "block_scores": cuda("block_scores", C.index.block_scores, index),
         "select_blocks": cuda("select_blocks", C.select.select_blocks,
                               {"block_scores": with_float64("runs")}),
         "select_blocks_fused": cuda("select_blocks_fused", C.select.select_blocks_fused, index,
-                                    Spec(None, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx"))
-                                         + _offsets2(P, ops, ("q_idx",), ("k_idx",))
-                                         + [_bk(P), ("topk", P.topk, functools.partial(
-                                             size, huge="raises_named")), _scale()],
-                                         keywords=1, knob=("scale", 0.5))),
+                                    fused),
         "csr_histogram": cuda("csr_histogram", C.csr.csr_histogram),
         "exclusive_prefix_sum": cuda("exclusive_prefix_sum", C.csr.exclusive_prefix_sum),
         "csr_scatter": cuda("csr_scatter", C.csr.csr_scatter),
@@ -628,12 +635,7 @@ def _cuda_specs():
             "sparse_attention_backward", C.attention.sparse_attention_backward,
             dict(attention, o=no64, do=no64, lse=no64)),
         "msa_prefill": cuda("msa_prefill", C.attention.msa_prefill, dict(attention, **index),
-                            Spec(None, lambda P, ops: _qkv(P, ops, ("q", "k", "v", "q_idx", "k_idx"))
-                                 + _offsets2(P, ops, ("q", "q_idx"), ("k", "k_idx"))
-                                 + [_bk(P), ("topk", P.topk, functools.partial(
-                                     size, huge="raises_named")), _scale(),
-                                    _scale("index_scale")], keywords=2,
-                                 knob=("scale", 0.5))),
+                            prefill),
         **{name: cuda(name, getattr(C.kl, name), kl)
            for name in ("kl_loss", "kl_backward", "kl_loss_and_backward")},
     }
