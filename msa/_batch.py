@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_cu_seqlens, check_offsets, check_positive_int
+from ._checks import check_block_size, check_cu_seqlens, check_offsets
 
 
 class Batch:
@@ -72,11 +72,11 @@ class Batch:
         Args:
             cu_seqlens_q: int [B+1] query offsets (any array library, or a list), or None.
             cu_seqlens_k: int [B+1] key offsets.
-            block_size: Bk, an integer >= 1.
+            block_size: Bk, an integer in ``[1, 2**31 - 1]`` (``check_block_size``).
             total_q, total_k: the packed lengths the offsets must end at (``q.shape[0]``,
                 ``k.shape[0]``), or None to take them from the offsets.
         """
-        block_size = check_positive_int("block_size", block_size)
+        block_size = check_block_size(block_size)
         if cu_seqlens_q is None:
             return cls(None, check_offsets("cu_seqlens_k", cu_seqlens_k, total_k), block_size)
         if total_q is None or total_k is None:

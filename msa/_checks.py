@@ -147,9 +147,10 @@ def check_same_dtype(**arrays) -> np.dtype:
 
 
 def check_gqa(num_q_heads: int, num_kv_heads: int, *, allowed=None,
-              backend: str = "msa.cuda") -> int:
+              backend: str = "msa.cuda", what: str = "GQA group size G = Hq/Hkv") -> int:
     """Group size ``G = Hq / Hkv`` (paper eq 3). ``allowed`` restricts G (kernels use 1..16);
-    the error then names ``backend`` and says that the reference accepts any G."""
+    the error then names ``backend``, says that the reference accepts any G and calls G
+    ``what`` (a launcher names its arrays: ``"q's heads over k's, G = Hq/Hkv"``)."""
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
@@ -162,7 +163,7 @@ def check_gqa(num_q_heads: int, num_kv_heads: int, *, allowed=None,
                          f"heads (Hkv = num_kv_heads = {num_kv_heads})")
     g = num_q_heads // num_kv_heads
     if allowed is not None and g not in allowed:
-        raise unsupported("GQA group size G = Hq/Hkv", g, backend, f"G in {tuple(allowed)}")
+        raise unsupported(what, g, backend, f"G in {tuple(allowed)}")
     return g
 
 

@@ -1,4 +1,5 @@
-"""Invalid inputs to every public function of msa.reference and msa.torch (docs/design.md §7).
+"""Invalid inputs to every public function of msa.reference, msa.torch and msa.cuda
+(docs/design.md §7).
 
 Each public function is a ``Spec``: its arguments in order, each with a kind (a float array, a
 selection, offsets, a size, a scale, ...). Every kind has a list of mutations, what users get
@@ -15,12 +16,17 @@ positionally. For each mutation the test knows the outcome:
 * ``fast``: a huge size that needs no allocation (``block_size = 10**9``) either works or is
   refused by name, within seconds;
 * ``runs``: non-finite data (NaN or inf in ``q``, ``k``, ``v``, scores): no error. That each
-  query's output then depends only on the keys it sees is ``tests/test_masked_keys.py``.
+  query's output then depends only on the keys it sees is ``tests/test_masked_keys.py``;
+* ``unsupported`` (``unsupported_dtype``: a ``TypeError``): what the reference takes and msa.cuda
+  does not (G = 3, float64 attention): raised by name, saying that msa.cuda lacks it and that
+  msa.reference accepts it (``msa._checks.unsupported``).
 
 Hypothesis draws the problem (sizes, G, ``Lq < Lk``, dtypes); every mutation of every argument
-runs on each drawn problem. ``BACKENDS`` has an entry per backend: ``msa.cuda`` (simulator or
-GPU) reuses the reference's specs with ``Backend("cuda")``'s stage functions and its own
-expectations where it accepts less (to be added by the cuda owner).
+runs on each drawn problem. ``BACKENDS`` has an entry per backend: ``msa.cuda`` (the simulator,
+or a GPU with NumPy copied each way) reuses the reference's specs on ``Backend("cuda")``'s stage
+functions, adds the mutations it answers otherwise (float64, G = 3) and draws fewer, smaller,
+float32 problems (the simulator runs a Python thread per CUDA thread). Its limits that one
+mutation cannot reach (``topk = 65`` where NB > 64, D > 256) are pinned at the end.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from hypothesis import strategies as st
 
 import msa.reference as R
 from msa.problems import make_problem
+from msa.testing.backends import Backend, cuda_runnable
 
 torch = pytest.importorskip("torch")
 
 import msa.torch as MT  # noqa: E402
 
 EXAMPLES = max(2, settings.default.max_examples // 5)  # problems per function (x every mutation)
+CUDA_EXAMPLES = max(2, settings.default.max_examples // 10)  # msa.cuda: the simulator is slow
 FAST_SECONDS = 10.0
 
 
@@ -88,13 +96,15 @@ def build(lq, lk, g, hkv, bk, topk, d, dtype_name, seed):
 
 
 @st.composite
-def problems(draw):
+def problems(draw, dtypes=("float64", "float32"), max_len=20, max_queries=20):
+    """A drawn problem: one or two sequences of at most ``max_len`` keys and ``max_queries``
+    queries (the last of the keys), G in {1, 2, 4}."""
     n = draw(st.integers(1, 2))
-    lk = tuple(draw(st.lists(st.integers(1, 20), min_size=n, max_size=n)))
-    lq = tuple(draw(st.integers(1, x)) for x in lk)
+    lk = tuple(draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n)))
+    lq = tuple(draw(st.integers(1, min(x, max_queries))) for x in lk)
     return build(lq, lk, draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 2)),
                  draw(st.sampled_from([4, 8])), draw(st.integers(1, 3)),
-                 draw(st.sampled_from([4, 8])), draw(st.sampled_from(["float64", "float32"])),
+                 draw(st.sampled_from([4, 8])), draw(st.sampled_from(list(dtypes))),
                  draw(st.integers(0, 3)))
 
 
@@ -541,16 +551,123 @@ def _layer_cache(P):
     return _LAYERS[id(P)]
 
 
+# --- msa.cuda: the reference's specs on Backend("cuda"), with what it accepts less of ----------
+
+def _related(mutations):
+    """The names a mutation's error may give besides the argument's own (its ``related``)."""
+    return getattr(mutations, "keywords", {}).get("related", ())
+
+
+def with_float64(outcome):
+    """The argument as float64 too: ``unsupported_dtype`` where msa.cuda has no float64 kernel,
+    ``raises`` where another argument's dtype then disagrees, ``runs`` where it computes in
+    float64."""
+    def extra(mutations, P):
+        def gen(name, x, ops):
+            yield from mutations(name, x, ops)
+            yield "float64", np.asarray(x).astype(np.float64), outcome, _related(mutations)
+        return gen
+    return extra
+
+
+def with_group3(more=None):
+    """``q`` with ``Hq = 3 Hkv`` heads too (then ``more``'s mutations): G = 3, which the
+    reference takes and msa.cuda's attention does not (its tiles hold G in {1, 2, 4, 8, 16})."""
+    def extra(mutations, P):
+        inner = more(mutations, P) if more else mutations
+
+        def gen(name, x, ops):
+            yield from inner(name, x, ops)
+            yield "G = 3", np.repeat(x[:, :1], 3 * P.hkv, axis=1), "unsupported", ()
+        return gen
+    return extra
+
+
+def _cuda_specs():
+    """Every public launcher of msa.cuda that a reference function mirrors (decode has its own
+    tests): the reference's arguments and mutations on msa.cuda's function, plus the mutations
+    that msa.cuda answers otherwise (float64, G = 3)."""
+    C = Backend("cuda")
+    ref = _ref_specs()
+
+    def cuda(name, fn, extra=None, spec=None):
+        """``spec`` (default the reference's ``name``) on ``fn``; ``extra`` maps an argument to
+        ``f(mutations, P)``, its mutations with msa.cuda's own added."""
+        base = spec or ref[name]
+        extra = extra or {}
+
+        def args(P, ops):
+            return [(n, v, extra[n](m, P) if n in extra else m) for n, v, m in base.args(P, ops)]
+        return dataclasses.replace(base, fn=fn, args=args)
+
+    no64, mismatch64 = with_float64("unsupported_dtype"), with_float64("raises")
+    attention = {"q": with_group3(no64), "k": no64, "v": no64}
+    kl = {n: no64 for n in ("q", "k", "q_idx", "k_idx", "lse")}
+    index = {"q_idx": mismatch64, "k_idx": mismatch64}
+
+    def topk_arg(P):  # select_blocks' topk
+        return ("topk", P.topk, functools.partial(size, huge="raises_named"))
+
+    fused = Spec(None, lambda P, ops: _qkv(P, ops, ("q_idx", "k_idx"))
+                 + _offsets2(P, ops, ("q_idx",), ("k_idx",))
+                 + [_bk(P), topk_arg(P), _scale()], keywords=1, knob=("scale", 0.5))
+    prefill = Spec(None, lambda P, ops: _qkv(P, ops, ("q", "k", "v", "q_idx", "k_idx"))
+                   + _offsets2(P, ops, ("q", "q_idx"), ("k", "k_idx"))
+                   + [_bk(P), topk_arg(P), _scale(), _scale("index_scale")], keywords=2,
+                   knob=("scale", 0.5))
+    return {
+        "block_scores": cuda("block_scores", C.index.block_scores, index),
+        "select_blocks": cuda("select_blocks", C.select.select_blocks,
+                              {"block_scores": with_float64("runs")}),
+        "select_blocks_fused": cuda("select_blocks_fused", C.select.select_blocks_fused, index,
+                                    fused),
+        "csr_histogram": cuda("csr_histogram", C.csr.csr_histogram),
+        "exclusive_prefix_sum": cuda("exclusive_prefix_sum", C.csr.exclusive_prefix_sum),
+        "csr_scatter": cuda("csr_scatter", C.csr.csr_scatter),
+        "build_csr": cuda("build_csr", C.csr.build_csr),
+        "build_schedule": cuda("build_schedule", C.schedule.build_schedule),
+        "attention_partials": cuda("attention_partials", C.attention.attention_partials,
+                                   attention),
+        "combine_partials": cuda("combine_partials", C.combine.combine_partials,
+                                 {"o_part": no64, "lse_part": no64}),
+        "sparse_attention": cuda("sparse_attention", C.attention.sparse_attention, attention),
+        "sparse_attention_backward": cuda(
+            "sparse_attention_backward", C.attention.sparse_attention_backward,
+            dict(attention, o=no64, do=no64, lse=no64)),
+        "msa_prefill": cuda("msa_prefill", C.attention.msa_prefill, dict(attention, **index),
+                            prefill),
+        **{name: cuda(name, getattr(C.kl, name), kl)
+           for name in ("kl_loss", "kl_backward", "kl_loss_and_backward")},
+    }
+
+
+@dataclasses.dataclass
+class BackendCase:
+    """One backend of the fuzz: its specs, how its arrays mutate, and the problems it draws."""
+
+    specs: dict
+    ops: object
+    problems: object
+    examples: int
+    skip: str = ""  # why it cannot run here ("" if it can)
+
+
 REFERENCE = _ref_specs()
 TORCH = _torch_specs()
+CUDA_RUNNABLE, CUDA_WHY_NOT = cuda_runnable()
 BACKENDS = {
-    "reference": (REFERENCE, NumpyOps),
-    "torch": (TORCH, TorchOps),
-    # "cuda": (the REFERENCE specs on Backend("cuda")'s stage functions, NumpyOps, with the
-    #          expectations of what msa.cuda accepts less of) -- to be added by the cuda owner
+    "reference": BackendCase(REFERENCE, NumpyOps, problems(), EXAMPLES),
+    "torch": BackendCase(TORCH, TorchOps, problems(), EXAMPLES),
+    # float32 problems (msa.cuda's attention and KL have no float64; the float64 mutations say
+    # so), few queries and few problems a function: the simulator runs every CUDA thread as a
+    # Python thread, and its time grows with the queries
+    "cuda": BackendCase(_cuda_specs(), NumpyOps,
+                        problems(dtypes=("float32",), max_len=12, max_queries=3),
+                        CUDA_EXAMPLES, "" if CUDA_RUNNABLE else CUDA_WHY_NOT),
 }
-CASES = [pytest.param(b, name, id=f"{b}-{name}") for b, (specs, _) in BACKENDS.items()
-         for name in specs]
+CASES = [pytest.param(b, name, id=f"{b}-{name}",
+                      marks=[pytest.mark.skipif(bool(case.skip), reason=case.skip)])
+         for b, case in BACKENDS.items() for name in case.specs]
 
 
 # --- the checks --------------------------------------------------------------------------------
@@ -579,6 +696,9 @@ def names(arg, related):
     return (arg,) + tuple(related)
 
 
+UNSUPPORTED = re.compile(r"not supported by msa\.cuda.*msa\.reference accepts it")
+
+
 def check(fn, args, keywords, arg, label, value, outcome, related, baseline):
     call = dict(args)
     call[arg] = value
@@ -594,6 +714,11 @@ def check(fn, args, keywords, arg, label, value, outcome, related, baseline):
             raise AssertionError(f"{what}: valid input refused: {type(e).__name__}: {e}") from e
         if outcome == "same_or_type" and not isinstance(e, TypeError):
             raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
+        if outcome == "unsupported_dtype" and not isinstance(e, TypeError):
+            raise AssertionError(f"{what}: {type(e).__name__} (a dtype is a TypeError): {e}") from e
+        if outcome.startswith("unsupported") and not UNSUPPORTED.search(str(e)):
+            raise AssertionError(f"{what}: the error does not say that msa.cuda lacks it and "
+                                 f"msa.reference has it: {type(e).__name__}: {e}") from e
         if outcome != "raises_any" and not named.search(str(e)):
             raise AssertionError(f"{what}: the error does not name {names(arg, related)}: "
                                  f"{type(e).__name__}: {e}") from e
@@ -602,10 +727,10 @@ def check(fn, args, keywords, arg, label, value, outcome, related, baseline):
         if outcome == "raises_any" and "device" in str(e):
             return
         raise AssertionError(f"{what}: raw {type(e).__name__}: {e}") from e
-    except Exception as e:  # IndexError, MemoryError, OverflowError, ...: never
+    except Exception as e:  # IndexError, MemoryError, OverflowError, a Numba error, ...: never
         raise AssertionError(f"{what}: raw {type(e).__name__}: {e}") from e
     elapsed = time.perf_counter() - start
-    if outcome in ("raises", "raises_named", "raises_any"):
+    if outcome in ("raises", "raises_named", "raises_any") or outcome.startswith("unsupported"):
         raise AssertionError(f"{what}: accepted (expected a ValueError/TypeError)")
     if outcome in ("same", "same_or_type"):
         assert same(got, baseline), f"{what}: a different result"
@@ -613,12 +738,8 @@ def check(fn, args, keywords, arg, label, value, outcome, related, baseline):
         assert elapsed < FAST_SECONDS, f"{what}: {elapsed:.1f} s"
 
 
-@pytest.mark.parametrize("backend,name", CASES)
-@settings(max_examples=EXAMPLES)
-@given(P=problems())
-def test_invalid_inputs_are_refused_by_name(backend, name, P):
-    specs, ops = BACKENDS[backend]
-    spec = specs[name]
+def fuzz(spec, ops, P):
+    """Every mutation of every argument of ``spec`` on problem ``P``."""
     arguments = spec.args(P, ops)
     args = {a: v for a, v, _ in arguments}
     with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -631,23 +752,36 @@ def test_invalid_inputs_are_refused_by_name(backend, name, P):
             check(spec.fn, args, spec.keywords, arg, label, bad, outcome, related, baseline)
 
 
-@pytest.mark.parametrize("backend,name", [c for c in CASES if BACKENDS[c.values[0]][0][c.values[1]].knob])
+@pytest.mark.parametrize("backend,name", CASES)
+def test_invalid_inputs_are_refused_by_name(backend, name):
+    case = BACKENDS[backend]
+
+    @settings(max_examples=case.examples)
+    @given(P=case.problems)
+    def run(P):
+        fuzz(case.specs[name], case.ops, P)
+
+    run()
+
+
+@pytest.mark.parametrize("backend,name", [c for c in CASES
+                                           if BACKENDS[c.values[0]].specs[c.values[1]].knob])
 def test_knobs_are_keyword_only(backend, name):
     """A FlashAttention habit (``max_seqlen_q`` passed after the offsets) must not become a
     scale: every knob is keyword-only, so one more positional argument is a TypeError."""
-    specs, ops = BACKENDS[backend]
-    spec = specs[name]
-    P = build((3,), (5,), 2, 1, 4, 2, 4, "float64", 0)
-    arguments = spec.args(P, ops)
+    case = BACKENDS[backend]
+    spec = case.specs[name]
+    P = build((3,), (5,), 2, 1, 4, 2, 4, "float64" if backend != "cuda" else "float32", 0)
+    arguments = spec.args(P, case.ops)
     positional = [v for _, v, _ in arguments[:len(arguments) - spec.keywords]]
     knob, value = spec.knob
     with pytest.raises(TypeError, match="positional"):
         spec.fn(*positional, value)
 
 
-# --- the cases of the bad-input review, pinned --------------------------------------------------------------
+# --- single bad inputs, pinned: each call and the error it must raise -------------------------
 
-def _issue_problem():
+def _pinned_problem():
     return build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float64", 1)
 
 
@@ -662,7 +796,7 @@ def T(x):
     return torch.from_numpy(np.array(x))
 
 
-ISSUE = {
+PINNED = {
     "torch backward: a block twice": (lambda P: MT.sparse_attention_backward(
         T(P.q), T(P.k), T(P.v), T(P.o), T(P.lse), T(P.do),
         T(np.where(np.arange(P.topk) == 1, P.I[..., :1], P.I)), P.cu_q, P.cu_k, P.bk),
@@ -725,13 +859,80 @@ ISSUE = {
 }
 
 
-@pytest.mark.parametrize("case", list(ISSUE), ids=list(ISSUE))
-def test_issue_23_cases(case):
-    run, error, match = ISSUE[case]
+@pytest.mark.parametrize("case", list(PINNED), ids=list(PINNED))
+def test_pinned_bad_inputs_raise_their_error(case):
+    run, error, match = PINNED[case]
     if "without CUDA" in case and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(error, match=match):
-        run(_issue_problem())
+        run(_pinned_problem())
+
+
+def _cuda_pinned():
+    """msa.cuda's limits, each where the reference accepts the input (so that the error must
+    say that msa.cuda lacks it and point to msa.reference), and its bad inputs that a
+    mutation of one argument does not reach."""
+    C = Backend("cuda")
+    unsupported = r"not supported by msa\.cuda.*msa\.reference accepts it"
+
+    def f64(P):
+        return [np.asarray(x, np.float64) for x in (P.q, P.k, P.v)]
+
+    def many_blocks():  # NB = 70 > 64 blocks: topk = 65 is valid for the reference
+        P = build((3,), (70,), 2, 1, 1, 2, 4, "float32", 0)
+        R.select_blocks(P.M, P.cu_q, P.cu_k, 1, 65)  # the reference takes it
+        return P
+
+    def wide(P, d=272):  # D = 272 > 256
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((P.tq, P.hq, d)).astype(np.float32)
+        kv = rng.standard_normal((P.tk, P.hkv, d)).astype(np.float32)
+        return q, kv, kv
+
+    return {
+        "sparse_attention: float64 q, k, v": (lambda P: C.attention.sparse_attention(
+            *f64(P), P.I, P.cu_q, P.cu_k, P.bk), TypeError, r"\bq\.dtype.*" + unsupported),
+        "sparse_attention: D = 272": (lambda P: C.attention.sparse_attention(
+            *wide(P), P.I, P.cu_q, P.cu_k, P.bk), ValueError, r"\bq's head dim.*" + unsupported),
+        "sparse_attention_backward: float64 lse": (lambda P: C.attention.sparse_attention_backward(
+            P.q, P.k, P.v, P.o, P.lse.astype(np.float64), P.do, P.I, P.cu_q, P.cu_k, P.bk),
+            TypeError, r"\blse\.dtype.*" + unsupported),
+        "kl_loss: float64": (lambda P: C.kl.kl_loss(
+            *(np.asarray(x, np.float64) for x in (P.q, P.k, P.q_idx, P.k_idx)), P.I,
+            P.lse.astype(np.float64), P.cu_q, P.cu_k, P.bk), TypeError,
+            r"\bq\.dtype.*" + unsupported),
+        "combine_partials: float64 partials": (lambda P: C.combine.combine_partials(
+            P.o_part.astype(np.float64), P.lse_part.astype(np.float64)), TypeError,
+            r"\bo_part\.dtype.*" + unsupported),
+        "select_blocks: topk 65 with NB = 70": (lambda P: (lambda B: C.select.select_blocks(
+            B.M, B.cu_q, B.cu_k, 1, 65))(many_blocks()), ValueError, r"\btopk.*" + unsupported),
+        "select_blocks_fused: topk 65 with NB = 70": (lambda P: (
+            lambda B: C.select.select_blocks_fused(B.q_idx, B.k_idx, B.cu_q, B.cu_k, 1, 65))(
+            many_blocks()), ValueError, r"\btopk.*" + unsupported),
+        "msa_prefill: topk 65 with NB = 70": (lambda P: (lambda B: C.attention.msa_prefill(
+            B.q, B.k, B.v, B.q_idx, B.k_idx, B.cu_q, B.cu_k, 1, 65))(many_blocks()), ValueError,
+            r"\btopk.*" + unsupported),
+        "build_csr: uint64 selection": (lambda P: C.csr.build_csr(
+            np.maximum(P.I, 0).astype(np.uint64)[:, :, :1], P.cu_q, P.cu_k, P.bk), TypeError,
+            r"\bblock_indices\.dtype.*" + unsupported),
+        "msa_prefill: float64 q_idx beside float32 q": (lambda P: C.attention.msa_prefill(
+            P.q, P.k, P.v, P.q_idx.astype(np.float64), P.k_idx.astype(np.float64), P.cu_q,
+            P.cu_k, P.bk, P.topk), TypeError, r"\bq_idx\b"),
+        "ArrayContext: a torch CPU tensor beside NumPy": (lambda P: C.attention.sparse_attention(
+            P.q, T(P.k), P.v, P.I, P.cu_q, P.cu_k, P.bk), TypeError, r"\bk is a torch tensor"),
+    }
+
+
+CUDA_PINNED = _cuda_pinned()
+
+
+@pytest.mark.skipif(not CUDA_RUNNABLE, reason=CUDA_WHY_NOT or "msa.cuda runs here")
+@pytest.mark.parametrize("case", list(CUDA_PINNED), ids=list(CUDA_PINNED))
+def test_cuda_pinned_bad_inputs_raise_their_error(case):
+    run, error, match = CUDA_PINNED[case]
+    P = build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float32", 1)
+    with pytest.raises(error, match=match):
+        run(P)
 
 
 def test_from_params_keeps_the_params_dtype():

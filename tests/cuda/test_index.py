@@ -358,8 +358,6 @@ BAD = {
     "k_idx-rank": (lambda a: dict(k_idx=a["k_idx"][:, None]), ValueError, "k_idx"),
     "k_idx-Didx": (lambda a: dict(k_idx=np.ascontiguousarray(a["k_idx"][:, :8])), ValueError, "k_idx"),
     "k_idx-dtype": (lambda a: dict(k_idx=a["k_idx"].astype(np.float32)), TypeError, "k_idx"),
-    "q_idx-not-contiguous": (lambda a: dict(q_idx=np.zeros((16, 16, 2), np.float16).transpose(0, 2, 1)),
-                             ValueError, "contiguous"),
     "Tq-vs-cu_q": (lambda a: dict(q_idx=a["q_idx"][:-1]), ValueError, "cu_seqlens_q"),
     "Tk-vs-cu_k": (lambda a: dict(k_idx=a["k_idx"][:-1]), ValueError, "cu_seqlens_k"),
     "cu-float": (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].astype(float)), TypeError,

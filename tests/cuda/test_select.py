@@ -219,8 +219,6 @@ BAD = {
     "NB-too-small": (dict(block_scores=np.zeros((2, 6, 2), np.float32)), ValueError, "NB"),
     "NB-too-large": (dict(block_scores=np.zeros((2, 6, 4), np.float32)), ValueError, "NB"),
     "Tq-mismatch": (dict(block_scores=np.zeros((2, 5, 3), np.float32)), ValueError, "cu_seqlens_q"),
-    "not-contiguous": (dict(block_scores=np.zeros((2, 3, 6), np.float32).transpose(0, 2, 1)),
-                       ValueError, "contiguous"),
     "cu-not-starting-at-0": (dict(cu_seqlens_q=np.array([1, 4, 6], np.int32)), ValueError,
                              "cu_seqlens_q"),
     "Lq>Lk": (dict(cu_seqlens_k=_cu([3, 13])), ValueError, "more queries than keys"),

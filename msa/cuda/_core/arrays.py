@@ -3,13 +3,14 @@
 A launcher takes CuPy arrays, torch CUDA tensors, Numba device arrays or (convenience, with a
 copy each way) NumPy arrays, and returns arrays of the caller's library::
 
-    ctx = ArrayContext(q, k, v)            # decides the library from the inputs
+    ctx = ArrayContext(q=q, k=k, v=v)      # decides the library from the inputs
     dq = ctx.input("q", q)                 # what the kernel indexes
     out = ctx.empty((T, H), np.float32)    # allocated in the caller's library
     kernel[grid, block](dq, ..., ctx.arg(out))
     return ctx.output(out)
 
-Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) everything is NumPy and no copy is made.
+Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) everything is NumPy and no copy is made
+(except of a strided or read-only NumPy input: see ``ArrayContext.input``).
 Imported arrays are not synchronised (``sync=False``): msa launches on the legacy default stream,
 which orders its kernels after the caller's work on the same stream (torch's and CuPy's default).
 bf16 tensors are passed to kernels as their uint16 bit patterns (Numba has no bf16 arrays);
@@ -75,6 +76,21 @@ def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> s
     return kind
 
 
+def index_dtype(name: str, x) -> np.dtype:
+    """The dtype of an integer array a kernel indexes with (a selection, a CSR, a schedule):
+    any signed integer or an unsigned one of up to 32 bits; a TypeError naming ``name``
+    otherwise. uint64 is refused (the reference takes it): Numba types uint64 with int64
+    arithmetic as float64, which no index may be."""
+    dt = dtype_of(x)
+    if dt.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype, got {dt}")
+    if dt.kind == "u" and dt.itemsize > 4:
+        raise unsupported(f"{name}.dtype", dt.name, "msa.cuda",
+                          "signed integers and unsigned ones up to uint32", exc=TypeError,
+                          why="uint64 with int64 arithmetic is float64 in Numba")
+    return dt
+
+
 @functools.cache
 def require_gpu() -> None:
     """Raise a RuntimeError that says what to do when msa.cuda cannot reach a GPU (checked once,
@@ -93,28 +109,44 @@ def require_gpu() -> None:
 
 
 class ArrayContext:
-    """The caller's array library and device, taken from the launcher's inputs."""
+    """The caller's array library and device, taken from the launcher's inputs.
 
-    def __init__(self, *arrays):
+    ``ArrayContext(q=q, k=k, v=v)``: the launcher's arrays by argument name, so that an error
+    names them (a torch CPU tensor, a list, arrays of two libraries or two devices); arrays
+    passed positionally are named by position. ``None`` values are left out.
+    """
+
+    def __init__(self, *arrays, **named):
         require_gpu()
-        libs = {library_of(a) for a in arrays if a is not None}
-        gpu_libs = libs - {"numpy"}
-        if len(gpu_libs) > 1:
-            raise TypeError(f"inputs mix array libraries {sorted(libs)}; pass one library's arrays")
-        if gpu_libs and "numpy" in libs:
-            raise TypeError("inputs mix NumPy (host) and GPU arrays; move them all to the GPU")
-        self.lib = gpu_libs.pop() if gpu_libs else "numpy"
+        items = [(f"input {i}", a) for i, a in enumerate(arrays)] + list(named.items())
+        items = [(name, a) for name, a in items if a is not None]
+        libs = {}
+        for name, a in items:
+            try:
+                lib = library_of(a)
+            except TypeError:
+                raise TypeError(f"{name} must be a NumPy, CuPy, torch or Numba CUDA array, got "
+                                f"{type(a).__name__}") from None
+            if lib == "torch" and not a.is_cuda:
+                raise TypeError(
+                    f"{name} is a torch tensor on {a.device}: msa.cuda takes CUDA tensors (or "
+                    f"NumPy arrays, copied to the GPU); msa.torch runs CPU tensors")
+            libs.setdefault(lib, []).append(name)
+        if len(libs) > 1:
+            which = "; ".join(f"{', '.join(n)}: {lib}" for lib, n in libs.items())
+            raise TypeError(f"inputs mix array libraries ({which}); pass one library's arrays"
+                            + (" (NumPy is host memory: move it to the GPU)" if "numpy" in libs
+                               else ""))
+        self.lib = next(iter(libs), "numpy")
         self._torch_device = None
         if self.lib == "torch":
-            for a in arrays:
-                if a is not None:
-                    if not a.is_cuda:
-                        raise TypeError("torch tensors must be on a CUDA device")
-                    if self._torch_device is None:
-                        self._torch_device = a.device
-                    elif a.device != self._torch_device:
-                        raise ValueError(
-                            f"tensors are on different devices ({self._torch_device} and {a.device})")
+            first = None
+            for name, a in items:
+                if self._torch_device is None:
+                    self._torch_device, first = a.device, name
+                elif a.device != self._torch_device:
+                    raise ValueError(f"{name} is on {a.device} and {first} on "
+                                     f"{self._torch_device}: pass tensors of one device")
 
     # -- inputs -------------------------------------------------------------------------------
     def input(self, name: str, x):
@@ -122,9 +154,13 @@ class ArrayContext:
         if x is None:
             return None
         if self.lib == "numpy":
-            if not x.flags.c_contiguous:
-                raise ValueError(f"{name} must be C-contiguous")
-            return x if SIMULATOR else cuda.to_device(x)
+            # NumPy input is copied to the device anyway: a strided view is copied densely
+            # first. The simulator hands the array itself to the kernels and writes every
+            # argument back after a launch, so a read-only one is copied there.
+            x = np.ascontiguousarray(x)
+            if not SIMULATOR:
+                return cuda.to_device(x)
+            return x if x.flags.writeable else x.copy()
         if self.lib == "torch":
             if not x.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")

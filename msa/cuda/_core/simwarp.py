@@ -41,6 +41,12 @@ deadlock), or does not arrive within ``timeout`` seconds (default 60, ``MSA_SIMW
 the waiting lanes raise ``WarpDeadlockError`` naming the operation, the mask, the block, the warp,
 and which lanes arrived and which did not. Mismatched masks or operations raise ``WarpUsageError``.
 
+IEEE ``math`` in kernels: Python's ``math.log(0)``, ``math.sqrt(-1)`` or ``math.exp(1000)``
+raise where CUDA returns ``-inf``, NaN or ``inf``, so a kernel given non-finite data (valid
+input: an ``inf`` key) would fail here and not on the GPU. While a kernel runs, the ``math`` of
+its module is ``IEEE_MATH``: ``math``'s functions, with the ones that raise answering as
+NumPy's float64 ufuncs do instead (``ieee_math``).
+
 ``install()`` is idempotent and a no-op (returning False) outside the simulator. Kernels without
 warp operations are unaffected apart from a per-block bookkeeping step at thread start and exit,
 and every kernel gets the simulator's block loop with two mends (``_block_manager_run``): it
@@ -49,6 +55,8 @@ hands the GIL over each round (about ten times faster) and reports the first exc
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import threading
 import time
@@ -632,6 +640,68 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+# --- IEEE math in kernels ---------------------------------------------------------------------
+
+def _ieee(fn, ufunc):
+    """``fn`` (a ``math`` function), with ``ufunc``'s float64 result where ``fn`` raises."""
+    def ieee(*args):
+        try:
+            return fn(*args)
+        except (ValueError, OverflowError):  # a domain or range error: what CUDA returns
+            with np.errstate(all="ignore"):
+                return float(ufunc(*(np.float64(a) for a in args)))
+    ieee.__name__ = fn.__name__
+    return ieee
+
+
+class _IEEEMath:
+    """``math`` for kernels in the simulator: CUDA's ``inf``/NaN where Python's raise."""
+
+    def __getattr__(self, name):
+        return getattr(math, name)
+
+
+_UFUNCS = {"log": np.log, "log2": np.log2, "log10": np.log10, "log1p": np.log1p,
+           "sqrt": np.sqrt, "exp": np.exp, "exp2": np.exp2, "expm1": np.expm1,
+           "pow": np.power, "cosh": np.cosh, "sinh": np.sinh, "acos": np.arccos,
+           "asin": np.arcsin, "acosh": np.arccosh, "atanh": np.arctanh, "fmod": np.fmod}
+for _name, _ufunc in _UFUNCS.items():
+    if hasattr(math, _name):
+        setattr(_IEEEMath, _name, staticmethod(_ieee(getattr(math, _name), _ufunc)))
+IEEE_MATH = _IEEEMath()
+
+_math_lock = threading.Lock()
+_math_users: dict = {}  # id(globals) -> [kernels running, the names swapped]
+
+
+def _swapping_math(original):
+    """Numba's ``swapped_cuda_module`` that also makes a kernel module's ``math`` IEEE_MATH
+    while any of its kernels runs (reference-counted per module, as Numba does for ``cuda``)."""
+    @contextlib.contextmanager
+    def swapped(fn, fake_cuda_module):
+        globs = fn.__globals__
+        with _math_lock:
+            entry = _math_users.get(id(globs))
+            if entry is None:
+                names = [k for k, v in globs.items() if v is math]
+                for k in names:
+                    globs[k] = IEEE_MATH
+                entry = _math_users[id(globs)] = [0, names]
+            entry[0] += 1
+        try:
+            with original(fn, fake_cuda_module):
+                yield
+        finally:
+            with _math_lock:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    for k in entry[1]:
+                        globs[k] = math
+                    del _math_users[id(globs)]
+    swapped._msa_simwarp = True
+    return swapped
+
+
 def install(*, timeout: float | None = None, strict: bool | None = None) -> bool:
     """Add the warp operations to Numba's simulator; returns whether the simulator is in use.
 
@@ -664,6 +734,8 @@ def install(*, timeout: float | None = None, strict: bool | None = None) -> bool
         if (not getattr(kernel.BlockManager.run, "_msa_simwarp", False)
                 and _manager_run_fits(kernel)):
             kernel.BlockManager.run = _block_manager_run
+        if not getattr(kernel.swapped_cuda_module, "_msa_simwarp", False):
+            kernel.swapped_cuda_module = _swapping_math(kernel.swapped_cuda_module)
         if not getattr(kernelapi.FakeCUDAShared.array, "_msa_simwarp", False):
             kernelapi.FakeCUDAShared.array = _locked_shared_array(kernelapi.FakeCUDAShared.array)
         _installed = True

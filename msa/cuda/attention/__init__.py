@@ -87,12 +87,12 @@ from ..._batch import Batch
 from ..._checks import check_array, check_positive_int, check_scale, check_topk, cu_to_host
 from ...reference.attention import check_work
 from ...reference.select import check_block_indices
-from .._core.arrays import ArrayContext, device_offsets, fill
+from .._core.arrays import ArrayContext, device_offsets, fill, index_dtype
 from .._core.launch import kernel_array
 from ..combine import launch_combine
 from ..csr import launch_build_csr
 from ..schedule import launch_rows, launch_schedule
-from ..select import launch_select_blocks_fused
+from ..select import check_topk as check_select_topk, launch_select_blocks_fused
 from ._backward import default_backward_version, sparse_attention_backward
 from ._plan import (MAX_PARTIAL_BYTES, VERSIONS, K1Plan, Spec, default_partial_bytes,
                     partials_are_bf16, query_chunk, selection_args)
@@ -168,6 +168,8 @@ def _attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, c
     check_array("q_indices", q_indices, ndim=2, dtypes=("int",), shape=(spec.hkv, None))
     check_array("partial_slots", partial_slots, ndim=2, dtypes=("int",),
                 shape=tuple(int(s) for s in q_indices.shape))
+    for name, x in (("work", work), ("q_indices", q_indices), ("partial_slots", partial_slots)):
+        index_dtype(name, x)
     plan = K1Plan(spec, batch.block_size, version, tile_rows, groups, o_parts=o_parts,
                   assume_unaligned=assume_unaligned)
     if validate:
@@ -175,7 +177,8 @@ def _attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, c
         real = host_work[host_work[:, 3] > 0]  # [W', 6]: padding items (q_count <= 0) skipped
         check_work(real, cu_to_host(q_indices), cu_to_host(partial_slots), spec.hkv, topk,
                    batch.query_batch, batch.cu_k, batch.block_size)
-    ctx = ArrayContext(q, k, v, work, q_indices, partial_slots)
+    ctx = ArrayContext(q=q, k=k, v=v, work=work, q_indices=q_indices,
+                       partial_slots=partial_slots)
     qa, ka, va = plan.inputs(ctx, q, k, v)
     o_part = ctx.empty((topk, spec.tq, spec.hq, spec.d), np.float32)
     lse_part = ctx.empty((topk, spec.tq, spec.hq), np.float32)
@@ -209,7 +212,7 @@ class _Forward:
     def run(self, q, k, v, block_indices, scale):
         spec, batch, topk, plan = self.spec, self.batch, self.topk, self.plan
         bf16_partials = self.bf16_partials
-        ctx = ArrayContext(q, k, v, block_indices)
+        ctx = ArrayContext(q=q, k=k, v=v, block_indices=block_indices)
         o = ctx.empty((spec.tq, spec.hq, spec.d), spec.kind)
         lse = ctx.empty((spec.tq, spec.hq), np.float32)
         if spec.tq == 0:
@@ -345,10 +348,13 @@ def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
     """
     spec = Spec(q, k, v)
     check_array("q_idx", q_idx, ndim=3, shape=(spec.tq, spec.hkv, None))
-    check_array("k_idx", k_idx, ndim=2, shape=(spec.tk, None))
+    check_array("k_idx", k_idx, ndim=2, shape=(spec.tk, int(q_idx.shape[2])))
+    for name, x in (("q_idx", q_idx), ("k_idx", k_idx)):
+        spec.same_kind(name, x)
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=spec.tq, total_k=spec.tk)
-    topk = check_positive_int("topk", topk)
+    topk = check_select_topk(topk)
     scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
+    index_scale = check_scale("index_scale", index_scale, 1.0 / math.sqrt(int(q_idx.shape[2])))
     forward = _Forward(spec, batch, topk, version, tile_rows, groups, chunk_size,
                        max_partial_bytes, partial_dtype)
     block_indices = launch_select_blocks_fused(q_idx, k_idx, batch, topk, scale=index_scale,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._checks import check_array, check_positive_int, cu_to_host
-from ...reference.select import check_block_indices
+from ..._checks import check_array, check_lse, check_positive_int, cu_to_host
+from ...reference.select import check_block_indices, nonempty_supports
 from .._core import mma as _mma
-from .._core.arrays import INT32_MAX, ArrayContext, device_constant, device_offsets
+from .._core.arrays import INT32_MAX, ArrayContext, device_constant, device_offsets, float_kind
 from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
@@ -114,8 +114,10 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
             forward's hot-row cut); a row with more is split, and its parts' sums are added in
             a fixed order (so a different ``part_size`` may change the last bits).
         max_partial_bytes: version 2's memory for one query chunk's dQ partials.
-        validate: check ``block_indices`` on a host copy first; ``False`` skips it (invalid
-            entries are then skipped by the kernels: memory safe, result unspecified).
+        validate: check ``block_indices`` and ``lse`` on host copies first, as the reference
+            does (``lse`` finite wherever the support is non-empty: ``msa._checks.check_lse``);
+            ``False`` skips it (invalid entries are then skipped by the kernels: memory safe,
+            result unspecified).
 
     Returns:
         ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``, float32, in the caller's library.
@@ -142,12 +144,14 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     for name, x in (("o", o), ("do", do)):
         check_array(name, x, ndim=3, shape=(tq, hq, d))
         spec.same_kind(name, x)
-    check_array("lse", lse, ndim=2, dtypes=(np.float32,), shape=(tq, hq))
+    check_array("lse", lse, ndim=2, shape=(tq, hq))
+    float_kind("lse", lse, ("float32",))  # the forward's
     batch, scale, topk = selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k,
                                         block_size, scale)
     bs = batch.block_size
-    part_size = check_positive_int("part_size", 2 * topk * bs if part_size is None
-                                   else part_size, high=INT32_MAX)
+    # a row holds at most Tq < 2**31 queries: a larger default part is the same one
+    part_size = check_positive_int("part_size", min(2 * topk * bs, INT32_MAX)
+                                   if part_size is None else part_size, high=INT32_MAX)
     max_partial_bytes = check_positive_int(
         "max_partial_bytes", MAX_PARTIAL_BYTES if max_partial_bytes is None
         else max_partial_bytes)
@@ -167,9 +171,11 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
                                  f"the {kernel} kernel needs {need} bytes of shared memory, "
                                  f"more than {limit}")
     if validate:
-        check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, bs)
+        host_I = check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, bs)
+        check_lse(np.asarray(cu_to_host(lse)),
+                  nonempty_supports(host_I, batch.cu_q, batch.cu_k, bs))
 
-    ctx = ArrayContext(q, k, v, o, lse, do, block_indices)
+    ctx = ArrayContext(q=q, k=k, v=v, o=o, lse=lse, do=do, block_indices=block_indices)
     dq = ctx.empty((tq, hq, d), np.float32)
     dk = ctx.empty((spec.tk, spec.hkv, d), np.float32, fill=0)
     dv = ctx.empty((spec.tk, spec.hkv, d), np.float32, fill=0)

@@ -15,9 +15,10 @@ import numpy as np
 from numba import cuda
 
 from ..._batch import Batch
-from ..._checks import GQA_GROUP_SIZES, check_array, check_gqa, check_positive_int, check_scale
+from ..._checks import (GQA_GROUP_SIZES, check_array, check_gqa, check_positive_int,
+                        check_scale, unsupported)
 from .._core import mma as _mma, wgmma as _wgmma
-from .._core.arrays import SIMULATOR, float_kind
+from .._core.arrays import SIMULATOR, float_kind, index_dtype
 from .._core.launch import launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
@@ -73,9 +74,12 @@ class Spec:
         self.tk, self.hkv = int(k.shape[0]), int(k.shape[1])
         if int(k.shape[2]) != self.d:
             raise ValueError(f"k must have head dim D={self.d} (q's), got shape {tuple(k.shape)}")
-        if not 1 <= self.d <= MAX_HEAD_DIM:
-            raise ValueError(f"q must have head dim D in [1, {MAX_HEAD_DIM}], got D={self.d}")
-        self.g = check_gqa(self.hq, self.hkv, allowed=GQA_GROUP_SIZES)
+        if self.d < 1:
+            raise ValueError(f"q must have head dim D >= 1, got shape {tuple(q.shape)}")
+        if self.d > MAX_HEAD_DIM:
+            raise unsupported("q's head dim D", self.d, "msa.cuda", f"D <= {MAX_HEAD_DIM}")
+        self.g = check_gqa(self.hq, self.hkv, allowed=GQA_GROUP_SIZES,
+                           what="q's heads over k's, G = Hq/Hkv")
         self.bf16 = self.kind == "bfloat16"
 
     def same_kind(self, name, x):
@@ -93,10 +97,14 @@ def selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, 
     scale = check_scale("scale", scale, 1.0 / math.sqrt(spec.d))
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
                 shape=(spec.tq, spec.hkv, None))
+    index_dtype("block_indices", block_indices)
     topk = int(block_indices.shape[2])
-    if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"block_indices must have K in [1, {MAX_TOPK}] slots, got "
-                         f"shape {tuple(block_indices.shape)}")
+    if topk < 1:
+        raise ValueError(f"block_indices must have K >= 1 slots, got shape "
+                         f"{tuple(block_indices.shape)}")
+    if topk > MAX_TOPK:
+        raise unsupported("block_indices' K", topk, "msa.cuda", f"K <= {MAX_TOPK}",
+                          why="the CSR scatter takes a thread per slot of a query")
     return batch, scale, topk
 
 

@@ -121,12 +121,13 @@ def combine_partials(o_part, lse_part, *, out_dtype=None, version: int = DEFAULT
     if num_slots < 1:
         raise ValueError(f"o_part must have K >= 1 slots on axis 0, got shape "
                          f"{tuple(o_part.shape)}")
-    check_array("lse_part", lse_part, ndim=3, dtypes=(np.float32,), shape=(num_slots, tq, hq))
+    check_array("lse_part", lse_part, ndim=3, shape=(num_slots, tq, hq))
+    float_kind("lse_part", lse_part, ("float32",))
     kind = _out_kind(out_dtype) if out_dtype is not None else ("bfloat16" if bf16_part
                                                                else "float32")
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
-    ctx = ArrayContext(o_part, lse_part)
+    ctx = ArrayContext(o_part=o_part, lse_part=lse_part)
     o_arg = ctx.input("o_part", o_part)
     l_arg = ctx.input("lse_part", lse_part)
     out = ctx.empty((tq, hq, d), kind)

@@ -53,9 +53,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, cu_to_host
+from ..._checks import check_array, cu_to_host, unsupported
 from ...reference.select import check_block_indices
-from .._core.arrays import INT32_MAX, ArrayContext
+from .._core.arrays import INT32_MAX, ArrayContext, index_dtype
 from .._core.launch import karg, kinput
 from .._core.scan import launch_scan
 from ._plan import MAX_TOPK, Plan, build
@@ -86,13 +86,14 @@ def launch_build_csr(batch, block_indices, ctx):
 def _selection(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate):
     """``(batch, ctx, I)`` of a public call: everything checked, ``I`` a kernel argument."""
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
+    index_dtype("block_indices", block_indices)
     tq, hkv, topk = (int(x) for x in block_indices.shape)
     if topk < 1 or hkv < 1:
         raise ValueError(f"block_indices must have shape [Tq, Hkv >= 1, K >= 1], "
                          f"got {(tq, hkv, topk)}")
     if topk > MAX_TOPK:
-        raise ValueError(f"block_indices has K={topk} slots; the GPU scatter supports "
-                         f"K <= {MAX_TOPK}")
+        raise unsupported("block_indices' K", topk, "msa.cuda", f"K <= {MAX_TOPK}",
+                          why="the scatter takes a thread per slot of a query")
     if tq * topk > INT32_MAX:
         raise ValueError(
             f"block_indices has Tq*K = {tq}*{topk} = {tq * topk} possible edges per head, more "
@@ -102,7 +103,7 @@ def _selection(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate):
         raise ValueError(f"cu_seqlens_k gives {batch.rows} CSR rows, more than int32 holds")
     if validate:
         check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, batch.block_size)
-    ctx = ArrayContext(block_indices)
+    ctx = ArrayContext(block_indices=block_indices)
     return batch, ctx, kinput(ctx, "block_indices", block_indices)
 
 
@@ -149,9 +150,10 @@ def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
         row_ptr int32 [Hkv, rows+1], non-decreasing; ``row_ptr[h, -1]`` is head h's nnz.
     """
     check_array("counts", counts, ndim=2, dtypes=("int",))
+    index_dtype("counts", counts)
     if version not in (1, 2):
         raise ValueError(f"version must be 1 or 2, got {version!r}")
-    ctx = ArrayContext(counts)
+    ctx = ArrayContext(counts=counts)
     return ctx.output(_prefix_sum(ctx, kinput(ctx, "counts", counts), version, validate, counts))
 
 
@@ -209,7 +211,9 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
     batch, ctx, I = _selection(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     hkv = int(block_indices.shape[1])
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(hkv, batch.rows + 1))
-    ArrayContext(block_indices, row_ptr)  # TypeError if they come from different libraries
+    index_dtype("row_ptr", row_ptr)
+    # TypeError if they come from different libraries
+    ArrayContext(block_indices=block_indices, row_ptr=row_ptr)
     drow_ptr = kinput(ctx, "row_ptr", row_ptr)
     plan = Plan(batch, I, ctx)
     version = plan.scatter_version(version)

@@ -106,7 +106,7 @@ class IndexPlan:
             raise ValueError(f"q_idx and k_idx must have the batch's Tq={batch.tq} and "
                              f"Tk={batch.tk} rows, got {tq} and {tk}")
         scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
-        ctx = ArrayContext(q_idx, k_idx)
+        ctx = ArrayContext(q_idx=q_idx, k_idx=k_idx)
         p = cls()
         p.ctx, p.batch = ctx, batch
         p.q_in, p.k_in = ctx.input("q_idx", q_idx), ctx.input("k_idx", k_idx)

@@ -84,7 +84,10 @@ Memory: the ``dS`` buffer is ``Tq*Hkv*K*Bk`` float32 (4 GiB at 128K tokens in th
 configuration; v3 adds the ``dq_idx`` partials, ``Tq*Hkv*K*Didx``). ``kl_backward`` processes
 queries in chunks whose buffers fit ``max_ds_bytes`` (default 4 GiB): each chunk is a smaller
 problem of the same kind (its queries against the keys they can see, ``msa._batch.Batch.chunks``)
-with its own CSR, and adds its ``dk_idx`` contribution to the keys in chunk order.
+with its own CSR, and adds its ``dk_idx`` contribution to the keys in chunk order. A
+``block_size`` above 256 and longer than every sequence is taken as the longest sequence's
+length rounded up to 16 (the same blocks: one a sequence), so that the buffer is sized by the
+keys there are; one query's buffer beyond ``max_ds_bytes`` is an error naming ``block_size``.
 
 Bad input raises before any launch; the public functions check everything once (a
 ``msa._batch.Batch`` of the offsets, the arrays' shapes and dtypes, the version) and the plan
@@ -107,7 +110,7 @@ from ..._batch import Batch
 from ..._checks import (check_array, check_gqa, check_lse, check_positive_int, check_scale,
                         cu_to_host)
 from ...reference.select import check_block_indices
-from .._core.arrays import float_kind
+from .._core.arrays import float_kind, index_dtype
 from .._core.mma import DYNAMIC_SMEM_LIMIT
 from ._plan import (DEFAULT_VERSION, MAX_DS_BYTES, VERSIONS, Plan, tensor_core_tiles,
                     why_not_tensor_cores)
@@ -115,6 +118,9 @@ from ._plan import (DEFAULT_VERSION, MAX_DS_BYTES, VERSIONS, Plan, tensor_core_t
 __all__ = ["kl_loss", "kl_backward", "kl_loss_and_backward"]
 
 DTYPE_KINDS = ("float32", "float16", "bfloat16")
+# A block_size above this and above every sequence is taken as the longest sequence (rounded up
+# to 16): the same blocks, one a sequence, with buffers sized by the keys there are.
+_LONG_BLOCK = 256
 
 
 def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
@@ -144,9 +150,16 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
         if other != kind:
             raise TypeError(f"{name} must have the dtype of q ({kind}), got {other}")
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
+    longest = -(-int(batch.lk.max()) // 16) * 16 if batch.num_seqs else 0
+    if batch.block_size > max(longest, _LONG_BLOCK):
+        # every sequence is one block (block 0) whatever block_size >= its length: the
+        # longest length (a multiple of 16, as the tensor cores want) is the same blocking,
+        # and it sizes the dS buffer [Tq, Hkv, K, Bk] by the keys there are
+        batch = Batch.of(batch.cu_q, batch.cu_k, max(longest, _LONG_BLOCK))
     host_I = None
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
+        index_dtype("block_indices", block_indices)
         if (int(block_indices.shape[0]) != tq or int(block_indices.shape[1]) != hkv
                 or int(block_indices.shape[2]) < 1):
             raise ValueError(
@@ -244,6 +257,13 @@ def _kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlen
     if max_ds_bytes is None:
         max_ds_bytes = MAX_DS_BYTES
     max_ds_bytes = check_positive_int("max_ds_bytes", max_ds_bytes)
+    if not p.warmup:  # the chunks hold at least one query: its dS must fit the budget
+        per_query = p.hkv * p.topk * p.block_size * 4  # dS [Hkv, K, Bk] float32
+        if per_query > max_ds_bytes:
+            raise ValueError(
+                f"block_size={p.block_size}: one query's dS buffer [Hkv, K, block_size] float32 "
+                f"takes {per_query} bytes, more than max_ds_bytes={max_ds_bytes}; pass a larger "
+                f"max_ds_bytes or a smaller block_size")
     ctx = p.ctx
     dq = ctx.empty((p.tq, p.hkv, p.d_idx), np.float32)
     dk = ctx.empty((p.tk, p.d_idx), np.float32, fill=0.0 if p.tk * p.d_idx else None)

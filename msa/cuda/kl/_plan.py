@@ -95,7 +95,8 @@ class Plan:
         self.version = version
         if version == 3:
             self.positions, self.rows, self.smem, self.smem_student = tiles
-        self.ctx = ArrayContext(q, k, q_idx, k_idx, block_indices, lse)
+        self.ctx = ArrayContext(q=q, k=k, q_idx=q_idx, k_idx=k_idx,
+                                block_indices=block_indices, lse=lse)
         views = []
         for name, x in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx)):
             arr = self.ctx.input(name, x)

@@ -40,7 +40,7 @@ import numpy as np
 from ..._batch import Batch
 from ..._checks import check_array, check_positive_int, cu_to_host
 from ...reference.schedule import WORK_COLUMNS
-from .._core.arrays import INT32_MAX, SIMULATOR, ArrayContext
+from .._core.arrays import INT32_MAX, SIMULATOR, ArrayContext, index_dtype
 from .._core.launch import THREADS, dev, grid_size, karg, kinput, launch, upload_ints
 from .._core.scan import lookback_scan
 from . import v1_counting_sort
@@ -64,7 +64,8 @@ def build_schedule(row_ptr, cu_seqlens_k, block_size: int, chunk_size: int, *,
             valid selection satisfies it, since a row holds only b's queries, each once).
         cu_seqlens_k: int [B+1] key offsets (read on the host).
         block_size: Bk >= 1.
-        chunk_size: most queries per item, >= 1 (the paper uses about ``2*K*Bk``).
+        chunk_size: most queries per item, in ``[1, 2**31 - 1]`` (the paper uses about
+            ``2*K*Bk``).
         max_edges: optional bound on every head's nnz ``row_ptr[h, -1]`` (e.g. ``Tq*K``); it
             only shrinks ``capacity`` (module docstring), so pass it.
         validate: check ``row_ptr`` on a host copy (``Hkv*(rows+1)`` ints): the reference's rules
@@ -119,14 +120,16 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
                     validate=True, **knobs):
     """``build_schedule`` with the tests' knobs (``_schedule``'s ``item_tile``,
     ``scan_threads``)."""
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    # a work item's q_count is int32: a bigger chunk would be the same schedule
+    chunk_size = check_positive_int("chunk_size", chunk_size, high=INT32_MAX)
     if max_edges is not None:
         max_edges = check_positive_int("max_edges", max_edges, low=0)
     batch = Batch.of(None, cu_seqlens_k, block_size)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(None, batch.rows + 1))
+    index_dtype("row_ptr", row_ptr)
     if validate:
         _check_row_ptr(row_ptr, batch, max_edges)
-    ctx = ArrayContext(row_ptr)
+    ctx = ArrayContext(row_ptr=row_ptr)
     work, num_items = _schedule(batch, kinput(ctx, "row_ptr", row_ptr), chunk_size, max_edges,
                                 ctx, **knobs)
     return ctx.output(work), ctx.output(num_items)

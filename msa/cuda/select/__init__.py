@@ -64,8 +64,8 @@ from .._core.heap import MAX_TOPK, heap_capacity
 from ..index import IndexPlan, launch_block_scores, launch_fused_topk
 from . import v1_sorted, v2_warp_heap, v3_warp_list
 
-__all__ = ["select_blocks", "select_blocks_fused", "launch_select_blocks", "VERSIONS",
-           "DEFAULT_VERSION", "FUSED_VERSIONS", "MAX_TOPK", "FUSED_MEMORY_BUDGET"]
+__all__ = ["select_blocks", "select_blocks_fused", "launch_select_blocks", "check_topk",
+           "VERSIONS", "DEFAULT_VERSION", "FUSED_VERSIONS", "MAX_TOPK", "FUSED_MEMORY_BUDGET"]
 
 VERSIONS = (1, 2, 3)
 DEFAULT_VERSION = 3
@@ -81,8 +81,9 @@ def _check_version(name, version, versions):
     return version
 
 
-def _check_topk(topk) -> int:
-    """``topk`` in ``[1, MAX_TOPK]``: the kernels' heaps hold ``K - 1 <= 63`` entries a lane."""
+def check_topk(topk) -> int:
+    """msa.cuda's ``topk`` of a selection: ``[1, MAX_TOPK]`` (the kernels' heaps hold
+    ``K - 1 <= 63`` entries a lane); the error for more says that the reference takes it."""
     topk = check_positive_int("topk", topk)
     if topk > MAX_TOPK:
         raise unsupported("topk", topk, "msa.cuda", f"topk <= {MAX_TOPK}",
@@ -136,7 +137,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, top
         that is not contiguous.
     """
     version = _check_version("version", version, VERSIONS) or DEFAULT_VERSION
-    topk = _check_topk(topk)
+    topk = check_topk(topk)
     check_array("block_scores", block_scores, ndim=3)
     float_kind("block_scores", block_scores, ("float16", "float32", "float64"))
     hkv, tq, nb = (int(s) for s in block_scores.shape)
@@ -148,7 +149,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, top
         raise ValueError(
             f"block_scores must have NB = ceil(max Lk / block_size) = {batch.nb} columns "
             f"(block_size={batch.block_size}), got shape {tuple(block_scores.shape)}")
-    ctx = ArrayContext(block_scores)
+    ctx = ArrayContext(block_scores=block_scores)
     M = ctx.input("block_scores", block_scores)
     out = ctx.empty((tq, hkv, topk), np.int32, fill=np.iinfo(np.int32).min if POISON else None)
     launch_select_blocks(M, batch, 0, topk, ctx.arg(out), version=version)
@@ -167,7 +168,7 @@ def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, t
                          scale=None, version=None, memory_budget=None, warps=None, batch=None):
     """``select_blocks_fused`` with the index plan's ``warps`` (tests)."""
     version = _check_version("version", version, FUSED_VERSIONS)
-    topk = _check_topk(topk)
+    topk = check_topk(topk)
     memory_budget = check_positive_int(
         "memory_budget", FUSED_MEMORY_BUDGET if memory_budget is None else memory_budget)
     p = IndexPlan.of(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, scale, pool="max",
