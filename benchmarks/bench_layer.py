@@ -603,7 +603,9 @@ def clip(intervals, lo, hi):
 
 
 def profile_step(step, device: str, n: int, unprofiled_ms: float) -> dict:
-    """One step under torch.profiler (CPU activity, and CUDA where the device is a GPU)."""
+    """One step under torch.profiler (CPU activity, and CUDA where the device is a GPU):
+    :func:`timeline_summary` of its events, with the host operations of most self CPU time and
+    the kernels of most device time."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -614,7 +616,6 @@ def profile_step(step, device: str, n: int, unprofiled_ms: float) -> dict:
         with record_function(STEP_MARK):
             step()
             sync(device)
-    events = list(prof.profiler.kineto_results.events())
 
     def kind(e):
         try:
@@ -626,52 +627,64 @@ def profile_step(step, device: str, n: int, unprofiled_ms: float) -> dict:
             return ("gpu_memcpy" if "memcpy" in name else "gpu_memset" if "memset" in name
                     else "kernel")
 
-    marks = [e for e in events if e.name() == STEP_MARK and kind(e) == "user_annotation"]
-    if not marks:
-        marks = [e for e in events if e.name() == STEP_MARK]
-    w0, w1 = marks[0].start_ns(), marks[0].end_ns()
+    spans = [(kind(e), e.name(), e.start_ns(), e.start_ns() + e.duration_ns())
+             for e in prof.profiler.kineto_results.events()]
+    averages = prof.key_averages()
+    summary = dict(n=n, unprofiled_step_ms=unprofiled_ms, **timeline_summary(spans, device))
+    summary["top_host_ops"] = [
+        dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3, calls=e.count)
+        for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+        if e.key != STEP_MARK]
+    if summary.get("gpu_busy_ms") is not None:
+        summary["gpu_busy_share_of_unprofiled_step"] = min(
+            1.0, summary["gpu_busy_ms"] / unprofiled_ms)
+        summary["top_kernels"] = [
+            dict(name=e.key[:100], ms=e.self_device_time_total / 1e3, calls=e.count)
+            for e in sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:10]]
+    return summary
+
+
+def timeline_summary(spans, device: str = "cuda") -> dict:
+    """The GPU's busy share of the step from profiler events ``(kind, name, start_ns, end_ns)``
+    (kinds as ``_KinetoEvent.activity_type``): the step's wall interval is the host range named
+    ``STEP_MARK``; busy is the union of the kernels' intervals clipped to it (overlapping
+    kernels count once), also with memory copies and sets; the ten longest idle gaps, each with
+    the innermost host operations (ops, launches, runtime calls) that cover most of it."""
+    marks = [s for s in spans if s[1] == STEP_MARK and s[0] == "user_annotation"]
+    marks = marks or [s for s in spans if s[1] == STEP_MARK]
+    w0, w1 = marks[0][2], marks[0][3]
     wall_ns = w1 - w0
-    kernels = [(e.start_ns(), e.end_ns()) for e in events if kind(e) == "kernel"]
-    memops = [(e.start_ns(), e.end_ns()) for e in events if kind(e) in ("gpu_memcpy", "gpu_memset")]
+    kernels = [(s, e) for k, _, s, e in spans if k == "kernel"]
+    memops = [(s, e) for k, _, s, e in spans if k in ("gpu_memcpy", "gpu_memset")]
+    out = dict(wall_ms=wall_ns / 1e6, kernels=len(kernels), target=BUSY_TARGET)
+    if not kernels:
+        out.update(gpu_busy_ms=None, gpu_busy_share=None, met=None, why_no_gpu_share=(
+            "no CUDA device: torch.profiler records kernel activity on a GPU only"
+            if device != "cuda" else "the profiler recorded no kernel (CUPTI unavailable?)"))
+        return out
     busy = union_ns(clip(kernels, w0, w1))
     busy_all = union_ns(clip(kernels + memops, w0, w1))
     busy_ns = sum(e - s for s, e in busy)
-    averages = prof.key_averages()
-    summary = dict(
-        n=n, wall_ms=wall_ns / 1e6, unprofiled_step_ms=unprofiled_ms, kernels=len(kernels),
-        top_host_ops=[dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3, calls=e.count)
-                      for e in sorted(averages, key=lambda e: e.self_cpu_time_total,
-                                      reverse=True)[:12] if e.key != STEP_MARK])
-    if not kernels:
-        summary.update(gpu_busy_share=None, target=BUSY_TARGET, why_no_gpu_share=(
-            "no CUDA device: torch.profiler records kernel activity on a GPU only"
-            if device != "cuda" else "the profiler recorded no kernel (CUPTI unavailable?)"))
-        return summary
     share = busy_ns / wall_ns
     gaps = [(a[1], b[0]) for a, b in zip([[w0, w0]] + busy_all, busy_all + [[w1, w1]])
             if b[0] > a[1]]
-    cpu = [(e.start_ns(), e.end_ns(), e.name()) for e in events
-           if kind(e) in ("cpu_op", "user_annotation") and e.name() != STEP_MARK]
+    host_kinds = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")  # launches too
+    host = [(s, e, name) for k, name, s, e in spans if k in host_kinds and name != STEP_MARK]
 
     def during(s, e):
-        """The innermost host operations that cover most of the gap ``[s, e)``."""
-        over = [(min(e, c1) - max(s, c0), c1 - c0, name) for c0, c1, name in cpu
+        over = [(min(e, c1) - max(s, c0), c1 - c0, name) for c0, c1, name in host
                 if c1 > s and c0 < e]
         most = [o for o in over if o[0] >= 0.5 * (e - s)] or sorted(over, reverse=True)[:3]
         return [dict(name=name, overlap_ms=ov / 1e6)
                 for ov, _, name in sorted(most, key=lambda o: o[1])[:3]]
 
-    summary.update(
+    out.update(
         gpu_busy_ms=busy_ns / 1e6, gpu_busy_share=share,
         gpu_busy_share_with_memops=sum(e - s for s, e in busy_all) / wall_ns,
-        gpu_busy_share_of_unprofiled_step=min(1.0, busy_ns / 1e6 / unprofiled_ms),
-        target=BUSY_TARGET, met=share >= BUSY_TARGET,
+        met=share >= BUSY_TARGET,
         idle_gaps=[dict(at_ms=(s - w0) / 1e6, ms=(e - s) / 1e6, host_ops=during(s, e))
-                   for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]],
-        top_kernels=[dict(name=e.key[:100], ms=e.self_device_time_total / 1e3, calls=e.count)
-                     for e in sorted(averages, key=lambda e: e.self_device_time_total,
-                                     reverse=True)[:10]])
-    return summary
+                   for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]])
+    return out
 
 
 # -- 4: the warmup step ----------------------------------------------------------------------------

@@ -31,6 +31,26 @@ def test_union_counts_overlapping_kernels_once():
     assert busy == [[2, 20], [30, 40], [45, 50]]
 
 
+def test_busy_share_is_the_union_of_kernels_over_the_step_and_gaps_name_the_host_ops():
+    M = 1_000_000  # ns per ms
+    spans = [("user_annotation", bench_layer.STEP_MARK, 0, 100 * M),
+             ("gpu_user_annotation", bench_layer.STEP_MARK, 0, 100 * M),  # not a kernel
+             ("kernel", "a", 10 * M, 30 * M), ("kernel", "b", 20 * M, 40 * M),  # overlap
+             ("gpu_memset", "Memset", 40 * M, 45 * M), ("kernel", "c", 60 * M, 90 * M),
+             ("kernel", "d", 95 * M, 120 * M),  # ends after the step: clipped
+             ("cpu_op", "aten::mm", 0, 12 * M), ("cpu_op", "msa::kl_loss", 40 * M, 62 * M),
+             ("cuda_runtime", "cudaLaunchKernel", 45 * M, 58 * M)]
+    got = bench_layer.timeline_summary(spans)
+    assert got["gpu_busy_ms"] == pytest.approx(65.0) and got["gpu_busy_share"] == pytest.approx(0.65)
+    assert got["gpu_busy_share_with_memops"] == pytest.approx(0.70) and got["met"] is False
+    assert [(g["at_ms"], g["ms"]) for g in got["idle_gaps"]] == [(45, 15), (0, 10), (90, 5)]
+    assert [h["name"] for h in got["idle_gaps"][0]["host_ops"]] == ["cudaLaunchKernel",
+                                                                   "msa::kl_loss"]
+    assert [h["name"] for h in got["idle_gaps"][1]["host_ops"]] == ["aten::mm"]
+    cpu = bench_layer.timeline_summary(spans[:1] + spans[7:], device="cpu")
+    assert cpu["gpu_busy_share"] is None and "GPU only" in cpu["why_no_gpu_share"]
+
+
 def test_tiny_run_every_phase(tmp_path):
     """Sizes 64-256 in this process, 512 in a child, two cold-start processes, one crossover
     probe below 64 is refused (under 4 blocks), the warmup at 128 and 256, the compile check."""
