@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (device tool, carry [".gpu"]), from the project root:
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh [tests|bench|all] [test paths...]
+#     source .gpu/env.sh && bash benchmarks/gpu_session.sh layer [bench_layer options...]
 # Runs the same test suite as CI on the real GPU(s) (big shapes included; by default the files
 # that touch the GPU: tests/cuda, tests/torch and the notebooks, as tests/reference is NumPy only),
 # then every benchmark (benchmarks/bench_<stage>.py), writing logs and JSON under $OUT (default
@@ -14,6 +15,10 @@
 # paths in two calls, e.g.
 #     ... gpu_session.sh tests tests/cuda/test_select.py tests/cuda/test_kl.py
 #     ... gpu_session.sh tests tests/cuda/test_attention_*.py tests/cuda/test_csr.py ...
+# `layer` runs only the training layer's benchmark (every target of benchmarks/bench_layer.py in
+# one process, its progress lines printed as they come) within MSA_LAYER_BUDGET_S seconds
+# (default 420; the process is killed 120 s after that, and its JSON is rewritten after every
+# measurement, so a cut run keeps what it measured); extra arguments go to bench_layer.
 # The device tool brings back at most 8 files, so everything is also packed into
 # $OUT/session.tar.gz and the loose files are removed at the end (MSA_KEEP_FILES=1 keeps them).
 set -uo pipefail
@@ -45,9 +50,20 @@ if [[ $what == bench || $what == all ]]; then
   for b in index select csr schedule attention attention_backward combine kl decode layer; do
     [[ -f benchmarks/bench_$b.py ]] || continue
     echo "=== bench_$b"
-    timeout 300 python3 -m benchmarks.bench_$b --out "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1
+    extra=()  # the layer's run is a time box of its own: 240 s of the 300
+    [[ $b == layer ]] && extra=(--budget-s 240)
+    timeout 300 python3 -m benchmarks.bench_$b "${extra[@]}" --out "$OUT/bench_$b.json" \
+      > "$OUT/bench_$b.log" 2>&1
     grep -v "Warning\|warn(" "$OUT/bench_$b.log" | tail -30
   done
+fi
+if [[ $what == layer ]]; then
+  budget=${MSA_LAYER_BUDGET_S:-420}
+  echo "=== bench_layer (budget $budget s)"
+  timeout -k 10 $(( budget + 120 )) python3 -m benchmarks.bench_layer --budget-s "$budget" "$@" \
+      --out "$OUT/bench_layer.json" 2>&1 | tee "$OUT/bench_layer.log" \
+    | grep --line-buffered -v "Warning\|warn("
+  status=${PIPESTATUS[0]}
 fi
 if [[ ${MSA_KEEP_FILES:-0} != 1 ]]; then
   (cd "$OUT" && tar czf session.tar.gz --exclude session.tar.gz . && \

@@ -40,6 +40,12 @@ def rows_of(payload: dict) -> list[dict]:
 
 
 def plot(path: str) -> str:
+    if os.path.basename(path).startswith("bench_layer"):  # its own figure: time and ratio vs N
+        from benchmarks.bench_layer import figure
+
+        out = figure(path)
+        print("wrote", out)
+        return out
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
