@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     attempt("hostile ids, validate=False", hostile)
 
     # A decode step on a paged cache (pages shuffled, the last page part full), Lq = 1 and 4.
-    if hasattr(C, "decode"):
+    if True:  # msa.cuda.decode is a stage of its own (not re-exported by msa.cuda)
         from msa.cuda import decode as CD
 
         lens = np.array([int(ck[1] - ck[0])] + ([int(ck[2] - ck[1])] if len(ck) > 2 else []),
