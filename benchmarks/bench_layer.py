@@ -2,6 +2,7 @@
 
     source .gpu/env.sh && python3 -m benchmarks.bench_layer --out FILE       # every target
     source .gpu/env.sh && python3 -m benchmarks.bench_layer --quick --out FILE
+    source .gpu/env.sh && bash benchmarks/gpu_session.sh layer              # every target, $OUT
     python -m benchmarks.bench_layer --device cpu --tiny --out FILE          # anywhere, toy sizes
 
 Paper configuration (d_model 3072, Hq 64, Hkv 4, D = Didx = 128, Bk 128, K 16, bf16), one
@@ -38,7 +39,9 @@ each step. One run measures, sizes smallest first, within a time box (``--budget
    ``WARMUP_SINGLE_S`` runs once, timed, with no untimed step before it (its kernels were
    compiled at a smaller N) and no halves;
 5. the cold start: two fresh processes one after the other (``--cold-start-child``), each
-   timing its imports, setup and first step at ``--cold-start N``; by default they share an
+   timing its imports, setup and first step at ``--cold-start N`` (``first_step_s``: the step
+   alone, the target's number; ``after_torch_import_s``: msa's import, the layer and the step;
+   ``total_s`` from the process's start, ``wall_s`` as its parent saw it); by default they share an
    empty kernel cache folder (``XDG_CACHE_HOME``, ``--cold-start-cache fresh``), so the first
    compiles every kernel and the second finds them on disk, whatever the machine's own cache
    holds; this process then uses that folder too;
@@ -108,7 +111,7 @@ TINY = Config(64, 4, 2, 16, 16, 16, 2, "float32")
 PRESETS = {
     "full": dict(sizes=(8192, 32768, 131072, 524288), reps=3, dense_max_n=131072,
                  warmup_sizes=(8192, 32768, 131072), profile=131072, cold_start=32768,
-                 compile_check=4096, crossover_probes=2, isolate_above=131072, budget_s=420.0),
+                 compile_check=4096, crossover_probes=2, isolate_above=131072, budget_s=400.0),
     "quick": dict(sizes=(8192, 32768), reps=2, dense_max_n=32768, warmup_sizes=(8192, 32768),
                   profile=32768, cold_start=32768, compile_check=0, crossover_probes=0,
                   isolate_above=0, budget_s=240.0),
@@ -809,6 +812,7 @@ def cold_start_child(args) -> int:
     print("COLD_START_JSON " + json.dumps(dict(
         n=n, import_torch_s=t_torch - t0, import_msa_s=t_msa - t_torch,
         setup_s=t_setup - t_msa, first_step_s=t_first - t_setup,
+        after_torch_import_s=t_first - t_torch,  # msa's import, the setup and the first step
         total_s=t_first - t0, second_step_s=t_second - t, finite=finite, kernel_cache=cache,
         kernel_cache_files=count_files(cache))), flush=True)
     return 0
