@@ -2,6 +2,7 @@
 
     source .gpu/env.sh && python3 -m benchmarks.bench_layer --out FILE       # every target
     source .gpu/env.sh && python3 -m benchmarks.bench_layer --quick --out FILE
+    source .gpu/env.sh && bash benchmarks/gpu_session.sh layer              # every target, $OUT
     python -m benchmarks.bench_layer --device cpu --tiny --out FILE          # anywhere, toy sizes
 
 Paper configuration (d_model 3072, Hq 64, Hkv 4, D = Didx = 128, Bk 128, K 16, bf16), one
@@ -33,10 +34,14 @@ each step. One run measures, sizes smallest first, within a time box (``--budget
    ran during them, and the host operations with the most self CPU time;
 4. the warmup step (``layer.warmup = True``: dense main branch by PyTorch's fused flash op that
    returns the LSE, the KL on the full causal support) at ``--warmup-sizes``, next to the sparse
-   step of the same N; a step predicted to take more than ``WARMUP_SINGLE_S`` runs once, timed,
-   with no untimed step before it (its kernels were compiled at a smaller N);
+   step of the same N, and its two halves timed apart (``main_branch_ms``: the dense branch
+   forward and backward; ``kl_ms``: the KL and its gradients); a step predicted to take more than
+   ``WARMUP_SINGLE_S`` runs once, timed, with no untimed step before it (its kernels were
+   compiled at a smaller N) and no halves;
 5. the cold start: two fresh processes one after the other (``--cold-start-child``), each
-   timing its imports, setup and first step at ``--cold-start N``; by default they share an
+   timing its imports, setup and first step at ``--cold-start N`` (``first_step_s``: the step
+   alone, the target's number; ``after_torch_import_s``: msa's import, the layer and the step;
+   ``total_s`` from the process's start, ``wall_s`` as its parent saw it); by default they share an
    empty kernel cache folder (``XDG_CACHE_HOME``, ``--cold-start-cache fresh``), so the first
    compiles every kernel and the second finds them on disk, whatever the machine's own cache
    holds; this process then uses that folder too;
@@ -106,7 +111,7 @@ TINY = Config(64, 4, 2, 16, 16, 16, 2, "float32")
 PRESETS = {
     "full": dict(sizes=(8192, 32768, 131072, 524288), reps=3, dense_max_n=131072,
                  warmup_sizes=(8192, 32768, 131072), profile=131072, cold_start=32768,
-                 compile_check=4096, crossover_probes=2, isolate_above=131072, budget_s=420.0),
+                 compile_check=4096, crossover_probes=2, isolate_above=131072, budget_s=400.0),
     "quick": dict(sizes=(8192, 32768), reps=2, dense_max_n=32768, warmup_sizes=(8192, 32768),
                   profile=32768, cold_start=32768, compile_check=0, crossover_probes=0,
                   isolate_above=0, budget_s=240.0),
@@ -176,8 +181,8 @@ def inputs(cfg: Config, n: int, device: str, seed: int = 1):
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = _torch_dtype(cfg)
     x = torch.randn(n, cfg.d_model, device=device, dtype=dt, generator=gen).requires_grad_(True)
-    g = (torch.randn(n, cfg.d_model, device=device, generator=gen)
-         / math.sqrt(n * cfg.d_model)).to(dt)
+    g = torch.randn(n, cfg.d_model, device=device, dtype=dt, generator=gen)
+    g.mul_(1.0 / math.sqrt(n * cfg.d_model))  # in place: no float32 temporaries at 512K
     return x, np.array([0, n], dtype=np.int32), g
 
 
@@ -371,10 +376,10 @@ class Run:
         return self.step_ms(IMPL_WARMUP, n, 2.0)
 
     # rows and the JSON
-    def add(self, row: dict) -> dict:
+    def add(self, row: dict, *, show: bool = True) -> dict:
         self.rows.append(row)
-        shown = {k: v for k, v in row.items() if k not in ("top_host_ops",)}
-        log("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
+        if show:
+            log("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
         self.write()
         return row
 
@@ -491,7 +496,7 @@ def bench_size_isolated(run: Run, n: int):
     cmd = [sys.executable, "-m", "benchmarks.bench_layer", "--child", "--sizes", str(n),
            "--device", args.device, "--reps", str(args.reps), "--dense-max-n",
            str(args.dense_max_n), "--profile", str(args.profile), "--budget-s",
-           str(max(run.left(), 1.0)), "--out", child_out]
+           f"{max(run.left(), 1.0):.0f}", "--out", child_out]
     cmd += ["--tiny"] if args.tiny else []
     log(f"{case}: in a child process: {' '.join(cmd[1:])}")
     rc, why = stream(cmd, timeout_s=max(run.left(), 1.0) + 60.0, prefix=f"  [{case} child] ")
@@ -503,8 +508,8 @@ def bench_size_isolated(run: Run, n: int):
     finally:
         os.unlink(child_out)
     rows = child.get("results", [])
-    for row in rows:
-        run.add(dict(row, process="child"))
+    for row in rows:  # printed by the child already
+        run.add(dict(row, process="child"), show=False)
     if "profile" in child:
         run.extra["profile"] = child["profile"]
     if rc != 0 or not any(r.get("impl") == IMPL_SPARSE for r in rows):
@@ -689,8 +694,43 @@ def timeline_summary(spans, device: str = "cuda") -> dict:
 
 # -- 4: the warmup step ----------------------------------------------------------------------------
 
+def warmup_parts(layer, x, cu, dev: str, reps: int) -> dict:
+    """The warmup step's two halves on the layer's own projections of ``x``, each forward and
+    backward: the dense main branch (``dense_attention``) and the KL on the full causal support
+    (``kl_loss`` with its gradients)."""
+    import torch
+
+    from msa.torch import functional as F
+
+    t, c = x.shape[0], layer
+    with torch.no_grad():
+        q = (x @ c.w_q).view(t, c.num_q_heads, c.head_dim)
+        k = (x @ c.w_k).view(t, c.num_kv_heads, c.head_dim)
+        v = (x @ c.w_v).view(t, c.num_kv_heads, c.head_dim)
+        q_idx = (x @ c.w_q_idx).view(t, c.num_kv_heads, c.index_dim)
+        k_idx = x @ c.w_k_idx
+    qkv = [a.detach().requires_grad_(True) for a in (q, k, v)]
+    idx = [a.detach().requires_grad_(True) for a in (q_idx, k_idx)]
+    do = torch.randn_like(q)
+    lse = []
+
+    def main_branch():
+        o, lse_now = F.dense_attention(*qkv, cu, cu, scale=c.scale)
+        o.backward(do)
+        lse[:] = [lse_now]
+
+    def kl():
+        _, loss = F.kl_loss(q, k, *idx, None, lse[0], cu, cu, c.block_size, scale=c.scale,
+                            index_scale=c.index_scale, validate=False)
+        loss.backward()
+
+    main_branch()
+    kl()
+    return dict(main_branch_ms=time_ms(main_branch, dev, reps), kl_ms=time_ms(kl, dev, reps))
+
+
 def bench_warmup(run: Run, n: int):
-    import torch  # noqa: F401
+    import torch
 
     args, cfg, dev = run.args, run.cfg, run.args.device
     case = case_of(n)
@@ -727,6 +767,10 @@ def bench_warmup(run: Run, n: int):
                   and r.get("ms")]
         if sparse:
             row["vs_sparse_step"] = ms / sparse[0]["ms"]
+        if not single and run.fits(2 * (reps + 1) * ms / 1e3 + 1.0, n, "warmup step's halves"):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            row.update(warmup_parts(layer, x.detach(), cu, dev, reps))
     except Exception as exc:  # reported, not fatal: the warmup's memory is a target
         row.update(failure(exc, dev))
     run.add(row)
@@ -768,6 +812,7 @@ def cold_start_child(args) -> int:
     print("COLD_START_JSON " + json.dumps(dict(
         n=n, import_torch_s=t_torch - t0, import_msa_s=t_msa - t_torch,
         setup_s=t_setup - t_msa, first_step_s=t_first - t_setup,
+        after_torch_import_s=t_first - t_torch,  # msa's import, the setup and the first step
         total_s=t_first - t0, second_step_s=t_second - t, finite=finite, kernel_cache=cache,
         kernel_cache_files=count_files(cache))), flush=True)
     return 0
@@ -968,7 +1013,7 @@ def figure(path: str):
         a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
             lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}"))
     bx.set_xlabel("N")
-    bx.set_ylabel("speedup of MSA (higher is better)")
+    bx.set_ylabel("dense step / MSA step (higher: MSA faster)")
     bx.grid(alpha=0.3, which="both")
     notes = []
     prof = payload.get("profile", {})
@@ -977,8 +1022,8 @@ def figure(path: str):
     cold = payload.get("cold_start", {})
     if cold.get("first", {}).get("first_step_s") is not None:
         notes.append(f"first step at {case_of(cold['n'])}: fresh process "
-                     f"{cold['first']['first_step_s']:.1f} s, kernels on disk "
-                     f"{cold.get('second', {}).get('first_step_s', float('nan')):.1f} s")
+                     f"{cold['first']['first_step_s']:.3g} s, kernels on disk "
+                     f"{cold.get('second', {}).get('first_step_s', float('nan')):.3g} s")
     head, cfg = payload.get("header", {}), payload.get("config", {})
     where = head.get("gpu", "?") if cfg.get("device") != "cpu" else "the CPU (NumPy reference)"
     fig.suptitle(f"MSA layer training step on {where}, commit "

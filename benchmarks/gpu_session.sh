@@ -17,8 +17,10 @@
 #     ... gpu_session.sh tests tests/cuda/test_attention_*.py tests/cuda/test_csr.py ...
 # `layer` runs only the training layer's benchmark (every target of benchmarks/bench_layer.py in
 # one process, its progress lines printed as they come) within MSA_LAYER_BUDGET_S seconds
-# (default 420; the process is killed 120 s after that, and its JSON is rewritten after every
+# (default 400; the process is killed 80 s after that, and its JSON is rewritten after every
 # measurement, so a cut run keeps what it measured); extra arguments go to bench_layer.
+# About 6-7 minutes; bench_layer.json, its figure and log land in $OUT (python -m benchmarks.plot
+# redraws the figure from the JSON).
 # The device tool brings back at most 8 files, so everything is also packed into
 # $OUT/session.tar.gz and the loose files are removed at the end (MSA_KEEP_FILES=1 keeps them).
 set -uo pipefail
@@ -58,9 +60,9 @@ if [[ $what == bench || $what == all ]]; then
   done
 fi
 if [[ $what == layer ]]; then
-  budget=${MSA_LAYER_BUDGET_S:-420}
+  budget=${MSA_LAYER_BUDGET_S:-400}
   echo "=== bench_layer (budget $budget s)"
-  timeout -k 10 $(( budget + 120 )) python3 -m benchmarks.bench_layer --budget-s "$budget" "$@" \
+  timeout -k 10 $(( budget + 80 )) python3 -m benchmarks.bench_layer --budget-s "$budget" "$@" \
       --out "$OUT/bench_layer.json" 2>&1 | tee "$OUT/bench_layer.log" \
     | grep --line-buffered -v "Warning\|warn("
   status=${PIPESTATUS[0]}

@@ -20,10 +20,22 @@ with ``L = L_LM + lambda L_KL``. Printed every few steps:
 * ``recall``: how often the block of the needle is among the last query's selected blocks (for
   the answer that block is the dense top-1 of the trained main branch).
 
-On the CPU (the reference path), 300 steps: ``lm`` 2.29 -> 0.73 (means of the first and last 25
-steps), answers right 0.69, ``recall`` 0.36 -> 0.67; ``L_KL`` falls in the warmup (1.93 at the
-first step, 0.44 at its end) and then rises slowly (0.42 -> 0.56 over the sparse steps) as the
-main branch sharpens its attention: the teacher the index branch follows keeps moving.
+On the CPU (the reference path), 300 steps, seed 0, means of the first and last 25 steps:
+``lm`` 2.29 -> 1.39, answers right 0.44, ``recall`` 0.36 -> 0.53 (seeds 1 and 2: ``lm`` to 1.30
+and 1.28, ``recall`` to 0.44 and 0.42). ``L_KL`` falls in the warmup (1.93 at the first step,
+0.47 over its last 25) and then rises over the sparse steps, 0.43 -> 0.62 (seed 1: 0.60 -> 0.55).
+
+What ``L_KL`` measures after the warmup: at every position of every sequence (not only the query
+that answers), how far the index branch's softmax is from the main branch's attention on the
+selected tokens (the mean of the group's heads). The LM loss keeps sharpening that attention (its
+entropy on the full causal support falls from 1.87 to 1.65 nats over the sparse steps) and the
+index branch, one softmax over a shared 16-dim key, fits a sharper teacher less closely. It does
+not lag behind: with the main branch frozen at step 300 and the index trained 200 steps more (at
+a tenth of its learning rate too) ``L_KL`` stays at 0.60-0.65. With ``--freeze-main`` (after the
+warmup only the index trains: the teacher is fixed) ``L_KL`` stays flat, 0.42 -> 0.41, and
+``recall`` still rises, to 0.57; a warmup that never ends (full support throughout) drifts the
+same way, 0.47 -> 0.50 as the entropy falls to 1.37. The rise is the moving teacher, not the
+change of support nor the sparse KL's gradient.
 """
 
 from __future__ import annotations
@@ -76,9 +88,10 @@ def make_batch(rng, batch, seq_len, num_keys, num_values, min_distance):
 
 def train(steps=300, warmup_steps=None, batch=16, seq_len=64, num_keys=64, num_values=8,
           d_model=64, block_size=16, topk=2, lam=1.0, lr=1e-2, index_lr=3e-2, seed=0,
-          device=None,
-          every=10, verbose=True):
-    """Run the recipe; returns the history, a list of dicts per step."""
+          device=None, freeze_main=False, every=10, verbose=True):
+    """Run the recipe; returns the history, a list of dicts per step. ``freeze_main``: from
+    the end of the warmup on only the index branch trains (the teacher of ``L_KL`` stops
+    moving)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     warmup_steps = steps // 3 if warmup_steps is None else warmup_steps
@@ -94,6 +107,9 @@ def train(steps=300, warmup_steps=None, batch=16, seq_len=64, num_keys=64, num_v
     history = []
     for step in range(steps):
         model.layer.warmup = step < warmup_steps
+        if freeze_main and step == warmup_steps:
+            for w in rest:
+                w.requires_grad_(False)
         keys, values, cu, answer, where = make_batch(rng, batch, seq_len, num_keys, num_values,
                                                      min_distance=2 * block_size)
         logits, out = model(torch.as_tensor(keys, device=device),
@@ -141,10 +157,12 @@ def main(argv=None):
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="a smaller problem (CI)")
     p.add_argument("--device", default=None)
+    p.add_argument("--freeze-main", action="store_true",
+                   help="after the warmup train only the index branch (L_KL's teacher is fixed)")
     args = p.parse_args(argv)
     steps = 150 if args.quick and args.steps == 300 else args.steps
-    history = train(steps, args.warmup_steps, device=args.device)
-    s = summary(history)
+    history = train(steps, args.warmup_steps, device=args.device, freeze_main=args.freeze_main)
+    s = summary(history, window=25)
     print("summary:", {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()})
     return s
 

@@ -70,7 +70,7 @@ def test_tiny_run_every_phase(tmp_path):
     warm = rows_of(payload, bench_layer.IMPL_WARMUP)
     assert [r["n"] for r in warm] == [64, 128]
     assert all("chunked PyTorch fallback" in r["main_branch"] and r["vs_sparse_step"] > 0
-               for r in warm)
+               and r["main_branch_ms"] > 0 and r["kl_ms"] > 0 for r in warm)
     prof = payload["profile"]
     assert prof["n"] == 128 and prof["gpu_busy_share"] is None
     assert "GPU only" in prof["why_no_gpu_share"] and prof["top_host_ops"]
