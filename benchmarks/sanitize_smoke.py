@@ -233,38 +233,38 @@ def main(argv=None) -> int:
     attempt("hostile ids, validate=False", hostile)
 
     # A decode step on a paged cache (pages shuffled, the last page part full), Lq = 1 and 4.
-    if True:  # msa.cuda.decode is a stage of its own (not re-exported by msa.cuda)
-        from msa.cuda import decode as CD
+    # msa.cuda.decode is a stage of its own (not re-exported by msa.cuda)
+    from msa.cuda import decode as CD
 
-        lens = np.array([int(ck[1] - ck[0])] + ([int(ck[2] - ck[1])] if len(ck) > 2 else []),
-                        np.int32)
-        hkv, d, di = p.k.shape[1], p.k.shape[2], p.k_idx.shape[1]
-        npages = -(-lens // bk)
-        perm = np.random.default_rng(4).permutation(int(npages.sum()))
-        table = np.full((len(lens), int(npages.max())), -1, np.int32)
-        kc = np.zeros((perm.size, hkv, bk, d), np.float32)
-        vc = np.zeros_like(kc)
-        kic = np.zeros((perm.size, bk, di), np.float32)
-        page = 0
-        for b, n in enumerate(lens):
-            for j in range(int(npages[b])):
-                table[b, j] = perm[page]
-                lo, hi = int(ck[b]) + j * bk, min(int(ck[b]) + (j + 1) * bk, int(ck[b]) + int(n))
-                kc[perm[page], :, : hi - lo] = p.k[lo:hi].transpose(1, 0, 2)
-                vc[perm[page], :, : hi - lo] = p.v[lo:hi].transpose(1, 0, 2)
-                kic[perm[page], : hi - lo] = p.k_idx[lo:hi]
-                page += 1
-        for lq in (1, 4):
-            def decode_step(lq=lq):
-                rows_q = np.concatenate([int(cq[b + 1]) - lq + np.arange(lq)
-                                         for b in range(len(lens))])
-                o, _lse, I = CD.decode_step(bf(p.q[rows_q]), bf(p.q_idx[rows_q]), bf(kc), bf(vc),
-                                           bf(kic), dev(table), lens, bk, k)
-                o_b, _ = R.decode_attention(rb(p.q[rows_q]), rb(kc), rb(vc), I.cpu().numpy(),
-                                            table, lens, bk)
-                return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
+    lens = np.array([int(ck[1] - ck[0])] + ([int(ck[2] - ck[1])] if len(ck) > 2 else []),
+                    np.int32)
+    hkv, d, di = p.k.shape[1], p.k.shape[2], p.k_idx.shape[1]
+    npages = -(-lens // bk)
+    perm = np.random.default_rng(4).permutation(int(npages.sum()))
+    table = np.full((len(lens), int(npages.max())), -1, np.int32)
+    kc = np.zeros((perm.size, hkv, bk, d), np.float32)
+    vc = np.zeros_like(kc)
+    kic = np.zeros((perm.size, bk, di), np.float32)
+    page = 0
+    for b, n in enumerate(lens):
+        for j in range(int(npages[b])):
+            table[b, j] = perm[page]
+            lo, hi = int(ck[b]) + j * bk, min(int(ck[b]) + (j + 1) * bk, int(ck[b]) + int(n))
+            kc[perm[page], :, : hi - lo] = p.k[lo:hi].transpose(1, 0, 2)
+            vc[perm[page], :, : hi - lo] = p.v[lo:hi].transpose(1, 0, 2)
+            kic[perm[page], : hi - lo] = p.k_idx[lo:hi]
+            page += 1
+    for lq in (1, 4):
+        def decode_step(lq=lq):
+            rows_q = np.concatenate([int(cq[b + 1]) - lq + np.arange(lq)
+                                     for b in range(len(lens))])
+            o, _lse, I = CD.decode_step(bf(p.q[rows_q]), bf(p.q_idx[rows_q]), bf(kc), bf(vc),
+                                       bf(kic), dev(table), lens, bk, k)
+            o_b, _ = R.decode_attention(rb(p.q[rows_q]), rb(kc), rb(vc), I.cpu().numpy(),
+                                        table, lens, bk)
+            return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
 
-            attempt(f"decode_step Lq={lq}", decode_step)
+        attempt(f"decode_step Lq={lq}", decode_step)
     torch.cuda.synchronize()
     print("all stages ok" if ok else "SOME STAGE FAILED")
     return 0 if ok else 1
