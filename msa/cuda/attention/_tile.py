@@ -45,7 +45,7 @@ from .._core.arrays import SIMULATOR
 from .._core.finite import block_checks
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             no_op, store_u32x4)
-from .._core.mma import bf16_to_f32, exp2, pack_bf16x2, pack_f16x2
+from .._core.mma import bf16_to_f32, exp2, mul_up, pack_bf16x2, pack_f16x2
 from .._core.packed import LN2
 from .._core.wgmma import core_word
 
@@ -220,12 +220,13 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
         m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
-        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN); so
-        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf). The
-        # max passes over a NaN score, whose P = NaN makes l and L_s NaN.
-        mb_top = (m_top * scale_log2 if m_top > _NEG_INF and m_top < _POS_INF
+        # base-2 max, rounded up (``mul_up``: P <= 1 even for a huge score); a row with nothing
+        # visible uses 0, so that P = 2**-inf = 0 (no NaN); so does a row with a +inf score, as
+        # the reference (P = inf there: l = L_s = +inf). The max passes over a NaN score, whose
+        # P = NaN makes l and L_s NaN.
+        mb_top = (mul_up(m_top, scale_log2) if m_top > _NEG_INF and m_top < _POS_INF
                   else float32(0.0))
-        mb_bot = (m_bot * scale_log2 if m_bot > _NEG_INF and m_bot < _POS_INF
+        mb_bot = (mul_up(m_bot, scale_log2) if m_bot > _NEG_INF and m_bot < _POS_INF
                   else float32(0.0))
         # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
