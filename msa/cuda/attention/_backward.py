@@ -261,6 +261,6 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
             k_sum[hkv * sub.rows, THREADS](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
                                            dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
-        k_dq_sum[-(-(tc * hq * 32) // THREADS), THREADS](kernel_array(I_c), d_cu_q,
+        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS](kernel_array(I_c), d_cu_q,
                                                          d_row_offsets, dq_part,
                                                          np.float32(scale), dq_a[t0:t1])
