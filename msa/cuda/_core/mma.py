@@ -78,7 +78,6 @@ MMA_BACKEND = "twin" if SIMULATOR else (_requested or "ptx")
 if not SIMULATOR:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
-    from numba.cuda import libdevice
 
     _F32 = ir.FloatType()
     _I16 = ir.IntType(16)
@@ -246,14 +245,6 @@ if not SIMULATOR:
     exp2 = _exp2_ir
     fmax_f32 = _fmax_ir
 
-    @cuda.jit(device=True, inline=True)
-    def mul_up(a, b):
-        """``a * b`` rounded towards +inf (``mul.rp.f32``): a softmax's base-2 row maximum
-        ``mb = mul_up(m, c)`` is never below the exact ``m c``, so ``fma(s, c, -mb) <= 0`` for
-        every ``s <= m`` and ``P = 2**(...)`` stays <= 1 however large the scores (rounded to
-        nearest, a huge ``m`` leaves a positive half-ulp residual that ``2**`` turns into +inf)."""
-        return libdevice.fmul_ru(a, b)
-
 # Simulator twins of the bit-level helpers (NumPy does the bit casts).
 else:
 
@@ -293,15 +284,6 @@ else:
     @cuda.jit(device=True)
     def fmax_f32(m, x):
         return x if x > m else m
-
-    @cuda.jit(device=True)
-    def mul_up(a, b):
-        # float32 operands: their product is exact in float64; round it up to float32
-        exact = float(a) * float(b)
-        r = np.float32(exact)
-        if float(r) < exact:
-            r = np.nextafter(r, np.float32(np.inf))
-        return r
 
     @cuda.jit(device=True)
     def exp2(x):

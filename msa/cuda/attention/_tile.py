@@ -45,7 +45,7 @@ from .._core.arrays import SIMULATOR
 from .._core.finite import block_checks
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             no_op, store_u32x4)
-from .._core.mma import bf16_to_f32, exp2, mul_up, pack_bf16x2, pack_f16x2
+from .._core.mma import bf16_to_f32, exp2, pack_bf16x2, pack_f16x2
 from .._core.packed import LN2
 from .._core.wgmma import core_word
 
@@ -53,6 +53,9 @@ MAX_HEAD_DIM = 128  # O lives in registers
 MAX_BLOCK_SIZE = 128  # S lives in registers
 _NEG_INF = float32(-math.inf)
 _POS_INF = float32(math.inf)
+# |m scale_log2| below which P = 2**fma(S, scale_log2, -m scale_log2) is safe: the max's P is
+# 2**r for the rounding residual |r| <= 1/2 (consistent with l, so exact after the division)
+_FMA_SAFE = float32(2.0 ** 24)
 
 
 @cuda.jit(device=True, inline=True)
@@ -220,27 +223,42 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 1))
         m_top = max(m_top, cuda.shfl_xor_sync(0xFFFFFFFF, m_top, 2))
         m_bot = max(m_bot, cuda.shfl_xor_sync(0xFFFFFFFF, m_bot, 2))
-        # base-2 max, rounded up (``mul_up``: P <= 1 even for a huge score); a row with nothing
-        # visible uses 0, so that P = 2**-inf = 0 (no NaN); so does a row with a +inf score, as
-        # the reference (P = inf there: l = L_s = +inf). The max passes over a NaN score, whose
-        # P = NaN makes l and L_s NaN.
-        mb_top = (mul_up(m_top, scale_log2) if m_top > _NEG_INF and m_top < _POS_INF
+        # base-2 max; a row with nothing visible uses 0, so that P = 2**-inf = 0 (no NaN); so
+        # does a row with a +inf score, as the reference (P = inf there: l = L_s = +inf). The
+        # max passes over a NaN score, whose P = NaN makes l and L_s NaN.
+        mb_top = (m_top * scale_log2 if m_top > _NEG_INF and m_top < _POS_INF
                   else float32(0.0))
-        mb_bot = (mul_up(m_bot, scale_log2) if m_bot > _NEG_INF and m_bot < _POS_INF
+        mb_bot = (m_bot * scale_log2 if m_bot > _NEG_INF and m_bot < _POS_INF
                   else float32(0.0))
         # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
         l_top = float32(0.0)
         l_bot = float32(0.0)
-        for i in range(NS):  # one fused multiply-add a score
-            p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
-            p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
-            p2 = exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot))
-            p3 = exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot))
-            l_top += p0 + p1
-            l_bot += p2 + p3
-            p_frag[2 * i] = pack(p0, p1)
-            p_frag[2 * i + 1] = pack(p2, p3)
+        if abs(mb_top) < _FMA_SAFE and abs(mb_bot) < _FMA_SAFE:
+            for i in range(NS):  # one fused multiply-add a score
+                p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
+                p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
+                p2 = exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot))
+                p3 = exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot))
+                l_top += p0 + p1
+                l_bot += p2 + p3
+                p_frag[2 * i] = pack(p0, p1)
+                p_frag[2 * i + 1] = pack(p2, p3)
+        else:
+            # a huge score (|m scale_log2| >= 2**24): the fused form's residual for the max,
+            # up to half an ulp of m scale_log2 (>= 2**7 from 2**31 on), would make its P 0 or
+            # +inf; 2**((S - m) scale_log2) gives it exactly 1, as the reference's exp(S - m)
+            m_top = m_top if mb_top != float32(0.0) else float32(0.0)
+            m_bot = m_bot if mb_bot != float32(0.0) else float32(0.0)
+            for i in range(NS):
+                p0 = exp2((s_acc[4 * i] - m_top) * scale_log2)
+                p1 = exp2((s_acc[4 * i + 1] - m_top) * scale_log2)
+                p2 = exp2((s_acc[4 * i + 2] - m_bot) * scale_log2)
+                p3 = exp2((s_acc[4 * i + 3] - m_bot) * scale_log2)
+                l_top += p0 + p1
+                l_bot += p2 + p3
+                p_frag[2 * i] = pack(p0, p1)
+                p_frag[2 * i + 1] = pack(p2, p3)
         l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 1)
         l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 1)
         l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 2)

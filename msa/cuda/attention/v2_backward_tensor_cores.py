@@ -508,10 +508,11 @@ def dq_sum_kernel(head_dim: int, group: int):
 
     D, G, U = head_dim, group, DQ_SUM_SLOTS
     NV = D // 4
+    UV = 4 * U  # local array sizes must be plain constants on the GPU
 
     @kernel_jit
     def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
-        vals = cuda.local.array(4 * U, float32)
+        vals = cuda.local.array(UV, float32)
         ok = cuda.local.array(U, int32)
         i = cuda.grid(1)
         tq = dq.shape[0]

@@ -66,7 +66,7 @@ from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonf
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, ldmatrix_x4,
                             ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
-                         mma_f16_m16n8k16, mul_up, pack_bf16x2, pack_f16x2)
+                         mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
 from ._plan import Kernel, attention_splits, grid_1d, multiprocessors
 from .v1_simple import query_of
@@ -74,6 +74,7 @@ from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
+FMA_SAFE = float32(2.0 ** 24)  # |m sl2| below which the fused form is safe (attention._tile)
 COMBINE_THREADS = 128
 
 
@@ -373,25 +374,37 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         mx_bot = max(mx_bot, cuda.shfl_xor_sync(FULL_MASK, mx_bot, 2))
         m_top = max(st[0], mx_top)
         m_bot = max(st[1], mx_bot)
-        # base-2 references, rounded up (``mul_up``: P <= 1 even for a huge score); a row that
-        # has seen nothing uses 0 (P = 2**-inf = 0, no NaN)
-        ref_top = mul_up(m_top, sl2) if m_top > NEG_INF else float32(0.0)
-        ref_bot = mul_up(m_bot, sl2) if m_bot > NEG_INF else float32(0.0)
-        a_top = exp2(mul_up(st[0], sl2) - ref_top) if st[0] > NEG_INF else float32(0.0)
-        a_bot = exp2(mul_up(st[1], sl2) - ref_bot) if st[1] > NEG_INF else float32(0.0)
+        # base-2 references; a row that has seen nothing uses 0 (P = 2**-inf = 0, no NaN)
+        ref_top = m_top * sl2 if m_top > NEG_INF else float32(0.0)
+        ref_bot = m_bot * sl2 if m_bot > NEG_INF else float32(0.0)
+        a_top = exp2(st[0] * sl2 - ref_top) if st[0] > NEG_INF else float32(0.0)
+        a_bot = exp2(st[1] * sl2 - ref_bot) if st[1] > NEG_INF else float32(0.0)
         st[0] = m_top
         st[1] = m_bot
         l_top = st[2] * a_top
         l_bot = st[3] * a_bot
-        for i in range(NSC):
-            p0 = exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top))
-            p1 = exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top))
-            p2 = exp2(cuda.fma(s_acc[4 * i + 2], sl2, -ref_bot))
-            p3 = exp2(cuda.fma(s_acc[4 * i + 3], sl2, -ref_bot))
-            l_top += p0 + p1
-            l_bot += p2 + p3
-            p_frag[2 * i] = pack(p0, p1)
-            p_frag[2 * i + 1] = pack(p2, p3)
+        if abs(ref_top) < FMA_SAFE and abs(ref_bot) < FMA_SAFE:
+            for i in range(NSC):  # one fused multiply-add a score
+                p0 = exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top))
+                p1 = exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top))
+                p2 = exp2(cuda.fma(s_acc[4 * i + 2], sl2, -ref_bot))
+                p3 = exp2(cuda.fma(s_acc[4 * i + 3], sl2, -ref_bot))
+                l_top += p0 + p1
+                l_bot += p2 + p3
+                p_frag[2 * i] = pack(p0, p1)
+                p_frag[2 * i + 1] = pack(p2, p3)
+        else:  # a huge score: as K1 (msa.cuda.attention._tile.softmax), P of the max exactly 1
+            mt = m_top if ref_top != float32(0.0) else float32(0.0)
+            mbt = m_bot if ref_bot != float32(0.0) else float32(0.0)
+            for i in range(NSC):
+                p0 = exp2((s_acc[4 * i] - mt) * sl2)
+                p1 = exp2((s_acc[4 * i + 1] - mt) * sl2)
+                p2 = exp2((s_acc[4 * i + 2] - mbt) * sl2)
+                p3 = exp2((s_acc[4 * i + 3] - mbt) * sl2)
+                l_top += p0 + p1
+                l_bot += p2 + p3
+                p_frag[2 * i] = pack(p0, p1)
+                p_frag[2 * i + 1] = pack(p2, p3)
         st[2] = l_top
         st[3] = l_bot
         for i in range(NO):  # O = O * alpha (rows top: registers 0, 1; bottom: 2, 3)
@@ -430,8 +443,8 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             smem_f[bot * D + col] = o_acc[4 * i + 2]
             smem_f[bot * D + col + 1] = o_acc[4 * i + 3]
         if t4 == 0:
-            smem_f[COMB_M + top] = mul_up(st[0], sl2) if st[0] > NEG_INF else NEG_INF
-            smem_f[COMB_M + bot] = mul_up(st[1], sl2) if st[1] > NEG_INF else NEG_INF
+            smem_f[COMB_M + top] = st[0] * sl2 if st[0] > NEG_INF else NEG_INF
+            smem_f[COMB_M + bot] = st[1] * sl2 if st[1] > NEG_INF else NEG_INF
             smem_f[COMB_L + top] = l_top
             smem_f[COMB_L + bot] = l_bot
 
