@@ -58,7 +58,8 @@ from .._core.arrays import SIMULATOR
 from .._core.finite import (clean_bf16x2, clean_f16x2, is_nonfinite_bf16,
                             is_nonfinite_f16)
 from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
-                            cp_async_wait_all, ldmatrix_x4, ldmatrix_x4_trans, no_op)
+                            cp_async_wait_all, dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4,
+                            ldmatrix_x4_trans, no_op)
 from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pair,
                          mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E, check_entry, item_fields, load_entry
@@ -69,26 +70,6 @@ MAX_BLOCK_SIZE = 256
 # grad tile rows R = P x G (64 as K1 v3's default; the simulator's smallest)
 TILE_ROWS = 16 if SIMULATOR else 64
 STUDENT_WARPS = 1 if SIMULATOR else 4  # student pass: 16 query positions per warp
-
-
-if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
-    @cuda.jit(device=True)
-    def smem_words():
-        return cuda.shared.array(0, uint32)
-
-    @cuda.jit(device=True)
-    def smem_floats():
-        return cuda.shared.array(0, float32)
-else:
-    @cuda.jit(device=True, inline=True)
-    def smem_words():
-        """The dynamic shared memory as uint32, 16-byte aligned (``cp.async``)."""
-        return cuda.shared.array(0, uint32, alignment=16)
-
-    @cuda.jit(device=True, inline=True)
-    def smem_floats():
-        """The same bytes as float32."""
-        return cuda.shared.array(0, float32, alignment=16)
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
@@ -162,7 +143,7 @@ def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int
     @kernel_jit
     def _kl_kernel_student_v3(q_idx, k_idx, work, q_indices, slots, cu_q, cu_k,
                               index_scale_log2, part):
-        smem = smem_words()
+        smem = dynamic_smem_u32()
         s_acc = cuda.local.array(S_REGS, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -717,8 +698,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     @kernel_jit
     def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
                            cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
-        smem = smem_words()
-        sf = smem_floats()
+        smem = dynamic_smem_u32()
+        sf = dynamic_smem_f32()
         pos_t = cuda.shared.array((2, P), int32)
         pos_s = cuda.shared.array((2, P), int32)
         pos_q = cuda.shared.array((2, P), int32)
