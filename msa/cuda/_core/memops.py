@@ -1,4 +1,5 @@
-"""Memory primitives of the kernels (``msa.cuda.select``, ``index``, ``attention``, ``kl``).
+"""Memory primitives of the kernels (``msa.cuda.select``, ``index``, ``attention``, ``kl``,
+``decode``).
 
 Numba has no vector loads, no ``cp.async`` and no ``ldmatrix``. The few the kernels need
 are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_CUDASIM=1``
@@ -40,6 +41,10 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    elements ``[2t][g]`` (low half) and ``[2t+1][g]`` (high
                                    half), i.e. the mma B fragment of a matrix stored with its
                                    ``k`` index along the rows (V of ``P V`` stored row-major)
+``dynamic_smem_u32()``             the kernel's dynamic shared memory (the bytes the launch
+                                   asks for, ``launch_smem``) as a uint32 array, 16-byte
+                                   aligned on the GPU (``cp_async16``, ``ldmatrix_x4``)
+``dynamic_smem_f32()``             the same bytes as float32
 =================================  =============================================================
 
 Under the simulator ``cp_async16`` copies at once and ``ldmatrix_x4``/``ldmatrix_x4_trans``
@@ -325,3 +330,23 @@ def copy16_plain2(dst, d, src, s, nbytes):
 @cuda.jit(device=True)
 def no_op():
     """``cp_async_commit``/``cp_async_wait_all`` of the plain-copy path: nothing to wait for."""
+
+
+if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
+    @cuda.jit(device=True)
+    def dynamic_smem_u32():
+        return cuda.shared.array(0, types.uint32)
+
+    @cuda.jit(device=True)
+    def dynamic_smem_f32():
+        return cuda.shared.array(0, types.float32)
+else:
+    @cuda.jit(device=True, inline=True)
+    def dynamic_smem_u32():
+        """The dynamic shared memory as uint32, 16-byte aligned (``cp.async``, ``ldmatrix``)."""
+        return cuda.shared.array(0, types.uint32, alignment=16)
+
+    @cuda.jit(device=True, inline=True)
+    def dynamic_smem_f32():
+        """The same bytes as float32, 16-byte aligned."""
+        return cuda.shared.array(0, types.float32, alignment=16)

@@ -8,7 +8,8 @@ g4`` and ``r_bot = r_top + 8``, columns ``8i + 2t4`` and the next of each n-tile
 differs between the rungs is how ``S = Q Kᵀ`` and ``O = P V`` are multiplied and how K and V
 sit in shared memory (their own mainloop files); this module holds the rest, by role:
 
-* ``layout`` / ``o_parts`` / ``smem16``: the shared memory and the column parts of O;
+* ``layout`` / ``o_parts``: the shared memory (``msa.cuda._core.memops.dynamic_smem_u32``) and
+  the column parts of O;
 * ``load_kv``: the K/V block into shared memory (``cp.async`` or plain loads), row-major
   (version 3) or as 8 x 8 core matrices (version 4, ``core_matrices``);
 * ``clean_v``: masking by selection inside the block (docs/design.md §3): each thread, once its
@@ -98,17 +99,6 @@ def o_parts(head_dim):
     """Column parts of O: two above D = 64 (at D = 128 all 64 accumulators at once take 255
     registers on sm_90, in two parts of 32 the kernel takes 168; offline ptxas)."""
     return 2 if head_dim > 64 and (head_dim // 8) % 4 == 0 else 1
-
-
-if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
-    @cuda.jit(device=True)
-    def smem16():
-        return cuda.shared.array(0, uint32)
-else:
-    @cuda.jit(device=True, inline=True)
-    def smem16():
-        """The dynamic shared memory, 16-byte aligned (``cp.async``, ``ldmatrix``)."""
-        return cuda.shared.array(0, uint32, alignment=16)
 
 
 def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_async, parts,

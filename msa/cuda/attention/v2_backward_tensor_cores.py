@@ -51,12 +51,12 @@ from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
 from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                            ldmatrix_x4, ldmatrix_x4_trans, load_f32x4, no_op)
+                            dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
+                            no_op)
 from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
                          pack_bf16x2, pack_f16x2)
 from .._core.packed import LOG2E, last_le
 from ._backward_parts import bwd_part, split_slot
-from ._tile import smem16
 from .._core.diskcache import kernel_jit
 
 # Tile rows (query positions x G heads): 64 on a GPU (S^T and dP^T of a warp's 16 keys x 64 rows
@@ -398,7 +398,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
                                  row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
                                  part_size, dk, dv, dk_part, dv_part, dq_part):
-        smem = smem16()
+        smem = dynamic_smem_u32()
         # the two tiles' rows: query (or -1), slot, mask limit, LSE log2 e, D = rowsum(dO O)
         s_t = cuda.shared.array(R2, int32)
         s_slot = cuda.shared.array(R2, int32)

@@ -40,10 +40,10 @@ import functools
 
 from numba import cuda, float32, int32, uint32, uint64
 
-from .._core.memops import ldmatrix_x4, ldmatrix_x4_trans
+from .._core.memops import dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans
 from .._core.mma import make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from .._core.packed import check_entry, item_fields, load_entry
-from ._tile import smem16, tile as tile_functions
+from ._tile import tile as tile_functions
 from .._core.diskcache import kernel_jit
 
 
@@ -84,7 +84,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
 
     @kernel_jit(**T.JIT)
     def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
-        smem = smem16()
+        smem = dynamic_smem_u32()
         s_acc = cuda.local.array(S_REGS, float32)
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V mma
         o_acc = cuda.local.array(O_REGS, float32)

@@ -26,9 +26,9 @@ import functools
 from numba import cuda, float32, int32, uint32, uint64
 
 from .._core import wgmma as _wgmma
-from .._core.memops import ldmatrix_x4
+from .._core.memops import dynamic_smem_u32, ldmatrix_x4
 from .._core.packed import check_entry, item_fields, load_entry
-from ._tile import smem16, tile as tile_functions
+from ._tile import tile as tile_functions
 from .._core.diskcache import kernel_jit
 
 
@@ -64,7 +64,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
 
     @kernel_jit(**T.JIT)
     def _k1_kernel_v4(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
-        smem = smem16()
+        smem = dynamic_smem_u32()
         s_acc = cuda.local.array(S_REGS, float32)
         p_frag = cuda.local.array(P_REGS, uint32)  # P as the A fragments of the P V wgmma
         o_acc = cuda.local.array(O_REGS, float32)

@@ -63,8 +63,8 @@ from numba import cuda, float32, int32, types, uint32
 
 from .._core.arrays import SIMULATOR
 from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
-from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, ldmatrix_x4,
-                            ldmatrix_x4_trans)
+from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_f32,
+                            dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
@@ -76,24 +76,6 @@ FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
 FMA_SAFE = float32(2.0 ** 24)  # |m sl2| below which the fused form is safe (attention._tile)
 COMBINE_THREADS = 128
-
-
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def _smem_words():
-        return cuda.shared.array(0, types.uint32)
-
-    @cuda.jit(device=True)
-    def _smem_floats():
-        return cuda.shared.array(0, float32)
-else:
-    @cuda.jit(device=True, inline=True)
-    def _smem_words():
-        return cuda.shared.array(0, types.uint32, alignment=16)
-
-    @cuda.jit(device=True, inline=True)
-    def _smem_floats():
-        return cuda.shared.array(0, float32, alignment=16)
 
 
 STAGES = 2  # key stages in shared memory: the next stage is copied while one is computed
@@ -485,8 +467,8 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     @kernel_jit(**jit)
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
                lse_part, o, lse):
-        smem = _smem_words()
-        smem_f = _smem_floats()
+        smem = dynamic_smem_u32()
+        smem_f = dynamic_smem_f32()
         raw = cuda.shared.array(NE, int32)
         first = cuda.shared.array(NE, int32)
         union = cuda.shared.array(NE, int32)

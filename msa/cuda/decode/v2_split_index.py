@@ -44,7 +44,8 @@ from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
 from .._core.heap import better, heap_sort_best_first, offer
-from .._core.memops import cp_async16, cp_async_commit, cp_async_wait_all, ldmatrix_x4
+from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_u32,
+                            ldmatrix_x4)
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import Kernel, index_splits, multiprocessors
 from .v1_simple import query_of
@@ -63,10 +64,6 @@ if SIMULATOR:
         """Simulator twin: ``cp_async16`` copies at once, nothing to wait for."""
 
     wait_group = cuda.jit(device=True)(_wait_group)
-
-    @cuda.jit(device=True)
-    def _smem_words():
-        return cuda.shared.array(0, types.uint32)
 else:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
@@ -86,10 +83,6 @@ else:
             return context.get_dummy_value()
 
         return types.void(n), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def _smem_words():
-        return cuda.shared.array(0, types.uint32, alignment=16)
 
 
 def layout(block_size: int, index_dim: int, num_queries: int):
@@ -192,7 +185,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
 
     @kernel_jit
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, min_pages, scale, cand_s, cand_i):
-        smem = _smem_words()
+        smem = dynamic_smem_u32()
         heap_s = cuda.shared.array(HEAP, float32)
         heap_i = cuda.shared.array(HEAP, int32)
         heap_n = cuda.shared.array(NQ, int32)

@@ -70,8 +70,9 @@ v    idea (file)                 default where                         verdict
                                  ``Bk > 128``
 3    KV-outer on tensor cores,   fp16/bf16 with a selection            28.99 ms at 32K, 102.4 at
      the work in registers; was  otherwise (sm_80 and later:           128K (f4aaa47): 1.47x /
-     v4 (``v3_tensor_cores``,    ``mma.sync``, ``cp.async``)           1.39x the attention
-     ``v3_dk_idx``)                                                    forward, 225x / 92x torch
+     v4 (``v3_student``,         ``mma.sync``, ``cp.async``)           1.39x the attention
+     ``v3_tensor_cores``,                                              forward, 225x / 92x torch
+     ``v3_dk_idx``)
 ===  ==========================  ====================================  ==========================
 
 The old v3 (KV-outer, the teacher's scores staged through 185 KB of shared memory; 92.9 ms at

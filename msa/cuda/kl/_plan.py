@@ -18,6 +18,7 @@ from ..schedule import launch_rows, launch_schedule
 from . import v1_thread_rows as v1
 from . import v2_cta_rows as v2
 from . import v3_dk_idx as v3dk
+from . import v3_student as v3s
 from . import v3_tensor_cores as v3
 from ._common import (kl_kernel_combine_dq, kl_kernel_combine_kl, kl_kernel_combine_states,
                       kl_kernel_mean, kl_kernel_teacher_lse)
@@ -60,7 +61,7 @@ def tensor_core_tiles(block_size, head_dim, index_dim, group):
         if smem <= _mma.DYNAMIC_SMEM_LIMIT or rows <= max(16, group):
             break
         rows //= 2
-    smem_s = v3.student_layout(block_size, index_dim, 16 * v3.STUDENT_WARPS)[2]
+    smem_s = v3s.student_layout(block_size, index_dim, 16 * v3s.STUDENT_WARPS)[2]
     if max(smem, smem_s) > _mma.DYNAMIC_SMEM_LIMIT:
         return None
     return positions, rows, smem, smem_s
@@ -241,9 +242,9 @@ class Plan:
         if int(work.shape[0]) == 0:
             return
         words, aligned = self._words(t0, t1, k_lo, k_hi)
-        kernel = v3.kl_kernel_student(self.kind == "bfloat16", self.block_size, self.d_idx,
-                                      v3.STUDENT_WARPS, aligned)
-        launch_smem(kernel, int(work.shape[0]), 32 * v3.STUDENT_WARPS, self.smem_student,
+        kernel = v3s.kl_kernel_student(self.kind == "bfloat16", self.block_size, self.d_idx,
+                                       v3s.STUDENT_WARPS, aligned)
+        launch_smem(kernel, int(work.shape[0]), 32 * v3s.STUDENT_WARPS, self.smem_student,
                     words[2], words[3], work, q_indices, slots, *d_cu,
                     np.float32(self.index_scale * LOG2E), part)
 

@@ -16,10 +16,9 @@ from numba import cuda, float32, uint32
 
 from .._core import mma as _mma
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                            ldmatrix_x4_trans, load_f32x4, no_op)
+                            dynamic_smem_u32, ldmatrix_x4_trans, load_f32x4, no_op)
 from .._core.mma import bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, pack_bf16x2
 from ._state import kahan_add, sequence_of
-from .v3_tensor_cores import smem_words
 from .._core.diskcache import kernel_jit
 
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
@@ -93,7 +92,7 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
     @kernel_jit
     def _kl_kernel_keys_v3(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
                            index_scale, dk):
-        smem = smem_words()
+        smem = dynamic_smem_u32()
         acc = cuda.local.array(ACC, float32)
         tot = cuda.local.array(ACC, float32)
         comp = cuda.local.array(ACC, float32)

@@ -2,18 +2,16 @@
 
 Per query chunk the launcher builds the k2q CSR of the selection and the hot-row schedule (work
 items of at most ``2 K Bk`` queries of one key block, ``msa.cuda.schedule``); one CTA per work
-item loads the key block once and walks the item's queries in tiles. Three passes, the first
-two here:
+item loads the key block once and walks the item's queries in tiles. Three passes, one a file:
 
-* ``LSE^idx`` (``kl_kernel_student``): tiles of 64 index queries, ``S^idx`` in mma accumulators,
-  the row maximum and sum by quad shuffles; per (query, slot) the state ``(m, l, 0, 0)``,
-  merged in slot order (``msa.cuda.kl._common``).
-* the grad pass (``kl_kernel_grad``): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64 rows of
-  ``P`` positions x ``G`` heads, ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by a
-  reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term on
-  the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact 16-bit
-  planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (110 KB at the paper's sizes:
-  two CTAs per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
+* ``LSE^idx`` (``kl_kernel_student``, ``msa.cuda.kl.v3_student``): the index branch's row
+  normalisers, the slot states ``(m, l, 0, 0)`` merged in slot order.
+* the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64
+  rows of ``P`` positions x ``G`` heads, ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by
+  a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term
+  on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact
+  16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (110 KB at the paper's
+  sizes: two CTAs per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
   ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
   block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
@@ -58,37 +56,17 @@ from .._core.arrays import SIMULATOR
 from .._core.finite import (clean_bf16x2, clean_f16x2, is_nonfinite_bf16,
                             is_nonfinite_f16)
 from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
-                            cp_async_wait_all, ldmatrix_x4, ldmatrix_x4_trans, no_op)
+                            cp_async_wait_all, dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4,
+                            ldmatrix_x4_trans, no_op)
 from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pair,
                          mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
-from .._core.packed import LN2, LOG2E, check_entry, item_fields, load_entry
+from .._core.packed import LOG2E, check_entry, item_fields, load_entry
 from ._state import FULL_MASK, NEG_INF, finite_or_zero
 from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
 # grad tile rows R = P x G (64 as K1 v3's default; the simulator's smallest)
 TILE_ROWS = 16 if SIMULATOR else 64
-STUDENT_WARPS = 1 if SIMULATOR else 4  # student pass: 16 query positions per warp
-
-
-if SIMULATOR:  # the simulator takes no alignment argument (and needs none)
-    @cuda.jit(device=True)
-    def smem_words():
-        return cuda.shared.array(0, uint32)
-
-    @cuda.jit(device=True)
-    def smem_floats():
-        return cuda.shared.array(0, float32)
-else:
-    @cuda.jit(device=True, inline=True)
-    def smem_words():
-        """The dynamic shared memory as uint32, 16-byte aligned (``cp.async``)."""
-        return cuda.shared.array(0, uint32, alignment=16)
-
-    @cuda.jit(device=True, inline=True)
-    def smem_floats():
-        """The same bytes as float32."""
-        return cuda.shared.array(0, float32, alignment=16)
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
@@ -119,169 +97,6 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     off_e = off_t + block_size * ldt
     total = off_e + 3 * pp * lde
     return (ld, ldi, ldt, lde), (off_ki, off_q, off_qi, off_x, off_t, off_e), 4 * total
-
-
-def student_layout(block_size, index_dim, positions):
-    """The student kernel: sKi [Bk rows] and two buffers of ``positions`` index query rows."""
-    ldi = index_dim // 2 + 4
-    return ldi, block_size * ldi, 4 * (block_size + 2 * positions) * ldi
-
-
-@functools.lru_cache(maxsize=None)
-def kl_kernel_student(bf16_in: bool, block_size: int, index_dim: int, warps: int,
-                      use_async: bool = True):
-    """The ``LSE^idx`` pass: per work item, the slot states ``(m, l, 0, 0)`` of its queries.
-
-    One CTA per work item loads K_idx of the key block once; tiles of ``16 warps`` query
-    positions (no heads: the index branch has one query per group), each warp 16 of them:
-    ``S^idx`` in registers (fp32 mma accumulators), masked causally, the row's maximum and
-    ``l = sum exp(S^idx - m)`` by quad shuffles. ``part[0..3, slot, t, h] = (m, l, 0, 0)``
-    (``m`` natural-log units), merged in slot order by ``kl_kernel_combine_states``. Each key
-    is its own column, masked by selection; a NaN or ``+inf`` logit of a visible key makes
-    ``l`` NaN, which the state keeps (``msa.cuda.kl._state``): ``LSE^idx`` NaN."""
-    Bk, DI = block_size, index_dim
-    NW = warps
-    PS = 16 * NW  # positions per tile
-    NT = 32 * NW
-    assert DI % 16 == 0 and Bk % 16 == 0 and NW <= _mma.MAX_WARPS
-    LDI, OFF_Q, _ = student_layout(Bk, DI, PS)
-    DIW = DI // 2
-    PIECES = DIW // 4
-    HALF = PIECES // 2 if PIECES >= 2 else 1
-    HALVES = PIECES // HALF  # threads per row: NT = 2 PS threads, two per row
-    QBUF = PS * LDI
-    NS = Bk // 8
-    S_REGS = 4 * NS  # (a local array's size must be a plain constant)
-    KS = DI // 16
-    mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
-    copy16 = cp_async16 if use_async else copy16_plain3
-    copy16_2d = cp_async16 if use_async else copy16_plain2
-    commit = cp_async_commit if use_async else no_op
-    wait_all = cp_async_wait_all if use_async else no_op
-
-    @kernel_jit
-    def _kl_kernel_student_v3(q_idx, k_idx, work, q_indices, slots, cu_q, cu_k,
-                              index_scale_log2, part):
-        smem = smem_words()
-        s_acc = cuda.local.array(S_REGS, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g4 = lane // 4
-        t4 = lane % 4
-        topk = part.shape[1]
-        hkv = q_idx.shape[1]
-        h, q_begin, q_count, b, j, key0, nk = item_fields(
-            work, cuda.blockIdx.x, q_indices, cu_k, hkv, Bk)
-        if q_count <= 0:
-            return
-        key_pos0 = j * Bk
-        q_lo = int(cu_q[b])
-        q_hi = int(cu_q[b + 1])
-        pos0 = (int(cu_k[b + 1]) - int(cu_k[b])) - (q_hi - q_lo)
-        num_tiles = (q_count + PS - 1) // PS
-        for e in range(tid, Bk * PIECES, NT):
-            c = e // PIECES
-            w = (e % PIECES) * 4
-            ok = c < nk
-            copy16_2d(smem, c * LDI + w, k_idx, (key0 + (c if ok else 0)) * DIW + w,
-                      16 if ok else 0)
-        g_row = tid // 2
-        g_half = tid % 2
-        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, g_row, PS)
-        t_g, _, _ = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-        if g_half < HALVES:
-            src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
-            for u in range(HALF):
-                copy16(smem, OFF_Q + g_row * LDI + g_half * HALF * 4 + 4 * u, q_idx,
-                       src + 4 * u, 16 if t_g >= 0 else 0)
-        commit()
-        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 1, PS, 1, g_row, PS)
-        r_top = 16 * warp + g4
-        r_bot = r_top + 8
-        tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_top, PS)
-        tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, PS, 1, r_bot, PS)
-        l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
-        a_lane = (16 * warp + l_rows) * LDI + (lane >> 4) * 4
-        k_lane = ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
-
-        for tile in range(num_tiles):
-            buf = tile % 2
-            wait_all()
-            cuda.syncthreads()
-            if tile + 1 < num_tiles:
-                t_g, _, _ = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-                if g_half < HALVES:
-                    src = ((t_g if t_g >= 0 else 0) * hkv + h) * DIW + g_half * HALF * 4
-                    dst = OFF_Q + (1 - buf) * QBUF + g_row * LDI + g_half * HALF * 4
-                    for u in range(HALF):
-                        copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t_g >= 0 else 0)
-            commit()
-            t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, PS, 1,
-                                       g_row, PS)
-            t_top, s_top, pos_top = check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
-            t_bot, s_bot, pos_bot = check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
-            tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
-                                         r_top, PS)
-            tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, PS, 1,
-                                         r_bot, PS)
-            for i in range(4 * NS):
-                s_acc[i] = float32(0.0)
-            qa = OFF_Q + buf * QBUF + a_lane
-            for ks in range(KS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
-                for n2 in range(NS // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LDI + 8 * ks)
-                    n = 8 * n2
-                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
-            lim_top = min(pos_top - key_pos0, nk - 1)
-            lim_bot = min(pos_bot - key_pos0, nk - 1)
-            m_top = NEG_INF
-            m_bot = NEG_INF
-            for i in range(NS):
-                for e in range(2):
-                    c = 8 * i + 2 * t4 + e
-                    x_top = s_acc[4 * i + e] * index_scale_log2
-                    x_bot = s_acc[4 * i + 2 + e] * index_scale_log2
-                    if c > lim_top:
-                        x_top = NEG_INF
-                    if c > lim_bot:
-                        x_bot = NEG_INF
-                    s_acc[4 * i + e] = x_top
-                    s_acc[4 * i + 2 + e] = x_bot
-                    m_top = max(m_top, x_top)
-                    m_bot = max(m_bot, x_bot)
-            m_top = max(m_top, cuda.shfl_xor_sync(FULL_MASK, m_top, 1))
-            m_bot = max(m_bot, cuda.shfl_xor_sync(FULL_MASK, m_bot, 1))
-            m_top = max(m_top, cuda.shfl_xor_sync(FULL_MASK, m_top, 2))
-            m_bot = max(m_bot, cuda.shfl_xor_sync(FULL_MASK, m_bot, 2))
-            mb_top = m_top if m_top > NEG_INF else float32(0.0)
-            mb_bot = m_bot if m_bot > NEG_INF else float32(0.0)
-            l_top = float32(0.0)
-            l_bot = float32(0.0)
-            for i in range(NS):
-                for e in range(2):
-                    l_top += exp2(s_acc[4 * i + e] - mb_top)
-                    l_bot += exp2(s_acc[4 * i + 2 + e] - mb_bot)
-            l_top += cuda.shfl_xor_sync(FULL_MASK, l_top, 1)
-            l_bot += cuda.shfl_xor_sync(FULL_MASK, l_bot, 1)
-            l_top += cuda.shfl_xor_sync(FULL_MASK, l_top, 2)
-            l_bot += cuda.shfl_xor_sync(FULL_MASK, l_bot, 2)
-            if t4 == 0:
-                if t_top >= 0:
-                    part[0, s_top, t_top, h] = (m_top * float32(LN2) if not (l_top <= 0)
-                                                 else NEG_INF)
-                    part[1, s_top, t_top, h] = l_top
-                    part[2, s_top, t_top, h] = float32(0.0)
-                    part[3, s_top, t_top, h] = float32(0.0)
-                if t_bot >= 0:
-                    part[0, s_bot, t_bot, h] = (m_bot * float32(LN2) if not (l_bot <= 0)
-                                                 else NEG_INF)
-                    part[1, s_bot, t_bot, h] = l_bot
-                    part[2, s_bot, t_bot, h] = float32(0.0)
-                    part[3, s_bot, t_bot, h] = float32(0.0)
-
-    return _kl_kernel_student_v3
 
 
 @functools.lru_cache(maxsize=None)
@@ -717,8 +532,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     @kernel_jit
     def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
                            cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
-        smem = smem_words()
-        sf = smem_floats()
+        smem = dynamic_smem_u32()
+        sf = dynamic_smem_f32()
         pos_t = cuda.shared.array((2, P), int32)
         pos_s = cuda.shared.array((2, P), int32)
         pos_q = cuda.shared.array((2, P), int32)

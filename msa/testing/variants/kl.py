@@ -18,6 +18,7 @@ def variants():
     from msa.cuda.kl import v1_thread_rows as v1
     from msa.cuda.kl import v2_cta_rows as v2
     from msa.cuda.kl import v3_dk_idx as v3dk
+    from msa.cuda.kl import v3_student as v3s
     from msa.cuda.kl import v3_tensor_cores as v3
 
     i32, i64, u16, u32, f16, f32 = (types.int32, types.int64, types.uint16, types.uint32,
@@ -83,7 +84,7 @@ def variants():
                                   (False, 16, 16, True), (True, 32, 32, False)):
         name = (f"v3.student.{'bf16' if bf16 else 'f16'}.bk{bk}.di{di}"
                 f"{'' if aligned else '.plain'}")
-        yield name, v3.kl_kernel_student(bf16, bk, di, 4, aligned), student_sig
+        yield name, v3s.kl_kernel_student(bf16, bk, di, 4, aligned), student_sig
     grad_sig = (w3, w3, w3, w2, f2, f2, i2, i2, i2, cu, cu, f32, f32, f32, f4, f4, f4)
     for bf16, bk, d, di, g, p, aligned, modes in (
             (True, 128, 128, 128, 16, 4, True, (True, False)),
