@@ -224,7 +224,9 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
         l_top = float32(0.0)
         l_bot = float32(0.0)
-        if abs(mb_top) < _FMA_SAFE and abs(mb_bot) < _FMA_SAFE:
+        fast_top = abs(mb_top) < _FMA_SAFE
+        fast_bot = abs(mb_bot) < _FMA_SAFE
+        if fast_top and fast_bot:
             for i in range(NS):  # one fused multiply-add a score
                 p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
                 p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
@@ -241,10 +243,15 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
             m_top = m_top if mb_top != float32(0.0) else float32(0.0)
             m_bot = m_bot if mb_bot != float32(0.0) else float32(0.0)
             for i in range(NS):
-                p0 = exp2((s_acc[4 * i] - m_top) * scale_log2)
-                p1 = exp2((s_acc[4 * i + 1] - m_top) * scale_log2)
-                p2 = exp2((s_acc[4 * i + 2] - m_bot) * scale_log2)
-                p3 = exp2((s_acc[4 * i + 3] - m_bot) * scale_log2)
+                # per row: a row whose own max is moderate keeps the fused form's bits
+                p0 = (exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top)) if fast_top
+                      else exp2((s_acc[4 * i] - m_top) * scale_log2))
+                p1 = (exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top)) if fast_top
+                      else exp2((s_acc[4 * i + 1] - m_top) * scale_log2))
+                p2 = (exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot)) if fast_bot
+                      else exp2((s_acc[4 * i + 2] - m_bot) * scale_log2))
+                p3 = (exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot)) if fast_bot
+                      else exp2((s_acc[4 * i + 3] - m_bot) * scale_log2))
                 l_top += p0 + p1
                 l_bot += p2 + p3
                 p_frag[2 * i] = pack(p0, p1)

@@ -365,7 +365,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         st[1] = m_bot
         l_top = st[2] * a_top
         l_bot = st[3] * a_bot
-        if abs(ref_top) < FMA_SAFE and abs(ref_bot) < FMA_SAFE:
+        fast_top = abs(ref_top) < FMA_SAFE
+        fast_bot = abs(ref_bot) < FMA_SAFE
+        if fast_top and fast_bot:
             for i in range(NSC):  # one fused multiply-add a score
                 p0 = exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top))
                 p1 = exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top))
@@ -379,10 +381,15 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             mt = m_top if ref_top != float32(0.0) else float32(0.0)
             mbt = m_bot if ref_bot != float32(0.0) else float32(0.0)
             for i in range(NSC):
-                p0 = exp2((s_acc[4 * i] - mt) * sl2)
-                p1 = exp2((s_acc[4 * i + 1] - mt) * sl2)
-                p2 = exp2((s_acc[4 * i + 2] - mbt) * sl2)
-                p3 = exp2((s_acc[4 * i + 3] - mbt) * sl2)
+                # per row: a row whose own max is moderate keeps the fused form's bits
+                p0 = (exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top)) if fast_top
+                      else exp2((s_acc[4 * i] - mt) * sl2))
+                p1 = (exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top)) if fast_top
+                      else exp2((s_acc[4 * i + 1] - mt) * sl2))
+                p2 = (exp2(cuda.fma(s_acc[4 * i + 2], sl2, -ref_bot)) if fast_bot
+                      else exp2((s_acc[4 * i + 2] - mbt) * sl2))
+                p3 = (exp2(cuda.fma(s_acc[4 * i + 3], sl2, -ref_bot)) if fast_bot
+                      else exp2((s_acc[4 * i + 3] - mbt) * sl2))
                 l_top += p0 + p1
                 l_bot += p2 + p3
                 p_frag[2 * i] = pack(p0, p1)
