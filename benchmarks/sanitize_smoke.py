@@ -259,7 +259,7 @@ def main(argv=None) -> int:
             rows_q = np.concatenate([int(cq[b + 1]) - lq + np.arange(lq)
                                      for b in range(len(lens))])
             o, _lse, I = CD.decode_step(bf(p.q[rows_q]), bf(p.q_idx[rows_q]), bf(kc), bf(vc),
-                                       bf(kic), dev(table), lens, bk, k)
+                                       bf(kic), dev(table), dev(lens), bk, k)
             o_b, _ = R.decode_attention(rb(p.q[rows_q]), rb(kc), rb(vc), I.cpu().numpy(),
                                         table, lens, bk)
             return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
