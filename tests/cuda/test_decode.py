@@ -67,7 +67,7 @@ def check_attention(o, lse, p, I, kind, version):
     finite = np.isfinite(o_ref)
     scale = float(np.abs(o_ref[finite]).max()) if finite.any() else 0.0
     # rung 2 rounds P to 16 bits before P V: |sum p_j d_j v_j| / l <= u max|v| (twice, as floor)
-    u = U16[kind] if version == 2 and kind in U16 else 0.0
+    u = U16[kind] if version >= 2 and kind in U16 else 0.0
     vmax = float(np.nanmax(np.abs(w["v_cache"])))
     floor = max(4.0, 2 * u * vmax / (scale * np.finfo(np.float32).eps)) if scale and u else 4.0
     lse_factor = 2.0 if SIMULATOR else 4.0  # ex2.approx on the GPU: 2 ulp
@@ -109,7 +109,7 @@ def near_tie_equivalent(I, p, w, topk, factor=4.0):
 
 
 def versions_for(kind):
-    return (1, 2) if kind in ("float16", "bfloat16") else (1,)
+    return (1, 2, 3) if kind in ("float16", "bfloat16") else (1,)
 
 
 # -- the decode step ----------------------------------------------------------------------------
@@ -132,12 +132,18 @@ CASES = {
 def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
     if kind == "float32" and lq not in (1, 4, 8):
         pytest.skip("rung 1 on every Lq costs simulator time; float16 runs both rungs")
-    p = paged_problem(seqlens, lq, hq=g * hkv, hkv=hkv, bk=16, topk=topk, dtype=np.dtype(kind),
-                      seed=lq + 10 * g, integer_index=True)
+    # Didx = 32: rung 3's register-streamed index kernel applies (a multiple of 32), as do 1, 2
+    p = paged_problem(seqlens, lq, hq=g * hkv, hkv=hkv, bk=16, d_idx=32, topk=topk,
+                      dtype=np.dtype(kind), seed=lq + 10 * g, integer_index=True)
     w = widened(p)
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 16, topk)
     for version in versions_for(kind):
+        if version == 3:  # rung 3 adds an index kernel; its attention is rung 2's
+            I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens,
+                                         16, topk, version=3)
+            assert_exact(I, I_ref, name="block_indices v3")
+            continue
         o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 16, topk, version=version)
         assert_exact(I, I_ref, name=f"block_indices v{version}")
         check_attention(o, lse, p, I_ref, kind, version)
@@ -320,9 +326,9 @@ def stale_cases(draw, lq, g):
 
 
 def _stale_params():
-    """(version, Lq, G) for the reference and both rungs; rung 1 at Lq = 4 (half a minute each
+    """(version, Lq, G) for the reference and every rung; rung 1 at Lq = 4 (half a minute each
     in the simulator) is sim_heavy: it reads key by key, and Lq = 2 runs the same code."""
-    for version in ("reference", 1, 2):
+    for version in ("reference", 1, 2, 3):
         for lq, g in DRAFTS_AND_GROUPS:
             marks = [pytest.mark.sim_heavy] if version == 1 and lq == 4 else []
             yield pytest.param(version, lq, g, marks=marks, id=f"{version}-Lq{lq}-G{g}")
@@ -339,7 +345,8 @@ def test_a_query_never_reads_a_slot_it_cannot_see(version, lq, g, data):
     case = data.draw(stale_cases(lq, g), label="case")
     bk, topk = case["bk"], case["topk"]
     p = paged_problem(case["lens"], lq, hq=g * case["hkv"], hkv=case["hkv"], bk=bk, topk=topk,
-                      dtype=np.float16, seed=case["seed"] % 1000, integer_index=True)
+                      d_idx=32 if version == 3 else 16, dtype=np.float16,
+                      seed=case["seed"] % 1000, integer_index=True)
     clean = with_finite_slots(p, case["seed"])
     unused = p.block_table < 0  # past each request's blocks: page ids too, never to be read
     p.block_table[unused] = np.random.default_rng(case["seed"]).integers(
@@ -433,8 +440,10 @@ def test_bad_inputs_raise_named_errors():
         q32 = widened(p)
         gpu.decode_step(q32["q"], q32["q_idx"], q32["k_cache"], q32["v_cache"],
                         q32["k_idx_cache"], p.block_table, p.cache_seqlens, 16, 3, version=2)
-    with pytest.raises(ValueError, match="version must be"):
+    with pytest.raises(ValueError, match="version 3 does not apply.*Didx = 16"):
         gpu.decode_step(*step, 16, 3, version=3)
+    with pytest.raises(ValueError, match="version must be"):
+        gpu.decode_step(*step, 16, 3, version=4)
     with pytest.raises(TypeError, match="dtype"):
         gpu.decode_step(p.q.astype(np.float32), *step[1:], 16, 3)
     bad = p.block_table.copy()
@@ -467,6 +476,9 @@ def test_ptx_has_no_f64_and_no_local_memory(name):
     assert_no_f64_or_local(ptx)
     if "split" in name:
         assert "mma.sync.aligned.m16n8k16" in ptx and "cp.async" in ptx
+    if "register" in name:  # rung 3's index: keys straight from global memory into the mma
+        assert "mma.sync.aligned.m16n8k16" in ptx and "ld.global.nc.v4" in ptx
+        assert "cp.async" not in ptx
 
 
 # -- GPU only: the paper configuration, CUDA graphs ---------------------------------------------

@@ -25,7 +25,7 @@ def test_cupy_graph_replay_equals_eager_bitwise():
     lens = cp.asarray(p.cache_seqlens)
     args = (c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"], table, lens)
     pl = gpu.plan(*args, 128, 16)
-    assert pl.version == 2  # fp16 at the paper configuration: the split rung
+    assert pl.version == 3  # fp16 at the paper configuration: the register index rung
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         eager = [x.copy() for x in gpu.run(pl, *args)]

@@ -82,9 +82,10 @@ from ..attention import msa_prefill
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
+from . import v3_register_index as v3i
 from ._plan import Kernel, arg, grid_1d, stream_handle
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 MAX_QUERIES = 8  # Lq: new queries per request (MTP drafts)
 MAX_TOPK = 64
 _FLOAT_OR_BF16 = ("float", np.uint16)  # bf16 tensors read as uint16 (float_kind tells them apart)
@@ -156,14 +157,28 @@ def _v2_blockers(step: _Step, arrays) -> list[str]:
     return why
 
 
+def _v3_blockers(step: _Step) -> list[str]:
+    """Why rung 3's index kernel does not apply where rung 2 does (empty: it does)."""
+    lay = step.layout
+    why = []
+    if lay.index_dim % 32:
+        why.append(f"Didx = {lay.index_dim} (a multiple of 32)")
+    if not v3i.applies(lay.index_dim or 32, step.lq, lay.num_kv_heads, step.topk or 1):
+        why.append(f"Lq * Hkv * (K - 1) = {step.lq * lay.num_kv_heads * (step.topk - 1)} "
+                   "(the warps' heaps exceed static shared memory)")
+    return why
+
+
 def _pick_version(step: _Step, version, arrays) -> int:
     why = _v2_blockers(step, arrays)
     if version is None:
-        return 1 if why else 2
+        return 1 if why else (2 if _v3_blockers(step) else 3)
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
-    if version == 2 and why:
-        raise ValueError(f"version 2 does not apply here: {'; '.join(why)}")
+    if version >= 2 and why:
+        raise ValueError(f"version {version} does not apply here: {'; '.join(why)}")
+    if version == 3 and _v3_blockers(step):
+        raise ValueError(f"version 3 does not apply here: {'; '.join(_v3_blockers(step))}")
     return version
 
 
@@ -246,7 +261,8 @@ def _build(step: _Step, version: int, arrays: dict, *, parts, block_indices=None
                             [("ws", "M", None), ("in", "cache_seqlens", None), lq,
                              ("out", "block_indices", None)]))
         else:
-            p.index_splits = v2i.plan_index(p, ctx, step, index_scale)
+            rung = v2i if version == 2 else v3i
+            p.index_splits = rung.plan_index(p, ctx, step, index_scale)
     if "attention" in parts:
         if block_indices is not None:
             p.block_indices = block_indices

@@ -234,12 +234,18 @@ def multiprocessors() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-# CTAs per SM the split kernels aim at: enough page loads in flight to reach HBM bandwidth.
-# H200, paper configuration, Lq = 1 (the index kernel alone): 8 against 4 gave 0.175 against
-# 0.200 ms at B = 32 x 64K, 0.089 against 0.105 at 128 x 8K; the attention kernel is faster at
-# 4 than at 8 or 16 (0.076 against 0.094 and 0.129 ms at 32 x 64K: each split's fixed cost).
-INDEX_CTAS_PER_SM = 8
-CTAS_PER_SM = 4
+# The split kernels' grids: one wave of CTAs. H200, paper configuration (run R, Lq = 1, each
+# kernel in a CUDA graph): a split's fixed costs (its queries, its heap or union, its partial
+# and the combine's share) outweigh any tail of a second wave, so both kernels plan the most
+# splits that still fit the GPU at once. The index kernel (71.8 KB of shared memory: 3 CTAs an
+# SM) at B = 32 x 64K: 12 splits 0.271 ms a step against 0.277 for 33 (8 CTAs an SM, rounded
+# up), 8 x 128K 48 against 132: 0.154 against 0.161 (the merge 0.028 against 0.035); at
+# 128 x 8K 3 splits cost 0.005 ms over 9. The attention kernel (74 KB, 168 registers: 3 CTAs
+# an SM fit, 2 measured best): 2 splits 0.0527 + 0.0085 (combine) ms against 5 splits' 0.0723
+# + 0.0107 at 32 x 64K, 3 splits 0.0566 + 0.0095; at Lq = 8 3 splits 1.00 ms a step against
+# 1.09 for 5.
+INDEX_CTAS_PER_SM = 3
+CTAS_PER_SM = 2
 MIN_PAGES_PER_SPLIT = 4  # below this a split's fixed costs (its queries, its heap) dominate
 # The merge's cost grows with the splits (B = 1 x 1M: 528 splits 0.082 ms, 256 splits 0.055 ms,
 # while the index kernel stays at 0.105 ms down to 256 splits and takes 0.160 ms at 128).
@@ -247,17 +253,17 @@ MAX_INDEX_SPLITS = 256
 
 
 def index_splits(batch: int, max_pages: int, sms: int) -> int:
-    """Splits of each request's context for the index kernel: ``batch * splits`` CTAs of at
-    least ``MIN_PAGES_PER_SPLIT`` pages each at the full ``max_pages``, about
-    ``INDEX_CTAS_PER_SM * sms`` CTAs in all (more for large batches: one split each), at most
+    """Splits of each request's context for the index kernel: ``batch * splits`` CTAs, at most
+    ``INDEX_CTAS_PER_SM * sms`` (one wave; one split a request for large batches), each of at
+    least ``MIN_PAGES_PER_SPLIT`` pages at the full ``max_pages``, at most
     ``MAX_INDEX_SPLITS``."""
-    want = -(-INDEX_CTAS_PER_SM * sms // batch)
+    want = INDEX_CTAS_PER_SM * sms // batch
     return max(1, min(want, -(-max_pages // MIN_PAGES_PER_SPLIT), MAX_INDEX_SPLITS))
 
 
 def attention_splits(batch: int, num_kv_heads: int, max_union: int, sms: int,
                      min_pages: int = 2) -> int:
-    """Splits of the pages a (request, KV head) reads, for the attention kernel: about
-    ``CTAS_PER_SM * sms`` CTAs, each with at least ``min_pages`` pages of the union."""
-    want = -(-CTAS_PER_SM * sms // (batch * num_kv_heads))
+    """Splits of the pages a (request, KV head) reads, for the attention kernel: at most
+    ``CTAS_PER_SM * sms`` CTAs (one wave), each with at least ``min_pages`` pages of the union."""
+    want = CTAS_PER_SM * sms // (batch * num_kv_heads)
     return max(1, min(want, -(-max_union // min_pages)))

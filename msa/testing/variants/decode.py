@@ -1,5 +1,6 @@
-"""Kernel variants of msa.cuda.decode (rung 2 is the default for bf16/fp16 on every GPU; rung 1
-for float32/float64 and the shapes rung 2 does not take), at the paper configuration (Bk = 128,
+"""Kernel variants of msa.cuda.decode (rung 3 is the default for bf16/fp16 on every GPU, rung 2
+where its index kernel does not apply (Didx not a multiple of 32); rung 1 for float32/float64
+and the shapes rung 2 does not take), at the paper configuration (Bk = 128,
 D = Didx = 128, Hkv = 4, G = 16, K = 16, bf16) for Lq = 1, 4, 8, and at small shapes (Bk = 16,
 D = Didx = 16, G = 1 or 2, K = 4, fp16 and float32), with the argument types the launchers
 pass (16-bit arrays as uint32 words or uint16 bits, int32 metadata, int64 and float32 scalars)."""
@@ -11,6 +12,7 @@ def variants():
     from msa.cuda.decode import v1_simple as v1
     from msa.cuda.decode import v2_split_attention as att
     from msa.cuda.decode import v2_split_index as idx
+    from msa.cuda.decode import v3_register_index as reg
 
     i32, i64, f32, u16, u32 = types.int32, types.int64, types.float32, types.uint16, types.uint32
     w3, w4 = u32[:, :, ::1], u32[:, :, :, ::1]
@@ -22,6 +24,8 @@ def variants():
     att_sig = (w3, w4, w4, i3, table, lens, f32, f4, f3, b3, f2)
     for lq in (1, 4, 8):
         yield f"index-split-paper-Lq{lq}-bf16", idx.split_kernel(128, 128, lq, 4, 16, True), index_sig
+        yield (f"index-register-paper-Lq{lq}-bf16", reg.split_kernel(128, 128, lq, 4, 16, True),
+               index_sig)
         yield (f"attention-split-paper-Lq{lq}-bf16",
                att.split_kernel(128, 128, lq, 16, 16, True, False), att_sig)
     yield "attention-split-paper-Lq1-bf16-direct", att.split_kernel(128, 128, 1, 16, 16, True, True), att_sig
@@ -33,6 +37,7 @@ def variants():
                                             i64, i64, i64)
     # small shapes (the tests' sizes)
     yield "index-split-small-fp16", idx.split_kernel(16, 16, 2, 2, 4, False), index_sig
+    yield "index-register-small-fp16", reg.split_kernel(16, 32, 2, 2, 4, False), index_sig
     yield "attention-split-small-fp16-G1", att.split_kernel(16, 16, 3, 1, 4, False, False), att_sig
     yield "attention-split-small-fp16-G2-direct", att.split_kernel(16, 16, 2, 2, 4, False, True), att_sig
     yield "index-merge-small", idx.merge_kernel(16, 4), merge_sig
