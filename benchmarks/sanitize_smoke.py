@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 -m benchmarks.sanitize_smoke
     compute-sanitizer --tool racecheck python3 -m benchmarks.sanitize_smoke
     ... python3 -m benchmarks.sanitize_smoke --paper      # the paper's heads and dims at N = 2048
+    ... python3 -m benchmarks.sanitize_smoke --decode-only  # the decode steps alone
 
 Each stage's result is checked against msa.reference so a clean sanitizer run also means the
 kernels computed the right thing; the script prints one line a stage and exits non-zero on a
@@ -48,7 +49,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paper", action="store_true",
                     help="the paper's heads, dims, Bk and K at N = 2048 (one sequence)")
-    paper = ap.parse_args(argv).paper
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode steps (a sanitizer run of every stage takes minutes)")
+    args = ap.parse_args(argv)
+    paper = args.paper
     if paper:
         p = make_problem((2048,), num_q_heads=64, num_kv_heads=4, head_dim=128, index_dim=128,
                          block_size=128, topk=16, dtype=np.float32, seed=1)
@@ -75,6 +79,12 @@ def main(argv=None) -> int:
             print(f"{stage:<28s} ERROR {type(exc).__name__}: {exc}", flush=True)
             return
         report(stage, good)
+
+    if args.decode_only:
+        check_decode(p, attempt, bf, dev)
+        torch.cuda.synchronize()
+        print("all stages ok" if ok else "SOME STAGE FAILED")
+        return 0 if ok else 1
 
     m_ref = R.block_scores(p.q_idx, p.k_idx, cq, ck, bk)
     idx_ref = R.select_blocks(m_ref, cq, ck, bk, k)
@@ -232,9 +242,21 @@ def main(argv=None) -> int:
 
     attempt("hostile ids, validate=False", hostile)
 
-    # A decode step on a paged cache (pages shuffled, the last page part full), Lq = 1 and 4.
+    check_decode(p, attempt, bf, dev)
+    torch.cuda.synchronize()
+    print("all stages ok" if ok else "SOME STAGE FAILED")
+    return 0 if ok else 1
+
+
+def check_decode(p, attempt, bf, dev):
+    """A decode step on a paged cache (pages shuffled, the last page part full), Lq = 1 and 4,
+    against ``msa.reference.decode_attention`` on the step's own selection."""
+    from msa import reference as R
     # msa.cuda.decode is a stage of its own (not re-exported by msa.cuda)
     from msa.cuda import decode as CD
+
+    cq, ck, bk, k = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk
+    rb = lambda a: bf(a).float().cpu().numpy()  # noqa: E731
 
     lens = np.array([int(ck[1] - ck[0])] + ([int(ck[2] - ck[1])] if len(ck) > 2 else []),
                     np.int32)
@@ -265,9 +287,6 @@ def main(argv=None) -> int:
             return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
 
         attempt(f"decode_step Lq={lq}", decode_step)
-    torch.cuda.synchronize()
-    print("all stages ok" if ok else "SOME STAGE FAILED")
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
