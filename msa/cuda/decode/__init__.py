@@ -28,7 +28,7 @@ slot it cannot see, whatever it holds (NaN and infinities included): the slots p
 request's length, pages its block table does not list for the request's blocks, the later
 drafts' keys, and K and V of the blocks only other drafts selected. Every rung, bit for bit.
 
-Rungs (``version=``; ``None`` takes 2 where it applies, else 1):
+Rungs (``version=``; ``None`` takes 3 where it applies, else 2, else 1):
 
 =====  ==========================  ===========================================================
 v      file                        kernels
@@ -52,10 +52,17 @@ v      file                        kernels
                                    masked per row by selection and position, online softmax in
                                    registers; splits combined by LSE in a second kernel.
                                    H200, paper configuration, Lq = 1, CUDA graph: 0.275 ms at
-                                   B = 32 x 64K (3.4x SDPA decode, 1.75x its HBM floor), 0.161
-                                   ms at 8 x 128K (3.0x), 0.297 ms at 128 x 8K (1.6x), 1.47 ms
-                                   at 128 x 128K (5.2x); Lq = 8 at 32 x 64K 1.16 ms (1.5x the
-                                   masked dense baseline)
+                                   B = 32 x 64K (3.4x SDPA decode), 0.161 ms at 8 x 128K
+                                   (3.0x); Lq = 8 at 32 x 64K 1.16 ms (1.5x the masked dense
+                                   baseline). The default where rung 3 does not apply
+3      ``v3_register_index.py``    rung 2 with ``Didx`` a multiple of 32: the index kernel
+       (+ rung 2's merge and       streams each warp's pages from HBM straight into the mma's
+       attention)                  A registers (three m-tiles of 16 keys in flight a warp, no
+                                   shared-memory stage, no barrier), each warp its own heaps,
+                                   merged in the CTA. Run T (docs/performance.md): 0.227 ms at
+                                   32 x 64K (4.20x dense decode, 1.44x its HBM floor), 0.143
+                                   ms at 8 x 128K (3.46x), 0.297 ms at 128 x 8K (1.65x), 1.23
+                                   ms at 128 x 128K (6.26x); Lq = 8 at 32 x 64K 0.890 ms (1.88x)
 =====  ==========================  ===========================================================
 
 ``prefill_chunk`` (chunked prefill into the cache, any number of new tokens a request) is the

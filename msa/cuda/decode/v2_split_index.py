@@ -27,10 +27,12 @@ its owner pops it. The winners are exactly the global top ``K - 1`` (each is in 
 ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
 then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
 
-Verdict (H200, paper configuration, bf16, CUDA graphs; benchmarks/results/bench_decode*.json):
-the split kernel reads the index keys at 3.1-3.5 TB/s, 72-81% of the 4.26 TB/s copy bandwidth
-(537 MB at B = 32 x 64K in 0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms); the merge costs 0.012-0.055
-ms (most at B = 1, where 256 splits of 4 rows meet in 4 warps). Rung 1 scores every block from
+Verdict (H200, paper configuration, bf16, CUDA graphs; runs M, R of docs/performance.md): the
+split kernel reads the index keys at 3.1-3.5 TB/s, 72-81% of the 4.26 TB/s copy bandwidth (537 MB
+at B = 32 x 64K in 0.171-0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms); rung 3's register-streamed
+kernel (``v3_register_index``) takes 0.151 ms and is the default where ``Didx`` is a multiple of
+32, this one elsewhere. The merge (both rungs') costs 0.012-0.056 ms (most at B = 1, where 256
+splits meet in 4 warps). Rung 1 scores every block from
 global memory, one thread each: orders of magnitude slower, never the default for 16-bit data.
 """
 

@@ -4,9 +4,11 @@ Same function as rung 2's split scorer (``v2_split_index``: the context of each 
 ``S`` equal ranges of candidate blocks, ``S = K_idx Q_idxᵀ`` by ``mma.sync.m16n8k16`` with the
 request's ``Lq x Hkv`` index queries as the B operand, block maxima offered to per-column heaps,
 each split's heaps sorted into ``cand_s, cand_i [S, B*Lq, Hkv, K-1]``; rung 2's merge kernel
-then selects), without shared-memory stages: rung 2 reads its keys at ~3 TB/s, limited by the
-bytes its three CTAs an SM can hold in flight in stages (one barrier a stage), where dense
-decode's kernel reads K and V at ~4.6 TB/s.
+then selects), without shared-memory stages: rung 2 reads its keys at ~3.1 TB/s (three CTAs an
+SM by shared memory, a barrier every 16 KB stage), where dense decode reads K and V at ~4.5 TB/s.
+Verdict (H200, paper configuration, run T of docs/performance.md): 0.151 ms at B = 32 x 64K,
+Lq = 1 (3.6 TB/s) against rung 2's 0.171; 0.084 against 0.089 at 8 x 128K; 0.220 against 0.347
+at Lq = 8; the whole step 4.20x dense decode at 32 x 64K (rung 2: 3.4x).
 
 Each warp streams its own pages (``j0 + w, j0 + w + W, ...`` of the split) in m-tiles of 16
 keys, ``BUFFERS`` m-tiles in flight in registers while one is scored: lane ``(g, t)`` loads,
