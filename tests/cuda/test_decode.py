@@ -326,11 +326,13 @@ def stale_cases(draw, lq, g):
 
 
 def _stale_params():
-    """(version, Lq, G) for the reference and every rung; rung 1 at Lq = 4 (half a minute each
-    in the simulator) is sim_heavy: it reads key by key, and Lq = 2 runs the same code."""
+    """(version, Lq, G) for the reference and every rung."""
     for version in ("reference", 1, 2, 3):
         for lq, g in DRAFTS_AND_GROUPS:
-            marks = [pytest.mark.sim_heavy] if version == 1 and lq == 4 else []
+            # rung 1 at Lq = 4, and rungs 2-3 at Lq = 4 x G = 16 (30 s each; Lq = 2 x G = 16
+            # and Lq = 4 x G = 4 run the same code) are sim_heavy
+            heavy = lq == 4 and (version == 1 or (version in (2, 3) and g == 16))
+            marks = [pytest.mark.sim_heavy] if heavy else []
             yield pytest.param(version, lq, g, marks=marks, id=f"{version}-Lq{lq}-G{g}")
 
 

@@ -736,9 +736,14 @@ def nonfinite_classes(x):
     return np.stack([np.isnan(x), np.isposinf(x), np.isneginf(x)])
 
 
+# 30-80 s each in the simulator, where each mode (v1 select, v2 warmup) and v3 (float16) run
+_HEAVY = [pytest.mark.sim_heavy]
+
+
 @pytest.mark.parametrize("version, dtype, mode", [
-    (1, "float32", "select"), (1, "float32", "warmup"), (2, "float32", "select"),
-    (2, "float32", "warmup"), (3, "float16", "select"), (3, "bf16", "select")])
+    (1, "float32", "select"), pytest.param(1, "float32", "warmup", marks=_HEAVY),
+    pytest.param(2, "float32", "select", marks=_HEAVY), (2, "float32", "warmup"),
+    (3, "float16", "select"), pytest.param(3, "bf16", "select", marks=_HEAVY)])
 def test_visible_poison_gives_the_references_nan_and_inf(version, dtype, mode):
     """The queries that do see a poisoned key get NaN, +inf and -inf in ``kl`` and ``dq_idx``
     exactly where the reference has them (v3: its cleaned tile and the rows it rewrites on CUDA

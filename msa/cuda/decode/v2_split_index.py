@@ -100,6 +100,38 @@ def layout(block_size: int, index_dim: int, num_queries: int):
 
 
 @functools.lru_cache(maxsize=None)
+def split_common(lq: int, hkv: int, topk: int, n_tiles: int):
+    """Device functions of the split scorers (rungs 2 and 3): ``fold(acc, cm)`` takes the
+    maxima of an m-tile's rows ``g`` and ``g + 8`` (``acc``: the ``n_tiles`` C fragments) into
+    the lane's column maxima ``cm`` (fmax from -inf: a NaN score never wins), and ``store(hs,
+    hi, cnt, cand_s, cand_i, s, b, n)`` sorts column ``n``'s heap best first into split ``s``'s
+    slot (padding ``(-inf, -1)``)."""
+    LQ, HKV, KM, NT = lq, hkv, topk - 1, n_tiles
+
+    @cuda.jit(device=True, inline=True)
+    def fold(acc, cm):
+        for nt in range(NT):
+            for e in range(2):
+                x = acc[4 * nt + e]
+                if x > cm[2 * nt + e]:
+                    cm[2 * nt + e] = x
+                x = acc[4 * nt + 2 + e]
+                if x > cm[2 * nt + e]:
+                    cm[2 * nt + e] = x
+
+    @cuda.jit(device=True, inline=True)
+    def store(hs, hi, cnt, cand_s, cand_i, s, b, n):
+        heap_sort_best_first(hs, hi, cnt)
+        t = b * LQ + n // HKV
+        r = n % HKV
+        for e in range(KM):
+            cand_s[s, t, r, e] = hs[e] if e < cnt else float32(-math.inf)
+            cand_i[s, t, r, e] = hi[e] if e < cnt else int32(-1)
+
+    return fold, store
+
+
+@functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, bf16: bool):
     """The split scorer for (Bk, Didx, Lq, Hkv, K, bf16 or fp16); arguments:
     ``(q_idx words [B*Lq, Hkv, Didx/2], k_idx_cache words [P, Bk, Didx/2], block_table,
@@ -120,6 +152,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
     mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
     HEAP, QB, CM, ACC = NQ * KM, 2 * NT * KS, 2 * NT, 4 * NT  # array sizes (constants)
     assert BK % CK == 0 and CK % 16 == 0 and DI % 16 == 0 and 1 <= KM and NQ <= 32
+    fold, store = split_common(LQ, HKV, topk, NT)
 
     @cuda.jit(device=True, inline=True)
     def issue_stage(smem, k_idx_cache, block_table, b, j0, c, n_stages, buf):
@@ -175,15 +208,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                     acc[4 * nt + 1] = d1
                     acc[4 * nt + 2] = d2
                     acc[4 * nt + 3] = d3
-            # rows g and g + 8 of this lane: fmax from -inf (a NaN score never wins)
-            for nt in range(NT):
-                for e in range(2):
-                    x = acc[4 * nt + e]
-                    if x > cm[2 * nt + e]:
-                        cm[2 * nt + e] = x
-                    x = acc[4 * nt + 2 + e]
-                    if x > cm[2 * nt + e]:
-                        cm[2 * nt + e] = x
+            fold(acc, cm)
 
     @kernel_jit
     def kernel(q_idx, k_idx_cache, block_table, cache_seqlens, min_pages, scale, cand_s, cand_i):
@@ -260,15 +285,8 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                        0 <= page < k_idx_cache.shape[0], pos_last, scale)
         # each column's heap, best first, into the split's slot (padding (-inf, -1))
         for n in range(tid, NQ, NTH):
-            hs = heap_s[n * KM:(n + 1) * KM]
-            hi = heap_i[n * KM:(n + 1) * KM]
-            cnt = heap_n[n]
-            heap_sort_best_first(hs, hi, cnt)
-            t = b * LQ + n // HKV
-            r = n % HKV
-            for e in range(KM):
-                cand_s[s, t, r, e] = hs[e] if e < cnt else float32(-math.inf)
-                cand_i[s, t, r, e] = hi[e] if e < cnt else int32(-1)
+            store(heap_s[n * KM:(n + 1) * KM], heap_i[n * KM:(n + 1) * KM], heap_n[n], cand_s,
+                  cand_i, s, b, n)
 
     return kernel
 
@@ -377,29 +395,40 @@ def merge_kernel(block_size: int, topk: int):
 def plan_index(p, ctx, step, index_scale) -> int:
     """Add the index launches of rung 2 to plan ``p``; returns the split count."""
     lay = step.layout
+    lq, hkv = step.lq, lay.num_kv_heads
+    smem = layout(lay.block_size, lay.index_dim, lq * hkv)[-1]
+    return plan_splits_and_merge(
+        p, ctx, step, index_scale, index_splits(lay.batch, lay.max_pages, multiprocessors()),
+        lambda: split_kernel(lay.block_size, lay.index_dim, lq, hkv, step.topk,
+                             step.kind == "bfloat16"), 32 * WARPS, smem, _MIN_PAGES)
+
+
+def plan_splits_and_merge(p, ctx, step, index_scale, splits, make_split, threads, smem,
+                          min_pages) -> int:
+    """The index launches of a split rung (2 or 3) in plan ``p``: the candidate workspaces
+    ``cand_s, cand_i [S, B*Lq, Hkv, K-1]``, the split scorer ``make_split()`` on a ``(splits,
+    B)`` grid of ``threads`` threads and ``smem`` bytes of dynamic shared memory (its
+    arguments: rung 2's), then the merge into ``p.block_indices``; returns the split count
+    (1 at ``K = 1``: no candidates, the merge writes the local blocks alone)."""
+    lay = step.layout
     b, lq, hkv, topk = lay.batch, step.lq, lay.num_kv_heads, step.topk
     rows = b * lq
-    capacity = lay.max_pages * lay.block_size
-    bf16 = step.kind == "bfloat16"
-    if topk == 1:  # no candidates: the merge writes the local blocks alone
+    if topk == 1:
         splits = 1
         p.workspace["cand_s"] = ctx.empty((1, 1, 1, 1), np.float32)
         p.workspace["cand_i"] = ctx.empty((1, 1, 1, 1), np.int32)
     else:
-        splits = index_splits(b, lay.max_pages, multiprocessors())
         p.workspace["cand_s"] = ctx.empty((splits, rows, hkv, topk - 1), np.float32)
         p.workspace["cand_i"] = ctx.empty((splits, rows, hkv, topk - 1), np.int32)
-        smem = layout(lay.block_size, lay.index_dim, lq * hkv)[-1]
-        kernel = split_kernel(lay.block_size, lay.index_dim, lq, hkv, topk, bf16)
-        p.steps.append((Kernel(kernel, (splits, b), 32 * WARPS, smem),
+        p.steps.append((Kernel(make_split(), (splits, b), threads, smem),
                         [("in", "q_idx", "words"), ("in", "k_idx_cache", "words"),
                          ("in", "block_table", None), ("in", "cache_seqlens", None),
-                         _MIN_PAGES, float(index_scale), ("ws", "cand_s", None),
+                         min_pages, float(index_scale), ("ws", "cand_s", None),
                          ("ws", "cand_i", None)]))
     merge, wm = merge_kernel(lay.block_size, topk), merge_warps(topk)
     p.steps.append((Kernel(merge, -(-rows * hkv // wm), 32 * wm),
                     [("ws", "cand_s", None), ("ws", "cand_i", None), ("in", "cache_seqlens", None),
-                     lq, capacity, ("out", "block_indices", None)]))
+                     lq, lay.max_pages * lay.block_size, ("out", "block_indices", None)]))
     return splits
 
 

@@ -40,17 +40,16 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
 from .._core.diskcache import kernel_jit
-from .._core.heap import heap_sort_best_first, offer
+from .._core.heap import offer
 from .._core.memops import load_u32x4
 from .._core.mma import mma_bf16_m16n8k16, mma_f16_m16n8k16
-from ._plan import Kernel, multiprocessors
+from ._plan import multiprocessors
 from .v1_simple import query_of
-from .v2_split_index import merge_kernel, merge_warps
+from .v2_split_index import plan_splits_and_merge, split_common
 
 FULL_MASK = 0xFFFFFFFF
 WARPS = 1 if SIMULATOR else 4  # the simulator runs every thread as a Python thread
@@ -98,6 +97,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
     NB = BUFFERS
     TILE = 8 * U  # words a lane holds of one m-tile: rows g, g + 8, U chunks each
     assert NB == 3
+    fold, store = split_common(LQ, HKV, topk, NT)
     HEAP = W * NQ * KM
     COLS = W * NQ  # the warps' heaps
     QB, CM, ACC = 2 * NT * KS, 2 * NT, 4 * NT  # array sizes (constants)
@@ -154,14 +154,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                     acc[4 * nt + 1] = d1
                     acc[4 * nt + 2] = d2
                     acc[4 * nt + 3] = d3
-        for nt in range(NT):  # fmax from -inf: a NaN score never wins
-            for e in range(2):
-                x = acc[4 * nt + e]
-                if x > cm[2 * nt + e]:
-                    cm[2 * nt + e] = x
-                x = acc[4 * nt + 2 + e]
-                if x > cm[2 * nt + e]:
-                    cm[2 * nt + e] = x
+        fold(acc, cm)
 
     @cuda.jit(device=True, inline=True)
     def offer_page(hs, hi, cnt, cm, j, ok, pos_last, scale, lane):
@@ -272,12 +265,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                 for e in range(heap_n[w * NQ + n]):
                     c0, _, _ = offer(hs0, hi0, c0, KM, hs0[0], hi0[0], heap_s[base + e],
                                      heap_i[base + e])
-            heap_sort_best_first(hs0, hi0, c0)
-            q_t = b * LQ + n // HKV
-            r = n % HKV
-            for e in range(KM):
-                cand_s[s, q_t, r, e] = hs0[e] if e < c0 else float32(-math.inf)
-                cand_i[s, q_t, r, e] = hi0[e] if e < c0 else int32(-1)
+            store(hs0, hi0, c0, cand_s, cand_i, s, b, n)
 
     return kernel
 
@@ -286,26 +274,9 @@ def plan_index(p, ctx, step, index_scale) -> int:
     """Add the index launches of rung 3 (its split scorer, rung 2's merge) to plan ``p``;
     returns the split count."""
     lay = step.layout
-    b, lq, hkv, topk = lay.batch, step.lq, lay.num_kv_heads, step.topk
-    rows = b * lq
-    capacity = lay.max_pages * lay.block_size
-    if topk == 1:  # no candidates: the merge writes the local blocks alone
-        splits = 1
-        p.workspace["cand_s"] = ctx.empty((1, 1, 1, 1), np.float32)
-        p.workspace["cand_i"] = ctx.empty((1, 1, 1, 1), np.int32)
-    else:
-        splits = splits_for(b, lay.max_pages, multiprocessors(), lq * hkv)
-        p.workspace["cand_s"] = ctx.empty((splits, rows, hkv, topk - 1), np.float32)
-        p.workspace["cand_i"] = ctx.empty((splits, rows, hkv, topk - 1), np.int32)
-        kernel = split_kernel(lay.block_size, lay.index_dim, lq, hkv, topk,
-                              step.kind == "bfloat16")
-        p.steps.append((Kernel(kernel, (splits, b), 32 * WARPS),
-                        [("in", "q_idx", "words"), ("in", "k_idx_cache", "words"),
-                         ("in", "block_table", None), ("in", "cache_seqlens", None),
-                         MIN_PAGES, float(index_scale), ("ws", "cand_s", None),
-                         ("ws", "cand_i", None)]))
-    merge, wm = merge_kernel(lay.block_size, topk), merge_warps(topk)
-    p.steps.append((Kernel(merge, -(-rows * hkv // wm), 32 * wm),
-                    [("ws", "cand_s", None), ("ws", "cand_i", None), ("in", "cache_seqlens", None),
-                     lq, capacity, ("out", "block_indices", None)]))
-    return splits
+    lq, hkv = step.lq, lay.num_kv_heads
+    splits = splits_for(lay.batch, lay.max_pages, multiprocessors(), lq * hkv)
+    return plan_splits_and_merge(
+        p, ctx, step, index_scale, splits,
+        lambda: split_kernel(lay.block_size, lay.index_dim, lq, hkv, step.topk,
+                             step.kind == "bfloat16"), 32 * WARPS, 0, MIN_PAGES)
