@@ -46,17 +46,15 @@ from .._core.arrays import SIMULATOR
 from .._core.finite import block_checks
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             no_op, store_u32x4)
-from .._core.mma import bf16_to_f32, exp2, pack_bf16x2, pack_f16x2
+from .._core.mma import bf16_to_f32, pack_bf16x2, pack_f16x2
 from .._core.packed import LN2
+from .._core.softmax import exp2_rows
 from .._core.wgmma import core_word
 
 MAX_HEAD_DIM = 128  # O lives in registers
 MAX_BLOCK_SIZE = 128  # S lives in registers
 _NEG_INF = float32(-math.inf)
 _POS_INF = float32(math.inf)
-# |m scale_log2| below which P = 2**fma(S, scale_log2, -m scale_log2) is safe: the max's P is
-# 2**r for the rounding residual |r| <= 1/2 (consistent with l, so exact after the division)
-_FMA_SAFE = float32(2.0 ** 24)
 
 
 @cuda.jit(device=True, inline=True)
@@ -130,6 +128,7 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
     NO_PART = NO // parts  # n-tiles of O per part (even: ldmatrix.x4.trans loads two)
     assert NO_PART % 2 == 0 and NO_PART * parts == NO
     pack = pack_bf16x2 if bf16_in else pack_f16x2
+    p_rows = exp2_rows(NS, pack)
     copy16 = cp_async16 if use_async else copy16_plain3
     BF16_PARTIALS = bf16_partials
     O_ROW = DW if bf16_partials else D  # elements of one O_s row in o_part
@@ -222,40 +221,9 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
                   else float32(0.0))
         # P = 2**(S scale_log2 - m), packed to 16-bit pairs: the C layout of n-tiles 2j and
         # 2j+1 is the A layout of k-step j of P V; l = rowsum(P)
-        l_top = float32(0.0)
-        l_bot = float32(0.0)
-        fast_top = abs(mb_top) < _FMA_SAFE
-        fast_bot = abs(mb_bot) < _FMA_SAFE
-        if fast_top and fast_bot:
-            for i in range(NS):  # one fused multiply-add a score
-                p0 = exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top))
-                p1 = exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top))
-                p2 = exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot))
-                p3 = exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot))
-                l_top += p0 + p1
-                l_bot += p2 + p3
-                p_frag[2 * i] = pack(p0, p1)
-                p_frag[2 * i + 1] = pack(p2, p3)
-        else:
-            # a huge score (|m scale_log2| >= 2**24): the fused form's residual for the max,
-            # up to half an ulp of m scale_log2 (>= 2**7 from 2**31 on), would make its P 0 or
-            # +inf; 2**((S - m) scale_log2) gives it exactly 1, as the reference's exp(S - m)
-            m_top = m_top if mb_top != float32(0.0) else float32(0.0)
-            m_bot = m_bot if mb_bot != float32(0.0) else float32(0.0)
-            for i in range(NS):
-                # per row: a row whose own max is moderate keeps the fused form's bits
-                p0 = (exp2(cuda.fma(s_acc[4 * i], scale_log2, -mb_top)) if fast_top
-                      else exp2((s_acc[4 * i] - m_top) * scale_log2))
-                p1 = (exp2(cuda.fma(s_acc[4 * i + 1], scale_log2, -mb_top)) if fast_top
-                      else exp2((s_acc[4 * i + 1] - m_top) * scale_log2))
-                p2 = (exp2(cuda.fma(s_acc[4 * i + 2], scale_log2, -mb_bot)) if fast_bot
-                      else exp2((s_acc[4 * i + 2] - m_bot) * scale_log2))
-                p3 = (exp2(cuda.fma(s_acc[4 * i + 3], scale_log2, -mb_bot)) if fast_bot
-                      else exp2((s_acc[4 * i + 3] - m_bot) * scale_log2))
-                l_top += p0 + p1
-                l_bot += p2 + p3
-                p_frag[2 * i] = pack(p0, p1)
-                p_frag[2 * i + 1] = pack(p2, p3)
+        # (msa.cuda._core.softmax: the fused form, or where |mb| >= 2**24 the exact one)
+        l_top, l_bot = p_rows(s_acc, p_frag, m_top, m_bot, mb_top, mb_bot, scale_log2,
+                              float32(0.0), float32(0.0))
         l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 1)
         l_bot += cuda.shfl_xor_sync(0xFFFFFFFF, l_bot, 1)
         l_top += cuda.shfl_xor_sync(0xFFFFFFFF, l_top, 2)

@@ -68,13 +68,13 @@ from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dyna
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
+from .._core.softmax import exp2_rows
 from ._plan import Kernel, attention_splits, grid_1d, multiprocessors
 from .v1_simple import query_of
 from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
-FMA_SAFE = float32(2.0 ** 24)  # |m sl2| below which the fused form is safe (attention._tile)
 COMBINE_THREADS = 128
 
 
@@ -131,6 +131,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
     DIRECT = direct
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
+    p_rows = exp2_rows(NSC, pack)
     to_bits = f32_to_bf16 if bf16 else f32_to_f16_bits
     clean_x2 = clean_bf16x2 if bf16 else clean_f16x2
     nonfinite = is_nonfinite_bf16 if bf16 else is_nonfinite_f16
@@ -363,37 +364,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         a_bot = exp2(st[1] * sl2 - ref_bot) if st[1] > NEG_INF else float32(0.0)
         st[0] = m_top
         st[1] = m_bot
-        l_top = st[2] * a_top
-        l_bot = st[3] * a_bot
-        fast_top = abs(ref_top) < FMA_SAFE
-        fast_bot = abs(ref_bot) < FMA_SAFE
-        if fast_top and fast_bot:
-            for i in range(NSC):  # one fused multiply-add a score
-                p0 = exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top))
-                p1 = exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top))
-                p2 = exp2(cuda.fma(s_acc[4 * i + 2], sl2, -ref_bot))
-                p3 = exp2(cuda.fma(s_acc[4 * i + 3], sl2, -ref_bot))
-                l_top += p0 + p1
-                l_bot += p2 + p3
-                p_frag[2 * i] = pack(p0, p1)
-                p_frag[2 * i + 1] = pack(p2, p3)
-        else:  # a huge score: as K1 (msa.cuda.attention._tile.softmax), P of the max exactly 1
-            mt = m_top if ref_top != float32(0.0) else float32(0.0)
-            mbt = m_bot if ref_bot != float32(0.0) else float32(0.0)
-            for i in range(NSC):
-                # per row: a row whose own max is moderate keeps the fused form's bits
-                p0 = (exp2(cuda.fma(s_acc[4 * i], sl2, -ref_top)) if fast_top
-                      else exp2((s_acc[4 * i] - mt) * sl2))
-                p1 = (exp2(cuda.fma(s_acc[4 * i + 1], sl2, -ref_top)) if fast_top
-                      else exp2((s_acc[4 * i + 1] - mt) * sl2))
-                p2 = (exp2(cuda.fma(s_acc[4 * i + 2], sl2, -ref_bot)) if fast_bot
-                      else exp2((s_acc[4 * i + 2] - mbt) * sl2))
-                p3 = (exp2(cuda.fma(s_acc[4 * i + 3], sl2, -ref_bot)) if fast_bot
-                      else exp2((s_acc[4 * i + 3] - mbt) * sl2))
-                l_top += p0 + p1
-                l_bot += p2 + p3
-                p_frag[2 * i] = pack(p0, p1)
-                p_frag[2 * i + 1] = pack(p2, p3)
+        # P as K1's (msa.cuda._core.softmax: the fused form, or where |ref| >= 2**24 the exact one)
+        l_top, l_bot = p_rows(s_acc, p_frag, m_top, m_bot, ref_top, ref_bot, sl2,
+                              st[2] * a_top, st[3] * a_bot)
         st[2] = l_top
         st[3] = l_bot
         for i in range(NO):  # O = O * alpha (rows top: registers 0, 1; bottom: 2, 3)
