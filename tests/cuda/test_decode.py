@@ -329,9 +329,11 @@ def _stale_params():
     """(version, Lq, G) for the reference and every rung."""
     for version in ("reference", 1, 2, 3):
         for lq, g in DRAFTS_AND_GROUPS:
-            # rung 1 at Lq = 4, and rungs 2-3 at Lq = 4 x G = 16 (30 s each; Lq = 2 x G = 16
-            # and Lq = 4 x G = 4 run the same code) are sim_heavy
-            heavy = lq == 4 and (version == 1 or (version in (2, 3) and g == 16))
+            # sim_heavy (30 s or more each, where cheaper cases run the same code): rung 1 at
+            # Lq = 4 and at G = 16 (one thread an output: G changes only the count), rungs 2-3
+            # at Lq = 4 x G = 16 (Lq = 2 x G = 16 and Lq = 4 x G = 4 run)
+            heavy = ((version == 1 and (lq == 4 or g == 16))
+                     or (version in (2, 3) and lq == 4 and g == 16))
             marks = [pytest.mark.sim_heavy] if heavy else []
             yield pytest.param(version, lq, g, marks=marks, id=f"{version}-Lq{lq}-G{g}")
 
