@@ -162,9 +162,11 @@ def test_pages_of_several_stages():
     check_attention(o, lse, p, I_ref, "float16", 2)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_selection_up_to_near_ties_on_gaussian_scores(version):
-    p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, topk=4, dtype=np.float16, seed=3)
+    # rung 3 sums each score's products in another order (its permuted index dimensions)
+    p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, d_idx=32 if version == 3 else 16, topk=4,
+                      dtype=np.float16, seed=3)
     I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens, 16, 4,
                                  version=version)
     near_tie_equivalent(I, p, widened(p), 4)
