@@ -5,16 +5,19 @@ with the worst at the root, so a new candidate costs one comparison against the 
 enters. ``better`` is the order everywhere in msa's selection: a higher score first, equal
 scores to the smaller block id; ``offer`` never keeps ``-inf`` or NaN. ``sort_ids_ascending``
 and ``write_selection`` turn the kept ids into a row of ``I`` (the select stage's v1 kernel and
-the index stage's fused top-k epilogue end the same way).
+the index stage's fused top-k epilogue end the same way); ``warp_merge`` is the end of the
+paper's warp-level selection, shared by the select stage's v2 kernel and the decode merge.
 """
 
 from __future__ import annotations
 
 import math
 
-from numba import cuda
+from numba import cuda, int32
 
 MAX_TOPK = 64  # the kernels' heap capacity: K - 1 <= 63 entries a lane (or thread)
+FULL_MASK = 0xFFFFFFFF
+NO_BLOCK = 0x7FFFFFFF  # the id of "no candidate": loses every tie against a real block
 
 
 def heap_capacity(topk: int) -> int:
@@ -131,3 +134,63 @@ def write_selection(out, t, r, hi, n, loc, topk):
             out[t, r, j] = loc
         else:
             out[t, r, j] = -1
+
+
+@cuda.jit(device=True, inline=True)
+def warp_merge(hs, hi, n, kmax, neg, out, t, r, loc, topk, lane):
+    """Paper §4.1, the merge of a warp's 32 lane heaps into the row ``out[t, r]``: each lane's
+    ``hs/hi[0:n]`` sorted best first (``heap_sort_best_first``), ``kmax`` rounds in which
+    every lane shows its best remaining entry, a butterfly arg-max gives every lane the warp's
+    best, and its owner pops it (lane ``j`` keeps the winners of rounds ``j`` (``w0``) and
+    ``j + 32`` (``w1``)); the winners ranked by id with shuffles fill the row ascending, then
+    the local block ``loc``, then -1 up to ``topk`` slots. ``neg`` is ``-inf`` in the scores'
+    type. Every lane of the warp calls it."""
+    p = 0
+    count = 0
+    w0 = int32(-1)
+    w1 = int32(-1)
+    while count < kmax:
+        cs = neg
+        ci = int32(NO_BLOCK)
+        if p < n:
+            cs = hs[p]
+            ci = hi[p]
+        off = 16
+        while off > 0:
+            os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
+            oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
+            if better(os_, oi, cs, ci):
+                cs = os_
+                ci = oi
+            off >>= 1
+        if ci == NO_BLOCK:  # every lane is empty (the same answer in every lane)
+            break
+        if p < n and hi[p] == ci:
+            p += 1
+        if lane == (count & 31):
+            if count < 32:
+                w0 = ci
+            else:
+                w1 = ci
+        count += 1
+    # ascending ids: a winner's slot is the number of smaller winners; the local block is
+    # larger than every candidate, so it takes slot `count`, and -1 fills the rest
+    r0 = 0
+    r1 = 0
+    for j in range(count):
+        val = cuda.shfl_sync(FULL_MASK, w0 if j < 32 else w1, j & 31)
+        if val < w0:
+            r0 += 1
+        if val < w1:
+            r1 += 1
+    if lane < count:
+        out[t, r, r0] = w0
+    if lane + 32 < count:
+        out[t, r, r1] = w1
+    j = lane
+    while j < topk:
+        if j == count:
+            out[t, r, j] = loc
+        elif j > count:
+            out[t, r, j] = -1
+        j += 32

@@ -45,7 +45,7 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
-from .._core.heap import better, heap_sort_best_first, offer
+from .._core.heap import NO_BLOCK, better, heap_sort_best_first, offer, warp_merge
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_u32,
                             ldmatrix_x4)
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
@@ -54,7 +54,6 @@ from .v1_simple import query_of
 from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
-NO_BLOCK = 0x7FFFFFFF  # the id of "no candidate": loses every tie against a real block
 WARPS = 1 if SIMULATOR else 4  # the simulator runs every thread as a Python thread
 MERGE_WARPS = 1 if SIMULATOR else 4
 STAGES = 4  # key stages in shared memory: STAGES - 1 copies in flight while one is scored
@@ -336,58 +335,8 @@ def merge_kernel(block_size: int, topk: int):
                     break
                 n, rs, ri = offer(hs, hi, n, CAP, rs, ri, sc, blk)
         heap_sort_best_first(hs, hi, n)
-        # K - 1 rounds: every lane shows its best remaining entry, a butterfly arg-max gives
-        # every lane the warp's best, its owner pops it; lane j keeps the winners of rounds j
-        # (w0) and j + 32 (w1)
-        p = 0
-        count = 0
-        w0 = int32(-1)
-        w1 = int32(-1)
-        while count < KM:
-            cs = float32(-math.inf)
-            ci = int32(NO_BLOCK)
-            if p < n:
-                cs = hs[p]
-                ci = hi[p]
-            off = 16
-            while off > 0:
-                os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
-                oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
-                if better(os_, oi, cs, ci):
-                    cs = os_
-                    ci = oi
-                off >>= 1
-            if ci == NO_BLOCK:  # every lane is empty (the same answer in every lane)
-                break
-            if p < n and hi[p] == ci:
-                p += 1
-            if lane == (count & 31):
-                if count < 32:
-                    w0 = ci
-                else:
-                    w1 = ci
-            count += 1
-        # ascending ids: a winner's slot is the number of smaller winners; the local block is
-        # larger than every candidate, so it takes slot `count`, and -1 fills the rest
-        r0 = 0
-        r1 = 0
-        for j in range(count):
-            val = cuda.shfl_sync(FULL_MASK, w0 if j < 32 else w1, j & 31)
-            if val < w0:
-                r0 += 1
-            if val < w1:
-                r1 += 1
-        if lane < count:
-            out[t, r, r0] = w0
-        if lane + 32 < count:
-            out[t, r, r1] = w1
-        j = lane
-        while j < out.shape[2]:
-            if j == count:
-                out[t, r, j] = loc
-            elif j > count:
-                out[t, r, j] = -1
-            j += 32
+        # the paper's warp merge: the warp's top K - 1, ascending, the local block, -1 padding
+        warp_merge(hs, hi, n, KM, float32(-math.inf), out, t, r, loc, out.shape[2], lane)
 
     return kernel
 

@@ -17,12 +17,10 @@ import math
 
 from numba import cuda, float32, float64, int32
 
-from .._core.heap import better, heap_sort_best_first, offer
+from .._core.heap import NO_BLOCK, heap_sort_best_first, offer, warp_merge
 from .._core.packed import query_position
 from .._core.diskcache import kernel_jit
 
-FULL_MASK = 0xFFFFFFFF
-NO_BLOCK = 0x7FFFFFFF  # id of "no candidate": loses every tie against a real block
 WARPS_PER_CTA = 4
 
 
@@ -79,59 +77,7 @@ def select_kernel(cap: int, wide: bool):
                 b += 32
         heap_sort_best_first(hs, hi, n)
 
-        # Merge: each round every lane shows its best remaining entry, a butterfly arg-max gives
-        # every lane the warp's best, and its owner pops it. Lane j keeps the winners of rounds j
-        # (w0) and j + 32 (w1).
-        p = 0
-        count = 0
-        w0 = int32(-1)
-        w1 = int32(-1)
-        while count < kmax:
-            cs = neg
-            ci = int32(NO_BLOCK)
-            if p < n:
-                cs = hs[p]
-                ci = hi[p]
-            off = 16
-            while off > 0:
-                os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
-                oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
-                if better(os_, oi, cs, ci):
-                    cs = os_
-                    ci = oi
-                off >>= 1
-            if ci == NO_BLOCK:  # every lane is empty (same answer in every lane)
-                break
-            if p < n and hi[p] == ci:
-                p += 1
-            if lane == (count & 31):
-                if count < 32:
-                    w0 = ci
-                else:
-                    w1 = ci
-            count += 1
-
-        # Ascending ids: the rank of a winner is the number of smaller winners; the local block is
-        # larger than every candidate, so it takes slot `count` and -1 fills the rest.
-        r0 = 0
-        r1 = 0
-        for j in range(count):
-            v = cuda.shfl_sync(FULL_MASK, w0 if j < 32 else w1, j & 31)
-            if v < w0:
-                r0 += 1
-            if v < w1:
-                r1 += 1
-        if lane < count:
-            out[t, r, r0] = w0
-        if lane + 32 < count:
-            out[t, r, r1] = w1
-        j = lane
-        while j < topk:
-            if j == count:
-                out[t, r, j] = loc
-            elif j > count:
-                out[t, r, j] = -1
-            j += 32
+        warp_merge(hs, hi, n, kmax, neg, out, t, r, loc, topk, lane)
 
     return kernel
 
