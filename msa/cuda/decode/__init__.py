@@ -170,7 +170,7 @@ def _v3_blockers(step: _Step) -> list[str]:
     why = []
     if lay.index_dim % 32:
         why.append(f"Didx = {lay.index_dim} (a multiple of 32)")
-    if not v3i.applies(lay.index_dim or 32, step.lq, lay.num_kv_heads, step.topk or 1):
+    if not v3i.heaps_fit(step.lq, lay.num_kv_heads, step.topk or 1):
         why.append(f"Lq * Hkv * (K - 1) = {step.lq * lay.num_kv_heads * (step.topk - 1)} "
                    "(the warps' heaps exceed static shared memory)")
     return why

@@ -66,9 +66,10 @@ MAX_SPLITS = 256  # the merge's cost grows with the splits
 HEAP_BYTES = 40 * 1024  # the warps' heaps, within the 48 KB of static shared memory
 
 
-def applies(index_dim: int, lq: int, hkv: int, topk: int) -> bool:
-    """Whether rung 3's index kernel takes this shape (rung 2's conditions hold)."""
-    return index_dim % 32 == 0 and WARPS * lq * hkv * max(topk - 1, 1) * 8 <= HEAP_BYTES
+def heaps_fit(lq: int, hkv: int, topk: int) -> bool:
+    """Whether the warps' heaps (``W Lq Hkv (K - 1)`` entries of 8 bytes) fit ``HEAP_BYTES``;
+    rung 3 takes the shapes of rung 2 with ``Didx`` a multiple of 32 where they do."""
+    return WARPS * lq * hkv * max(topk - 1, 1) * 8 <= HEAP_BYTES
 
 
 def splits_for(batch: int, max_pages: int, sms: int, num_queries: int) -> int:
