@@ -10,7 +10,8 @@
 ``warp``       warp reductions, scans and the warp-wide sort
 ``simwarp``    the warp operations Numba's simulator lacks (installed by ``msa.cuda``)
 ``scan``       prefix sums: serial, reduce-then-scan, decoupled look-back
-``heap``       the per-thread min-heap of the top-k (paper §4.1)
+``heap``       the per-thread min-heap of the top-k and the warp merge (paper §4.1)
+``softmax``    the exponentials of an mma tile's two rows (K1, the decode attention)
 ``packed``     device functions over the packed batch: positions, CSR entries, work items
 =============  =============================================================================
 """
