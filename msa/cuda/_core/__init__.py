@@ -13,5 +13,7 @@
 ``heap``       the per-thread min-heap of the top-k and the warp merge (paper §4.1)
 ``softmax``    the exponentials of an mma tile's two rows (K1, the decode attention)
 ``packed``     device functions over the packed batch: positions, CSR entries, work items
+``finite``     non-finite 16-bit values kept out of tensor-core tiles (masking by selection)
+``diskcache``  ``kernel_jit``: compiled kernels cached on disk across processes
 =============  =============================================================================
 """
