@@ -99,13 +99,26 @@ def layout(block_size: int, index_dim: int, num_queries: int):
 
 
 @functools.lru_cache(maxsize=None)
-def split_common(lq: int, hkv: int, topk: int, n_tiles: int):
-    """Device functions of the split scorers (rungs 2 and 3): ``fold(acc, cm)`` takes the
+def split_common(lq: int, hkv: int, topk: int, n_tiles: int, k_steps: int, bf16: bool):
+    """Device functions of the split scorers (rungs 2 and 3): ``kstep(a0, a1, a2, a3, qb, ks,
+    acc)`` adds k-step ``ks`` of an m-tile (its A fragment) times every n-tile of the queries'
+    B fragments ``qb`` to the C fragments ``acc``; ``fold(acc, cm)`` takes the
     maxima of an m-tile's rows ``g`` and ``g + 8`` (``acc``: the ``n_tiles`` C fragments) into
     the lane's column maxima ``cm`` (fmax from -inf: a NaN score never wins), and ``store(hs,
     hi, cnt, cand_s, cand_i, s, b, n)`` sorts column ``n``'s heap best first into split ``s``'s
     slot (padding ``(-inf, -1)``)."""
-    LQ, HKV, KM, NT = lq, hkv, topk - 1, n_tiles
+    LQ, HKV, KM, NT, KS = lq, hkv, topk - 1, n_tiles, k_steps
+    mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
+
+    @cuda.jit(device=True, inline=True)
+    def kstep(a0, a1, a2, a3, qb, ks, acc):
+        for nt in range(NT):
+            d0, d1, d2, d3 = mma(a0, a1, a2, a3, qb[2 * (nt * KS + ks)], qb[2 * (nt * KS + ks) + 1],
+                                 acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+            acc[4 * nt] = d0
+            acc[4 * nt + 1] = d1
+            acc[4 * nt + 2] = d2
+            acc[4 * nt + 3] = d3
 
     @cuda.jit(device=True, inline=True)
     def fold(acc, cm):
@@ -127,7 +140,7 @@ def split_common(lq: int, hkv: int, topk: int, n_tiles: int):
             cand_s[s, t, r, e] = hs[e] if e < cnt else float32(-math.inf)
             cand_i[s, t, r, e] = hi[e] if e < cnt else int32(-1)
 
-    return fold, store
+    return kstep, fold, store
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,10 +161,9 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
     MT = CK // 16  # m-tiles per stage
     W = WARPS
     NTH = 32 * W
-    mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
     HEAP, QB, CM, ACC = NQ * KM, 2 * NT * KS, 2 * NT, 4 * NT  # array sizes (constants)
     assert BK % CK == 0 and CK % 16 == 0 and DI % 16 == 0 and 1 <= KM and NQ <= 32
-    fold, store = split_common(LQ, HKV, topk, NT)
+    kstep, fold, store = split_common(LQ, HKV, topk, NT, KS, bf16)
 
     @cuda.jit(device=True, inline=True)
     def issue_stage(smem, k_idx_cache, block_table, b, j0, c, n_stages, buf):
@@ -199,14 +211,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                 acc[i] = float32(0.0)
             for ks in range(KS):
                 a0, a1, a2, a3 = ldmatrix_x4(smem, a_at + 8 * ks)
-                for nt in range(NT):
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, qb[2 * (nt * KS + ks)],
-                                         qb[2 * (nt * KS + ks) + 1], acc[4 * nt],
-                                         acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
-                    acc[4 * nt] = d0
-                    acc[4 * nt + 1] = d1
-                    acc[4 * nt + 2] = d2
-                    acc[4 * nt + 3] = d3
+                kstep(a0, a1, a2, a3, qb, ks, acc)
             fold(acc, cm)
 
     @kernel_jit

@@ -46,7 +46,6 @@ from .._core.arrays import SIMULATOR
 from .._core.diskcache import kernel_jit
 from .._core.heap import offer
 from .._core.memops import load_u32x4
-from .._core.mma import mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import multiprocessors
 from .v1_simple import query_of
 from .v2_split_index import plan_splits_and_merge, split_common
@@ -98,11 +97,10 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
     NB = BUFFERS
     TILE = 8 * U  # words a lane holds of one m-tile: rows g, g + 8, U chunks each
     assert NB == 3
-    fold, store = split_common(LQ, HKV, topk, NT)
+    kstep, fold, store = split_common(LQ, HKV, topk, NT, KS, bf16)
     HEAP = W * NQ * KM
     COLS = W * NQ  # the warps' heaps
     QB, CM, ACC = 2 * NT * KS, 2 * NT, 4 * NT  # array sizes (constants)
-    mma = mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16
     assert BK % 16 == 0 and DI % 32 == 0 and 1 <= KM and NQ <= 32
 
     @cuda.jit(device=True, inline=True)
@@ -146,15 +144,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
                 a2 = buf[8 * u + 2 * v + 1]  # row g, logical pair 2t + 8
                 a1 = buf[8 * u + 4 + 2 * v]  # row g + 8
                 a3 = buf[8 * u + 4 + 2 * v + 1]
-                ks = 2 * u + v
-                for nt in range(NT):
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, qb[2 * (nt * KS + ks)],
-                                         qb[2 * (nt * KS + ks) + 1], acc[4 * nt],
-                                         acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
-                    acc[4 * nt] = d0
-                    acc[4 * nt + 1] = d1
-                    acc[4 * nt + 2] = d2
-                    acc[4 * nt + 3] = d3
+                kstep(a0, a1, a2, a3, qb, 2 * u + v, acc)
         fold(acc, cm)
 
     @cuda.jit(device=True, inline=True)
