@@ -6,7 +6,9 @@ Paper configuration: Hq = 64, Hkv = 4 (G = 16), D = Didx = 128, Bk = 128 (one pa
 block), K = 16, bf16. B requests of N cached tokens each (pages shuffled in the pool), Lq new
 queries a request (1: plain decode; 4, 8: MTP drafts), Gaussian queries, keys and index keys
 (so the selections are close to uniform random: the union of the Lq drafts' selections is
-large, the hard case for Lq > 1).
+large). ``--shared-index-queries``: every draft of a request has the first draft's index query,
+so the drafts select the same blocks but for their local ones (MTP drafts whose selections
+agree).
 
 * msa: ``msa.cuda.decode.plan`` once, then ``run`` (index split + merge, attention split +
   combine) captured in a CUDA graph and replayed; also the eager ``run`` (host launch cost
@@ -52,9 +54,10 @@ GRID = ([(b, n, lq) for b in (1, 8, 32, 128) for n in (8 * K, 32 * K, 128 * K)
          for lq in (1, 4, 8)] + [(1, M, lq) for lq in (1, 4, 8)])
 
 
-def make_case(b, n, lq, seed=0):
+def make_case(b, n, lq, seed=0, shared_index_queries=False):
     """The dense cache ``k, v [B, Hkv, N, D]``, ``k_idx [B, N, Didx]``, its paged copy (pages in
-    a random order), the step's ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]``."""
+    a random order), the step's ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]`` (with
+    ``shared_index_queries``, each request's first draft's repeated)."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -76,6 +79,9 @@ def make_case(b, n, lq, seed=0):
     seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
     q = torch.randn((b * lq, HQ, D), generator=gen, **bf)
     q_idx = torch.randn((b * lq, HKV, D_IDX), generator=gen, **bf)
+    if shared_index_queries:
+        q_idx = q_idx.view(b, lq, HKV, D_IDX)[:, :1].expand(b, lq, HKV, D_IDX).reshape(
+            b * lq, HKV, D_IDX).contiguous()
     dense = (k[:, :, :n], v[:, :, :n], k_idx[:, :n])
     return dense, (q, q_idx, k_cache, v_cache, k_idx_cache, table, seqlens)
 
@@ -200,9 +206,9 @@ def bench_case(b, n, lq, args):
     from msa.cuda import decode as gpu
 
     rows = []
-    name = f"B={b} N={n // K}K Lq={lq}"
+    name = f"B={b} N={n // K}K Lq={lq}" + (" shared" if args.shared_index_queries else "")
     torch.cuda.empty_cache()
-    dense, step = make_case(b, n, lq)
+    dense, step = make_case(b, n, lq, shared_index_queries=args.shared_index_queries)
     torch.cuda.synchronize()
     t0 = time.time()
     plan = gpu.plan(*step, BK, TOPK)
@@ -210,7 +216,8 @@ def bench_case(b, n, lq, args):
     torch.cuda.synchronize()
     first_s = time.time() - t0
     bad, err = gate(dense, step, out, lq, n)
-    row = dict(case=name, B=b, N=n, Lq=lq, version=plan.version, first_s=first_s,
+    row = dict(case=name, B=b, N=n, Lq=lq, shared_index_queries=args.shared_index_queries,
+               version=plan.version, first_s=first_s,
                index_splits=plan.index_splits, attention_splits=plan.attention_splits,
                workspace_MiB=plan.workspace_bytes() / 2**20, gate_selection_bad=bad,
                gate_rel_err=err)
@@ -274,6 +281,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=230.0,
                    help="skip the cases left once this much wall time has passed")
+    p.add_argument("--cases", default="",
+                   help="only these cases, as B:N:Lq separated by commas (e.g. 32:65536:8)")
+    p.add_argument("--shared-index-queries", action="store_true",
+                   help="every draft of a request gets the first draft's index query")
     p.add_argument("--first-only", action="store_true",
                    help="plan + run the first shape once and print the wall time (run twice: "
                         "the second process finds Numba's disk cache warm)")
@@ -281,6 +292,8 @@ def main(argv=None):
     if args.first_only:
         return first_only()
     cases = list(HEADLINE) + ([] if args.quick else [c for c in GRID if c not in HEADLINE])
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, Didx=D_IDX, dtype="bfloat16",
                   hbm_copy_TBps=HBM_COPY_TBPS, args=vars(args))
     t_start = time.time()

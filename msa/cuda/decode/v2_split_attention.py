@@ -108,11 +108,17 @@ def layout(block_size: int, head_dim: int, lq: int, group: int):
 
 @functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int, bf16: bool,
-                 direct: bool, _max_registers: int = 0):
+                 direct: bool, drafts: int = 1, _max_registers: int = 0):
     """The split attention for (Bk, D, Lq, G, K, bf16 or fp16, one split writing the outputs);
     arguments ``(q words [B*Lq, Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2],
-    block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``."""
+    block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``.
+
+    ``drafts > 1`` (with ``lq = 1``): one CTA column per draft, ``blockIdx.z`` the decode query
+    ``t = b * drafts + i`` of a step with ``Lq = drafts``: its own selection, its own position
+    (``cache_seqlens[b] - drafts + i``), request ``b``'s block table."""
     BK, D, LQ, G, K = block_size, head_dim, lq, group, topk
+    DR = drafts
+    assert DR == 1 or LQ == 1
     R = LQ * G
     MT, KSPLIT, KC, SK = shape(BK, D, LQ, G)
     W = MT * KSPLIT
@@ -472,7 +478,10 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         b = cuda.blockIdx.z
         splits = cuda.gridDim.x
         t0 = b * LQ
-        _, pos_last = query_of(t0 + LQ - 1, LQ, cache_seqlens, block_table.shape[1] * BK)
+        if DR > 1:  # one draft a CTA: query t0 of request t0 // DR
+            b, pos_last = query_of(t0, DR, cache_seqlens, block_table.shape[1] * BK)
+        else:
+            _, pos_last = query_of(t0 + LQ - 1, LQ, cache_seqlens, block_table.shape[1] * BK)
         nb = (pos_last + BK) // BK if pos_last >= 0 else 0
         if DRAFTS:
             for e in range(tid, NBAD, NTH):
@@ -591,13 +600,22 @@ def combine_kernel(o_part, lse_part, o, lse, bf16):
         lse[t, h] = mx + math.log2(total) * float32(LN2) if total > float32(0.0) else NEG_INF
 
 
+def per_draft(lq: int) -> bool:
+    """Whether a step of ``lq`` queries a request runs one CTA column per draft (each draft's
+    own pages, the ``Lq = 1`` kernel) rather than one per request over the union of the drafts'
+    selections."""
+    return lq > 1
+
+
 def plan_attention(p, ctx, step, scale) -> int:
     """Add the attention launches of rung 2 to plan ``p``; returns the split count."""
     lay = step.layout
     b, lq, hkv, g, topk = lay.batch, step.lq, lay.num_kv_heads, step.group, p.block_indices.shape[2]
     rows = b * lq
-    max_union = min(lq * topk, lay.max_pages)
-    splits = attention_splits(b, hkv, max_union, multiprocessors())
+    drafts = lq if per_draft(lq) else 1
+    klq, columns = lq // drafts, b * drafts  # the kernel's queries a CTA; CTA columns
+    max_union = min(klq * topk, lay.max_pages)
+    splits = attention_splits(columns, hkv, max_union, multiprocessors())
     bf16 = step.kind == "bfloat16"
     # one split writes the outputs itself; its partial arguments are then stand-ins
     n = splits if splits > 1 else 1
@@ -606,10 +624,11 @@ def plan_attention(p, ctx, step, scale) -> int:
     p.workspace["lse_part"] = ctx.empty((n, rows if n > 1 else 1, step.hq if n > 1 else 1),
                                         np.float32)
     parts = [("ws", "o_part", None), ("ws", "lse_part", None)]
-    mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, lq, g)
-    smem = layout(lay.block_size, lay.head_dim, lq, g)[-1]
-    kernel = split_kernel(lay.block_size, lay.head_dim, lq, g, int(topk), bf16, splits == 1)
-    p.steps.append((Kernel(kernel, (splits, hkv, b), 32 * mt * ksplit, smem),
+    mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, klq, g)
+    smem = layout(lay.block_size, lay.head_dim, klq, g)[-1]
+    kernel = split_kernel(lay.block_size, lay.head_dim, klq, g, int(topk), bf16, splits == 1,
+                          drafts)
+    p.steps.append((Kernel(kernel, (splits, hkv, columns), 32 * mt * ksplit, smem),
                     [("in", "q", "words"), ("in", "k_cache", "words"), ("in", "v_cache", "words"),
                      ("out", "block_indices", None), ("in", "block_table", None),
                      ("in", "cache_seqlens", None), float(scale * LOG2E), *parts,
