@@ -38,23 +38,21 @@ v      file                        kernels
                                    workspace; a per-row arg-max top-k; attention by one thread
                                    per (query, head) with its O accumulator in global memory
 2      ``v2_split_index.py``,      bf16/fp16, ``D``, ``Didx``, ``Bk`` multiples of 16 (``D <=
-       ``v2_split_attention.py``   128``), ``Lq * G <= 128``, ``K <= 64``. Index: the context of
-                                   each request split over CTAs, each page of index keys
-                                   loaded once (``cp.async``, double-buffered) for all ``Lq x
-                                   Hkv`` index queries, scored by ``mma.sync`` with the
-                                   queries as the B operand, block maxima straight into a
-                                   per-row heap (``_core.heap``); a merge kernel takes the
-                                   splits' lists with the paper's warp heap and shuffle merge
-                                   (§4.1), forces the local block, pads with -1. Attention:
-                                   Q-outer per (request, KV head, page split), the ``Lq x G``
-                                   query rows as the MMA rows, each page of the union of the
-                                   ``Lq`` selections loaded once (16-byte ``cp.async``) and
-                                   masked per row by selection and position, online softmax in
-                                   registers; splits combined by LSE in a second kernel.
-                                   H200, paper configuration, Lq = 1, CUDA graph: 0.275 ms at
-                                   B = 32 x 64K (3.4x SDPA decode), 0.161 ms at 8 x 128K
-                                   (3.0x); Lq = 8 at 32 x 64K 1.16 ms (1.5x the masked dense
-                                   baseline). The default where rung 3 does not apply
+       ``v2_split_attention.py``   128``), ``K <= 64``. Index: the context of each request
+                                   split over CTAs, each page of index keys loaded once
+                                   (``cp.async``, double-buffered) for all ``Lq x Hkv`` index
+                                   queries, scored by ``mma.sync`` with the queries as the B
+                                   operand, block maxima straight into a per-row heap
+                                   (``_core.heap``); a merge kernel takes the splits' lists
+                                   with the paper's warp heap and shuffle merge (§4.1), forces
+                                   the local block, pads with -1. Attention: Q-outer per
+                                   (decode query, KV head, page split), a draft's own
+                                   selection, its ``G`` query rows as the MMA rows, each
+                                   selected page loaded once (16-byte ``cp.async``), online
+                                   softmax in registers; splits combined by LSE in a second
+                                   kernel. H200, paper configuration, Lq = 1, CUDA graph:
+                                   0.275 ms at B = 32 x 64K (3.4x SDPA decode), 0.161 ms at 8 x
+                                   128K (3.0x). The default where rung 3 does not apply
 3      ``v3_register_index.py``    rung 2 with ``Didx`` a multiple of 32: the index kernel
        (+ rung 2's merge and       streams each warp's pages from HBM straight into the mma's
        attention)                  A registers (three m-tiles of 16 keys in flight a warp, no
@@ -155,8 +153,6 @@ def _v2_blockers(step: _Step, arrays) -> list[str]:
         why.append(f"D = {lay.head_dim} (a multiple of 16 up to 128)")
     if lay.index_dim and (lay.index_dim % 16 or lay.index_dim > 128):
         why.append(f"Didx = {lay.index_dim} (a multiple of 16 up to 128)")
-    if step.hq and step.lq * step.group > 128:
-        why.append(f"Lq * G = {step.lq * step.group} (at most 128 MMA rows)")
     if step.lq * lay.num_kv_heads > 32:
         why.append(f"Lq * Hkv = {step.lq * lay.num_kv_heads} (at most 32 index queries)")
     if not SIMULATOR and not all(is_aligned16(x) for x in arrays if x is not None):

@@ -1,36 +1,26 @@
 """Decode rung 2, main branch: Q-outer sparse attention over page splits, combined by LSE.
 
-Adds over rung 1: a page is loaded once per (request, KV head) for all ``Lq x G`` query rows
-that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of tensor-core tiles.
+Adds over rung 1: a page is loaded once per (decode query, KV head) for the ``G`` query rows of
+the group that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of
+tensor-core tiles.
 
-``split_kernel``, one CTA per (page split ``s``, KV head ``r``, request ``b``):
+``split_kernel``, one CTA per (page split ``s``, KV head ``r``, decode query ``t``): with ``Lq``
+queries a request (MTP drafts) query ``t = b * Lq + i`` is draft ``i`` of request ``b``, at
+position ``cache_seqlens[b] - Lq + i``, with its own selection and request ``b``'s block table.
 
-* The union of the ``Lq`` queries' selections (``I[b*Lq + i, r, :]``, each its own) is built
-  in shared memory: its distinct valid block ids, ascending, and per block the bit mask of the
-  queries that selected it. Split ``s`` takes its share of that union.
-* The query rows ``row = i * G + g`` (query ``i``, head ``r*G + g``; ``Lq * G <= 128``, padded to
-  ``MT`` m-tiles of 16) are copied once and kept as A fragments in registers. Warp ``w`` owns
-  m-tile ``w % MT`` and key range ``w // MT`` of every page (``KSPLIT = W / MT`` ranges, so that
-  four warps work even at ``Lq * G = 16``).
-* Per page: K and V (``[Bk, D]`` of head ``r``) land in shared memory; per chunk of ``KC`` keys
-  ``S = Q Kᵀ`` by ``mma.sync`` (B fragments by ``ldmatrix``), the mask by selection and position
-  (key ``c`` of block ``j`` is visible to row ``i`` iff ``i`` selected ``j`` and ``j*Bk + c <=
-  pos_i``: masked scores are ``-inf`` before the softmax, never multiplied by 0), the online
-  softmax in base 2 in registers (``ex2.approx``), ``P`` packed to 16 bits as the A fragments
-  of ``O += P V`` (V's B fragments by ``ldmatrix.trans``).
-* Masking by selection inside the tiles (docs/design.md §3; Lq > 1 only, Lq = 1 compiles none
-  of it: every key it loads is one its rows see). Keys past the length are loaded as zeros. A
-  warp none of whose rows sees a key of a chunk skips the chunk (the state it would compute is
-  the state it has; at G = 16 an m-tile is one draft, so it skips the other drafts' pages).
-  Where a computing warp has a row that cannot see a loaded key (the later drafts' keys; every
-  key of a block where an m-tile mixes drafts that selected it with drafts that did not,
-  ``mixes``), that row multiplies the key's V by P = 0, so ``clean_stage`` replaces the
-  non-finite halves of those V rows by +0 in shared memory (``_core.finite``) before any warp
-  reads them, keeping their 2-bit classes in the rows' padding words. The rows that do see a
-  cleaned value get it back: ``restore`` or-s the classes into per-(row, column) marks in the
-  query region (free once Q is in registers) and ``finish`` adds them (NaN, +inf or -inf, the
-  reference's result). On finite data no bit changes (a skipped chunk adds exact zeros, a
-  finite word is not written).
+* The query's selection ``I[t, r, :]`` is made a sorted list of its distinct valid block ids in
+  shared memory; split ``s`` takes its share of it.
+* The query rows ``g`` (head ``r*G + g``, padded to ``MT`` m-tiles of 16) are copied once and
+  kept as A fragments in registers. Warp ``w`` owns m-tile ``w % MT`` and key range ``w // MT``
+  of every page (``KSPLIT = W / MT`` ranges, so that four warps work even at ``G <= 16``).
+* Per page: K and V (``[Bk, D]`` of head ``r``) land in shared memory, two stages of ``SK``
+  keys (the next copied while one is computed); keys past the query's position are loaded as
+  zeros (a later draft's keys are never read). Per chunk of ``KC`` keys ``S = Q Kᵀ`` by
+  ``mma.sync`` (B fragments by ``ldmatrix``), the keys past the position masked to ``-inf``,
+  the online softmax in base 2 in registers (``ex2.approx``; ``msa.cuda._core.softmax``), ``P``
+  packed to 16 bits as the A fragments of ``O += P V`` (V's B fragments by
+  ``ldmatrix.trans``). Every key a CTA loads is one its rows see: there is no masking by
+  selection inside a tile to do.
 * The warps of one m-tile combine their ``(m, l, O)`` through shared memory; the split writes
   ``o_part [S, B*Lq, Hq, D]`` float32 and ``lse_part [S, B*Lq, Hq]`` (or, with one split, the
   outputs themselves).
@@ -39,18 +29,16 @@ that read it, in 16-byte ``cp.async`` copies, and the rows are the M side of ten
 order (``lse = max + log sum exp(lse_s - max)``; a row with nothing visible: o = 0, lse = -inf).
 
 Verdict (H200, paper configuration, bf16, CUDA graphs; benchmarks/results/bench_decode*.json):
-Lq = 1 reads the selected pages at 1.8-3.1 TB/s (134 MB at B = 32 x 64K in 0.073 ms, 537 MB at
-128 x 8K in 0.174 ms, the split kernel alone); Lq = 8 at 32 x 64K takes 0.79 ms for about 1 GB
-of pages (the union of eight random selections), 1.4 TB/s: one CTA of eight warps an SM (224
-registers) and every row's scores computed against every page of the union, selected or not.
-Two key stages (copy the next while one is computed) against one page at a time: 0.073
-against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x 8K. More splits are slower (0.094 ms
-at 9, 0.129 at 16 against 0.076 at 5: the union and query loads of each split); a register cap
-of 168 changed nothing. The masking by selection (offline ``ptxas``, sm_90a, no spills): 224 ->
-227 registers at G = 16, Lq = 4 and 8 (the same occupancy), 168 -> 212 at G <= 8, Lq > 1 (three
-CTAs an SM by registers become two), Lq = 1 unchanged; on the GPU not measured yet (finite data:
-a few integer ops and five shuffles a stage, a sweep of the V words of the later drafts' keys in
-the last pages, a full sweep of a stage only where an m-tile mixes drafts).
+Lq = 1 reads the selected pages at 1.8-3.1 TB/s (134 MB at B = 32 x 64K in 0.053-0.073 ms, 537
+MB at 128 x 8K in 0.174 ms, the split kernel alone). Lq > 1 was one CTA per request over the
+union of its drafts' selections (all ``Lq x G`` rows against every page of the union, masking by
+selection inside the tiles, one 8-warp CTA an SM): 0.608 ms at 32 x 64K, Lq = 8 (random
+selections, ~8x the pages), against 0.297 ms one CTA column a draft; 0.193 against 0.247 ms
+where the drafts select the same blocks (``bench_decode --shared-index-queries``), 0.115 against
+0.073 at 8 x 128K; code at 0f02a23 (docs/performance.md, "Tried and dropped"). Two key stages
+against one page at a time: 0.073 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x
+8K. More splits are slower (0.094 ms at 9, 0.129 at 16 against 0.076 at 5); a register cap of
+168 changed nothing.
 """
 
 from __future__ import annotations
@@ -59,10 +47,9 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
-from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_f32,
                             dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
@@ -82,11 +69,12 @@ STAGES = 2  # key stages in shared memory: the next stage is copied while one is
 STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
 
 
-def shape(block_size: int, head_dim: int, lq: int, group: int):
-    """``(MT, KSPLIT, KC, SK)``: m-tiles of the ``Lq * G`` rows; key ranges a stage is cut
-    into (the CTA has ``MT * KSPLIT`` warps: four where the rows are few); keys a chunk; keys a
-    stage (``min(Bk, 64)``, 16 in the simulator: two stages of K and V take the shared memory of one page)."""
-    mt = -(-lq * group // 16)
+def shape(block_size: int, head_dim: int, group: int):
+    """``(MT, KSPLIT, KC, SK)``: m-tiles of the ``G`` rows; key ranges a stage is cut into (the
+    CTA has ``MT * KSPLIT`` warps: four where the rows are few); keys a chunk; keys a stage
+    (``min(Bk, 64)``, 16 in the simulator: two stages of K and V take the shared memory of one
+    page)."""
+    mt = -(-group // 16)
     sk = min(block_size, STAGE_KEYS)
     ksplit = max(1, min(4 // mt, sk // 16)) if mt < 4 else 1
     kr = sk // ksplit
@@ -94,11 +82,11 @@ def shape(block_size: int, head_dim: int, lq: int, group: int):
     return mt, ksplit, kc, sk
 
 
-def layout(block_size: int, head_dim: int, lq: int, group: int):
+def layout(block_size: int, head_dim: int, group: int):
     """``(LD, stage words, combine words, Q offset, total bytes)`` of the split kernel's dynamic
     shared memory: STAGES stages of SK keys' K then V rows (rows of ``D/2 + 4`` words), re-used
     at the end for the warps' ``(m, l, O)``, then the query rows."""
-    mt, ksplit, _, sk = shape(block_size, head_dim, lq, group)
+    mt, ksplit, _, sk = shape(block_size, head_dim, group)
     ld = head_dim // 2 + 4
     stage = 2 * sk * ld
     comb = ksplit * 16 * mt * (head_dim + 2)
@@ -107,57 +95,43 @@ def layout(block_size: int, head_dim: int, lq: int, group: int):
 
 
 @functools.lru_cache(maxsize=None)
-def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int, bf16: bool,
+def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bool,
                  direct: bool, drafts: int = 1, _max_registers: int = 0):
-    """The split attention for (Bk, D, Lq, G, K, bf16 or fp16, one split writing the outputs);
-    arguments ``(q words [B*Lq, Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2],
-    block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``.
-
-    ``drafts > 1`` (with ``lq = 1``): one CTA column per draft, ``blockIdx.z`` the decode query
-    ``t = b * drafts + i`` of a step with ``Lq = drafts``: its own selection, its own position
-    (``cache_seqlens[b] - drafts + i``), request ``b``'s block table."""
-    BK, D, LQ, G, K = block_size, head_dim, lq, group, topk
+    """The split attention for (Bk, D, G, K, bf16 or fp16, one split writing the outputs, Lq
+    queries a request); arguments ``(q words [B*Lq, Hq, D/2], k_cache words, v_cache words [P,
+    Hkv, Bk, D/2], block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part,
+    o bits, lse)``, the grid ``(splits, Hkv, B*Lq)``."""
+    BK, D, G, K = block_size, head_dim, group, topk
     DR = drafts
-    assert DR == 1 or LQ == 1
-    R = LQ * G
-    MT, KSPLIT, KC, SK = shape(BK, D, LQ, G)
+    R = G
+    MT, KSPLIT, KC, SK = shape(BK, D, G)
     W = MT * KSPLIT
     NTH = 32 * W
     KR = SK // KSPLIT  # keys of a stage per warp
     SPP = BK // SK  # stages per page
-    LD, STAGE, _, OFF_Q, _ = layout(BK, D, LQ, G)
+    LD, STAGE, _, OFF_Q, _ = layout(BK, D, G)
     OFF_V = SK * LD  # V's rows after K's in a stage
     DW = D // 2
     PIECES = DW // 4
     KSD = D // 16  # k-steps of S = Q Kᵀ
     NSC = KC // 8  # n-tiles of a chunk's scores
     NO = D // 8  # n-tiles of O
-    NE = LQ * K  # entries of the Lq selections
+    NE = K  # entries of the selection
     ROWS = 16 * MT
     DIRECT = direct
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16 else mma_f16_m16n8k16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     p_rows = exp2_rows(NSC, pack)
     to_bits = f32_to_bf16 if bf16 else f32_to_f16_bits
-    clean_x2 = clean_bf16x2 if bf16 else clean_f16x2
-    nonfinite = is_nonfinite_bf16 if bf16 else is_nonfinite_f16
-    MANT = 0x7F if bf16 else 0x3FF  # mantissa bits: non-zero in a NaN
-    D16 = D // 16  # words of 2-bit codes a row (16 columns each): V's classes, the marks
-    # Lq > 1: rows of one CTA see different keys of a page (the union, the later drafts' keys);
-    # Lq = 1 compiles none of the masking by selection below (every loaded key is visible)
-    DRAFTS = LQ > 1
-    NMIX = NE if DRAFTS else 1  # entries of the union's mixing flags
-    NBAD = SK + 1 if DRAFTS else 1  # a stamp per key of a stage, then one for the stage
     QA, SA, PF, OA = 4 * KSD, 4 * NSC, 2 * NSC, 4 * NO  # register array sizes (constants)
     COMB_L = KSPLIT * ROWS * D  # float offsets of the combine region: O, then m, then l
     COMB_M = COMB_L + KSPLIT * ROWS
     assert KR % KC == 0 and KC in (16, 32) and D % 16 == 0 and R <= 128 and W <= 8
 
     @cuda.jit(device=True, inline=True)
-    def build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount):
-        """The distinct valid blocks of the Lq selections, ascending, who selected them
-        (``umask``: bit i for draft i) and whether an m-tile holds both rows that selected the
-        block and rows that did not (``umix``: its V then needs cleaning, ``clean_stage``)."""
+    def build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount):
+        """The distinct valid blocks of the selection, ascending (``umask``: 1 for each, the
+        bit of the CTA's one query)."""
         tid = cuda.threadIdx.x
         for e in range(tid, NE, NTH):
             v = block_indices[t0 + e // K, r, e % K]
@@ -188,106 +162,7 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                         mask |= 1 << (e2 // K)
                 union[rank] = v
                 umask[rank] = mask
-                if DRAFTS:
-                    umix[rank] = mixes(mask)
         cuda.syncthreads()
-
-    @cuda.jit(device=True, inline=True)
-    def mixes(mask):
-        """1 if some m-tile's real rows include drafts in ``mask`` and drafts not in it."""
-        mix = 0
-        for m in range(MT):
-            a = (16 * m) // G
-            width = min(R - 1, 16 * m + 15) // G - a + 1
-            sub = (mask >> a) & ((1 << width) - 1)
-            if sub != 0 and sub != (1 << width) - 1:
-                mix = 1
-        return mix
-
-    @cuda.jit(device=True, inline=True)
-    def half_code(bits):
-        """The 2-bit class of a 16-bit value: 0 finite, 1 +inf, 2 -inf, 3 NaN (or-ing two
-        codes gives the class of their sum: +inf | -inf = NaN)."""
-        if not nonfinite(bits):
-            return uint32(0)
-        if bits & MANT:
-            return uint32(3)
-        return uint32(2) if bits & 0x8000 else uint32(1)
-
-    @cuda.jit(device=True, inline=True)
-    def code_at(base, c, q):
-        """Word of key ``c``'s codes for columns ``16 q .. 16 q + 15`` of the stage at ``base``:
-        the padding words of its K row (q < 4), then of its V row (``D / 16 <= 8`` words)."""
-        return base + c * LD + DW + q if q < 4 else base + OFF_V + c * LD + DW + q - 4
-
-    @cuda.jit(device=True, inline=True)
-    def clean_stage(smem, base, lo, hi, vbad, stamp):
-        """Masking by selection inside the V tile: the non-finite halves of keys ``lo .. hi -
-        1`` of the stage at word ``base`` become +0 (a row that cannot see such a key multiplies
-        it by P = 0, and 0 * NaN is NaN). What was there is kept for ``restore``: ``half_code``
-        of every column in the key's padding words (``code_at``), ``vbad[c] = stamp`` for a key
-        that had one, ``vbad[SK] = stamp`` for the stage. Finite V words are not written."""
-        for e in range(cuda.threadIdx.x, (hi - lo) * D16, NTH):
-            c = lo + e // D16
-            q = e % D16
-            at = base + OFF_V + c * LD + 8 * q
-            code = uint32(0)
-            for k in range(8):  # the 16 columns of code word q
-                w = smem[at + k]
-                cw, bad = clean_x2(w)
-                if bad:
-                    smem[at + k] = cw
-                    code |= (half_code(w & 0xFFFF) | (half_code(w >> 16) << 2)) << (4 * k)
-            smem[code_at(base, c, q)] = code
-            if code:
-                vbad[c] = stamp
-                vbad[SK] = stamp
-
-    @cuda.jit(device=True, inline=True)
-    def restore(smem, base, lo, hi, vbad, stamp, mask, at, pos_last):
-        """After ``clean_stage`` cleaned a non-finite value: the codes of every cleaned key
-        ``lo .. hi - 1`` of the stage at ``base`` (block positions from ``at``) are or-ed into
-        the marks of each real row that sees it (draft ``i`` selected the block, ``mask``,
-        and the key is at or before its position), ``D / 16`` words a row in the query region
-        (free once the queries are in registers). ``finish`` adds them to the row: NaN, +inf or
-        -inf, what the reference's products of the seen values give (docs/design.md §3; P > 0
-        there, so an infinity stays one even where the 16-bit P rounded to 0). A rare path,
-        run by the whole CTA outside the chunks (no registers of theirs)."""
-        n = hi - lo
-        for e in range(cuda.threadIdx.x, R * n, NTH):
-            row = e // n
-            c = lo + e % n
-            i = row // G
-            if vbad[c] == stamp and (mask >> i) & 1 and at + c <= pos_last - (LQ - 1 - i):
-                for q in range(D16):
-                    code = smem[code_at(base, c, q)]
-                    if code:
-                        cuda.atomic.or_(smem, OFF_Q + row * D16 + q, code)
-
-    @cuda.jit(device=True, inline=True)
-    def marked(smem, row, d, val):
-        """``val`` of element ``(row, d)`` plus what ``restore`` marked there (``half_code``):
-        NaN, +inf or -inf; ``val`` itself if nothing."""
-        code = (smem[OFF_Q + row * D16 + d // 16] >> (2 * (d % 16))) & 3
-        if code == 0:
-            return val
-        if code == 3:
-            return val + float32(math.nan)
-        return val + (float32(math.inf) if code == 1 else float32(-math.inf))
-
-    if DRAFTS:
-        @cuda.jit(device=True, inline=True)
-        def draft_arrays(umask, raw):
-            """The shared arrays of masking by selection: the union's mixing flags and the
-            cleaned keys' stamps."""
-            umix = cuda.shared.array(NMIX, int32)  # one line each: the simulator keys
-            vbad = cuda.shared.array(NBAD, int32)  # a shared array by its source line
-            return umix, vbad
-    else:
-        @cuda.jit(device=True, inline=True)
-        def draft_arrays(umask, raw):
-            """Lq = 1 declares none (stand-ins, never read)."""
-            return umask, raw
 
     @cuda.jit(device=True, inline=True)
     def load_stage(smem, base, r, k_cache, v_cache, page, ok, key0, n_keys):
@@ -417,9 +292,9 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             smem_f[COMB_L + bot] = l_bot
 
     @cuda.jit(device=True, inline=True)
-    def finish(smem_f, smem, marks, s, t0, r, o_part, lse_part, o, lse):
-        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the outputs;
-        ``marks``: add what ``restore`` marked."""
+    def finish(smem_f, s, t0, r, o_part, lse_part, o, lse):
+        """Combine the key ranges of every real row: this split's (O_s, LSE_s), or the
+        outputs."""
         for e in range(cuda.threadIdx.x, R * D, NTH):
             row = e // D
             d = e % D
@@ -434,8 +309,6 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
                     total += smem_f[COMB_L + kr * ROWS + row] * w
                     acc += smem_f[(kr * ROWS + row) * D + d] * w
             val = acc / total if total > float32(0.0) else float32(0.0)
-            if DRAFTS and marks:
-                val = marked(smem, row, d, val)
             ls = (mb + math.log2(total)) * float32(LN2) if total > float32(0.0) else NEG_INF
             t = t0 + row // G
             h = r * G + row % G
@@ -459,7 +332,6 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         first = cuda.shared.array(NE, int32)
         union = cuda.shared.array(NE, int32)
         umask = cuda.shared.array(NE, int32)
-        umix, vbad = draft_arrays(umask, raw)  # mixing flags; stamps of the cleaned keys
         ucount = cuda.shared.array(1, int32)
         qa = cuda.local.array(QA, types.uint32)  # Q's A fragments
         s_acc = cuda.local.array(SA, float32)
@@ -477,28 +349,24 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         r = cuda.blockIdx.y
         b = cuda.blockIdx.z
         splits = cuda.gridDim.x
-        t0 = b * LQ
-        if DR > 1:  # one draft a CTA: query t0 of request t0 // DR
+        t0 = b
+        if DR > 1:  # draft t0 % DR of request t0 // DR
             b, pos_last = query_of(t0, DR, cache_seqlens, block_table.shape[1] * BK)
         else:
-            _, pos_last = query_of(t0 + LQ - 1, LQ, cache_seqlens, block_table.shape[1] * BK)
+            _, pos_last = query_of(t0, 1, cache_seqlens, block_table.shape[1] * BK)
         nb = (pos_last + BK) // BK if pos_last >= 0 else 0
-        if DRAFTS:
-            for e in range(tid, NBAD, NTH):
-                vbad[e] = 0
-        build_union(block_indices, t0, r, nb, raw, first, union, umask, umix, ucount)
+        build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount)
         n_union = ucount[0]
         per = (n_union + splits - 1) // splits
         u0 = s * per
         u1 = min(n_union, u0 + per)
-        # this lane's rows: queries i_top, i_bot (-1: a padding row) and their positions
+        # this lane's rows (-1: a padding row) and their positions
         row_top = 16 * mt + g4
         row_bot = row_top + 8
         i_top = row_top // G if row_top < R else -1
         i_bot = row_bot // G if row_bot < R else -1
-        pos_top = pos_last - (LQ - 1 - i_top)
-        pos_bot = pos_last - (LQ - 1 - i_bot)
-        pos_first = pos_last - (LQ - 1)  # the first draft's position: later keys are hidden
+        pos_top = pos_last + i_top
+        pos_bot = pos_last + i_bot
         for i in range(4 * NO):
             o_acc[i] = float32(0.0)
         st[0] = NEG_INF
@@ -508,7 +376,6 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         n_keys = pos_last + 1
         n_stages = max(0, u1 - u0) * SPP
-        marking = False  # restore marked a value (the query region holds the marks)
         # the queries and stage 0; then at stage c: wait for it, free stage c - 1 (barrier),
         # start copying stage c + 1, compute stage c
         load_queries(smem, q, t0, r)
@@ -533,43 +400,19 @@ def split_kernel(block_size: int, head_dim: int, lq: int, group: int, topk: int,
             if 0 <= page < k_cache.shape[0]:
                 mask = umask[u]
                 key0 = (c % SPP) * SK  # the stage's first key in its page
-                # key c of the page is visible to a row iff c <= lim (nothing: lim = -1)
+                # key c of the page is visible to a row iff c <= lim (a padding row: lim = -1)
                 lim_top = pos_top - j * BK - key0 if i_top >= 0 and (mask >> i_top) & 1 else -1
                 lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
                 base = (c % STAGES) * STAGE
-                lim_warp = -1
-                if DRAFTS:
-                    # keys lo .. hi - 1 may be hidden from a row that multiplies them: all of
-                    # them where an m-tile mixes selecting and other drafts, else those after
-                    # the first draft's position (the later drafts' keys); none past the length
-                    at = j * BK + key0
-                    lo = 0 if umix[u] else max(0, pos_first + 1 - at)
-                    hi = min(SK, n_keys - at)
-                    if lo < hi:
-                        clean_stage(smem, base, lo, hi, vbad, c + 1)
-                        cuda.syncthreads()
-                        if vbad[SK] == c + 1:  # a non-finite value was cleaned
-                            if not marking:  # the first: clear the marks
-                                for e in range(tid, ROWS * D16, NTH):
-                                    smem[OFF_Q + e] = 0
-                                cuda.syncthreads()
-                                marking = True
-                            restore(smem, base, lo, hi, vbad, c + 1, mask, at, pos_last)
-                    # a warp none of whose rows sees a key of a chunk skips it (its rows' P
-                    # would be 0 there: the same state, no product with what they cannot see)
-                    lim_warp = max(lim_top, lim_bot)
-                    for off in (16, 8, 4, 2, 1):
-                        lim_warp = max(lim_warp, cuda.shfl_xor_sync(FULL_MASK, lim_warp, off))
                 for c0 in range(kr * KR, (kr + 1) * KR, KC):
-                    if not DRAFTS or c0 <= lim_warp:  # Lq = 1: every chunk computes
-                        chunk_scores(smem, base, qa, s_acc, c0, lane)
-                        online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
-                        chunk_pv(smem, base, p_frag, o_acc, c0, lane)
+                    chunk_scores(smem, base, qa, s_acc, c0, lane)
+                    online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
+                    chunk_pv(smem, base, p_frag, o_acc, c0, lane)
         cp_async_wait_all()  # nothing in flight at exit (an empty split's queries)
         cuda.syncthreads()  # every warp is done with the stages: their memory is reused
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
         cuda.syncthreads()
-        finish(smem_f, smem, marking, s, t0, r, o_part, lse_part, o, lse)
+        finish(smem_f, s, t0, r, o_part, lse_part, o, lse)
 
     return kernel
 
@@ -600,22 +443,12 @@ def combine_kernel(o_part, lse_part, o, lse, bf16):
         lse[t, h] = mx + math.log2(total) * float32(LN2) if total > float32(0.0) else NEG_INF
 
 
-def per_draft(lq: int) -> bool:
-    """Whether a step of ``lq`` queries a request runs one CTA column per draft (each draft's
-    own pages, the ``Lq = 1`` kernel) rather than one per request over the union of the drafts'
-    selections."""
-    return lq > 1
-
-
 def plan_attention(p, ctx, step, scale) -> int:
     """Add the attention launches of rung 2 to plan ``p``; returns the split count."""
     lay = step.layout
     b, lq, hkv, g, topk = lay.batch, step.lq, lay.num_kv_heads, step.group, p.block_indices.shape[2]
     rows = b * lq
-    drafts = lq if per_draft(lq) else 1
-    klq, columns = lq // drafts, b * drafts  # the kernel's queries a CTA; CTA columns
-    max_union = min(klq * topk, lay.max_pages)
-    splits = attention_splits(columns, hkv, max_union, multiprocessors())
+    splits = attention_splits(rows, hkv, min(topk, lay.max_pages), multiprocessors())
     bf16 = step.kind == "bfloat16"
     # one split writes the outputs itself; its partial arguments are then stand-ins
     n = splits if splits > 1 else 1
@@ -624,11 +457,10 @@ def plan_attention(p, ctx, step, scale) -> int:
     p.workspace["lse_part"] = ctx.empty((n, rows if n > 1 else 1, step.hq if n > 1 else 1),
                                         np.float32)
     parts = [("ws", "o_part", None), ("ws", "lse_part", None)]
-    mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, klq, g)
-    smem = layout(lay.block_size, lay.head_dim, klq, g)[-1]
-    kernel = split_kernel(lay.block_size, lay.head_dim, klq, g, int(topk), bf16, splits == 1,
-                          drafts)
-    p.steps.append((Kernel(kernel, (splits, hkv, columns), 32 * mt * ksplit, smem),
+    mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, g)
+    smem = layout(lay.block_size, lay.head_dim, g)[-1]
+    kernel = split_kernel(lay.block_size, lay.head_dim, g, int(topk), bf16, splits == 1, lq)
+    p.steps.append((Kernel(kernel, (splits, hkv, rows), 32 * mt * ksplit, smem),
                     [("in", "q", "words"), ("in", "k_cache", "words"), ("in", "v_cache", "words"),
                      ("out", "block_indices", None), ("in", "block_table", None),
                      ("in", "cache_seqlens", None), float(scale * LOG2E), *parts,

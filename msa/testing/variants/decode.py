@@ -26,10 +26,9 @@ def variants():
         yield f"index-split-paper-Lq{lq}-bf16", idx.split_kernel(128, 128, lq, 4, 16, True), index_sig
         yield (f"index-register-paper-Lq{lq}-bf16", reg.split_kernel(128, 128, lq, 4, 16, True),
                index_sig)
-        # Lq > 1: one CTA column per draft, the Lq = 1 kernel (v2_split_attention.per_draft)
-        for direct in (False, True):
+        for direct in (False, True):  # one CTA column a draft
             yield (f"attention-split-paper-Lq{lq}-bf16" + ("-direct" if direct else ""),
-                   att.split_kernel(128, 128, 1, 16, 16, True, direct, lq), att_sig)
+                   att.split_kernel(128, 128, 16, 16, True, direct, lq), att_sig)
     yield "index-merge-paper", idx.merge_kernel(128, 16), merge_sig
     yield "index-merge-K64", idx.merge_kernel(128, 64), merge_sig
     yield "index-merge-K1", idx.merge_kernel(128, 1), merge_sig
@@ -39,8 +38,8 @@ def variants():
     # small shapes (the tests' sizes)
     yield "index-split-small-fp16", idx.split_kernel(16, 16, 2, 2, 4, False), index_sig
     yield "index-register-small-fp16", reg.split_kernel(16, 32, 2, 2, 4, False), index_sig
-    yield "attention-split-small-fp16-G1", att.split_kernel(16, 16, 1, 1, 4, False, False, 3), att_sig
-    yield "attention-split-small-fp16-G2-direct", att.split_kernel(16, 16, 1, 2, 4, False, True, 2), att_sig
+    yield "attention-split-small-fp16-G1", att.split_kernel(16, 16, 1, 4, False, False, 3), att_sig
+    yield "attention-split-small-fp16-G2-direct", att.split_kernel(16, 16, 2, 4, False, True, 2), att_sig
     yield "index-merge-small", idx.merge_kernel(16, 4), merge_sig
     # rung 1 (float32, and bf16 bits)
     for kind, e3, e4 in (("float32", f3, f4), ("bfloat16", b3, b4)):
