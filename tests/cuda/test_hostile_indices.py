@@ -17,7 +17,7 @@ import msa.reference as R
 from msa.cuda import attention, csr
 from msa.cuda.kl import _kl_backward
 from msa.problems import make_problem
-from msa.testing.backends import to_numpy
+from msa.testing.backends import SIMULATOR, to_numpy
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
@@ -30,13 +30,18 @@ DAMAGE = {
     "-1 before an id": lambda nb: [-1, 0, -1],
     "descending": lambda nb: [1, 0, -1],
 }
-DAMAGED = [45, 50, 55, 60, 65, 69]  # queries of the first sequence (Lk = 70: blocks 0 .. 4)
+# The damaged queries sit at positions 45 .. 69 of the first sequence (Lk = 70: blocks 0 .. 4).
+# In the simulator (a Python thread per CUDA thread, its time grows with the queries) that
+# sequence has only its last 25 queries (Lq = 25 < Lk: the same positions, blocks and damage)
+# and the second sequence 10 queries instead of 25.
+SEQ_LENS_Q = (25, 10) if SIMULATOR else (70, 25)
+DAMAGED = [t - (70 - SEQ_LENS_Q[0]) for t in (45, 50, 55, 60, 65, 69)]
 
 
 def problem():
     """A two-sequence problem, its valid selection and one with a row of each DAMAGE."""
-    p = make_problem((70, 40), (70, 25), num_q_heads=4, num_kv_heads=2, head_dim=8, index_dim=8,
-                     block_size=16, topk=3, dtype=np.float32, seed=3)
+    p = make_problem((70, 40), SEQ_LENS_Q, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                     index_dim=8, block_size=16, topk=3, dtype=np.float32, seed=3)
     I = R.select_blocks(R.block_scores(p.q_idx, p.k_idx, p.cu_seqlens_q, p.cu_seqlens_k,
                                        p.block_size),
                         p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk)
