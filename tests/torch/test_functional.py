@@ -312,8 +312,10 @@ def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
         return tuple(torch.from_numpy(np.asarray(g)) for g in kernel(*host, **kw))
 
     bk = block_size
-    p = make_problem((40, 23), num_q_heads=4, num_kv_heads=2, head_dim=16, index_dim=8,
-                     block_size=bk, topk=3, seed=4)
+    # (simulator only: a Python thread per CUDA thread, so few queries; still two sequences
+    # of several blocks, Lq < Lk in the second)
+    p = make_problem((40, 23), (20, 8), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                     index_dim=8, block_size=bk, topk=3, seed=4)
     I = T(select(p))
     dt = getattr(torch, dtype)
     q, k, v = (T(x).to(dt) for x in (p.q, p.k, p.v))
