@@ -57,10 +57,10 @@ v      file                        kernels
        (+ rung 2's merge and       streams each warp's pages from HBM straight into the mma's
        attention)                  A registers (three m-tiles of 16 keys in flight a warp, no
                                    shared-memory stage, no barrier), each warp its own heaps,
-                                   merged in the CTA. Run T (docs/performance.md): 0.227 ms at
-                                   32 x 64K (4.20x dense decode, 1.44x its HBM floor), 0.143
-                                   ms at 8 x 128K (3.46x), 0.297 ms at 128 x 8K (1.65x), 1.23
-                                   ms at 128 x 128K (6.26x); Lq = 8 at 32 x 64K 0.890 ms (1.88x)
+                                   merged in the CTA. Run V (docs/performance.md): 0.226 ms at
+                                   32 x 64K (4.11x dense decode, 1.43x its HBM floor), 0.141
+                                   ms at 8 x 128K (3.44x), 0.295 ms at 128 x 8K (1.66x), 1.20
+                                   ms at 128 x 128K (6.20x); Lq = 8 at 32 x 64K 0.532 ms (3.38x)
 =====  ==========================  ===========================================================
 
 ``prefill_chunk`` (chunked prefill into the cache, any number of new tokens a request) is the
