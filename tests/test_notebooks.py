@@ -22,13 +22,22 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 IDS = [p.stem for p in SOURCES]
+# Runs of a notebook that take a minute or more in the simulator, whose code paths the test suite
+# runs there too (sim_heavy: on a GPU, or with MSA_SIM_FULL=1; the .ipynb sync check still runs).
+# 07: its kernels are tests/cuda's test_csr, test_schedule, test_attention_partials,
+# test_combine, test_attention_sparse, test_attention_prefill and test_attention_backward (v1
+# with rows cut into parts, v2 on fp16), its reference steps tests/reference's test_complexity
+# (the intensities), test_csr (the paper's k2q example), test_schedule and test_combine.
+SIM_HEAVY_NOTEBOOKS = {"07_kv_outer"}
+RUNS = [pytest.param(p, id=p.stem, marks=pytest.mark.sim_heavy) if p.stem in SIM_HEAVY_NOTEBOOKS
+        else pytest.param(p, id=p.stem) for p in SOURCES]
 
 
 def test_there_are_notebooks():
     assert len(SOURCES) >= 8, f"expected one notebook per paper section in {NOTEBOOKS}, found {IDS}"
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+@pytest.mark.parametrize("source", RUNS)
 def test_notebook_runs(source):
     pytest.importorskip("matplotlib",
                         reason="matplotlib not installed (pip install -e '.[notebooks]')")
