@@ -355,7 +355,15 @@ def _cuda_partials(version, kind, q, k, v, work, q_indices, slots, p, **knobs):
     return np.array(o), np.array(lse)
 
 
-@pytest.mark.parametrize("version,kind", CUDA_RUNGS)
+def _one_dtype_a_rung(*heavy):
+    """CUDA_RUNGS with ``heavy`` (ids) sim_heavy: a rung's two 16-bit kinds draw the same cases
+    through the same kernel, so the simulator runs one of them a rung (on a GPU both)."""
+    return [pytest.param(*c.values, id=c.id, marks=pytest.mark.sim_heavy) if c.id in heavy
+            else c for c in CUDA_RUNGS]
+
+
+# v2-bf16 and v3-f16 run on a GPU (and with MSA_SIM_FULL=1): v2-f16 and v3-bf16 cover the rungs
+@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v2-bf16", "v3-f16"))
 @mst.fewer_in_simulator(3)
 @given(data=st.data())
 def test_cuda_attention_partials_and_combine(version, kind, data):
@@ -444,9 +452,7 @@ def _visible_poison_case():
 # v3-f16 runs on a GPU (and with MSA_SIM_FULL=1): v3-bf16 is the same problem through the same
 # rung and knobs (fp16 and bf16 differ in the mma type alone), v2-f16 fp16 inputs' poisons on
 # tensor cores
-@pytest.mark.parametrize("version,kind", [
-    pytest.param(*c.values, id=c.id, marks=pytest.mark.sim_heavy) if c.id == "v3-f16" else c
-    for c in CUDA_RUNGS])
+@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v3-f16"))
 def test_cuda_visible_nonfinite_values_give_the_references_classes(version, kind):
     """A NaN or an infinity in V at a key a row sees makes that row's output NaN or that
     infinity, as the reference's (IEEE) arithmetic does, in K1's partials and in the whole
