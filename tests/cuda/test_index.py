@@ -13,7 +13,6 @@ bf16 has no NumPy dtype: the simulator tests pass bf16 bit patterns (uint16) thr
 Kernel versions: 1 (CUDA cores), 2 (tensor cores), 3 (v2 pipelined, two m-tiles a warp).
 """
 
-import sys
 
 import numpy as np
 import pytest
@@ -30,12 +29,6 @@ from msa.testing.tolerance import assert_close_to_oracle, oracle_and_baseline
 from msa.testing.strategies import offsets as _cu
 
 DTYPES = ("float32", "float64", "float16", "bf16")
-
-if SIMULATOR:
-    # Every simulated thread is a Python thread and every barrier or shuffle a hand-over of the
-    # GIL: the default 5 ms switch interval makes identical runs 3-10x slower at random.
-    sys.setswitchinterval(5e-4)
-
 
 def _bf16_round(x):
     """float32 values rounded to the nearest bf16 (ties to even) and their uint16 bit patterns."""

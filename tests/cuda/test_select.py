@@ -9,7 +9,6 @@ within a float32-derived tolerance. Shapes stay tiny: the simulator runs each th
 kernel as a Python thread and each shuffle as a rendezvous of 32 of them.
 """
 
-import sys
 
 import numpy as np
 import pytest
@@ -29,12 +28,6 @@ from msa.testing.tolerance import assert_exact
 from msa.testing.strategies import offsets as _cu
 
 VERSIONS = cuda_select.VERSIONS
-
-if SIMULATOR:
-    # Every simulated thread is a Python thread and every barrier or shuffle a hand-over of the
-    # GIL: the default 5 ms switch interval makes identical runs 3-10x slower at random.
-    sys.setswitchinterval(5e-4)
-
 
 def _scores(kind, hkv, cu_q, cu_k, block_size, seed=0, dtype=np.float32):
     """M [Hkv, Tq, NB] of one kind: ``distinct`` (a permutation), ``ties`` (values in {0, 1, 2}),
