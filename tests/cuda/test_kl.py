@@ -284,7 +284,7 @@ def test_v3_refuses_what_it_cannot_run():
 # v1 and v2 see both (the others, the same kernel on the other dtype, run on a GPU; v3 on fp16:
 # test_v3_matches_reference's float16 cases)
 _HALF_IN_SIMULATOR = {("select", "float16", 1), ("warmup", "bf16", 1), ("select", "bf16", 2),
-                      ("warmup", "float16", 2), ("select", "bf16", 3)}
+                      ("warmup", "float16", 2), ("select", "bf16", 3), ("warmup", "float16", 3)}
 
 
 @pytest.mark.parametrize("mode,dtype,version", [
@@ -295,16 +295,14 @@ def test_half_precision_inputs(mode, dtype, version):
     """fp16 and bf16 inputs (bf16 as bit patterns) accumulate in float32 like the reference
     (the last 11 of the first sequence's queries in the simulator, a Python thread per CUDA
     thread: still two blocks, a partial one and Lq < Lk)."""
-    if version >= 3 and mode == "warmup":
-        pytest.skip("v3 needs a selection (the warmup runs v2)")
     p = case_problem([11 if SIMULATOR else 21, 6], [21, 16], 4, 2, 16, 16, 16, 2, seed=3)
     check(p, selection(p, mode), version, dtype)
 
 
 @pytest.mark.parametrize("dtype, d, mode, want", [
-    ("float16", 16, "select", 3), ("bf16", 32, "select", 3), ("float16", 16, "warmup", 2),
-    ("float32", 16, "select", 2), ("bf16", 8, "select", 2)],
-    ids=["fp16", "bf16", "warmup", "fp32", "D=8"])
+    ("float16", 16, "select", 3), ("bf16", 32, "select", 3), ("float16", 16, "warmup", 3),
+    ("float32", 16, "warmup", 2), ("float32", 16, "select", 2), ("bf16", 8, "select", 2)],
+    ids=["fp16", "bf16", "warmup", "warmup-fp32", "fp32", "D=8"])
 def test_default_version_is_the_fastest_that_applies(dtype, d, mode, want):
     p = case_problem([9], [9], 4, 2, d, 16, 16, 2)
     vals, kin = rounded(p, dtype)
@@ -406,6 +404,45 @@ def test_v3_matches_reference_fuzz(problem, dtype):
     check(p, I, 3, dtype)
 
 
+def test_warmup_past_the_full_selection_budget_runs_v2():
+    """v3 runs the warmup on its full causal support written as a selection ``[Tq, Hkv, NB]``
+    int32; where that would pass ``MAX_DS_BYTES`` the default is v2 and ``version=3`` says
+    why."""
+    over = gpu.MAX_DS_BYTES + 4
+    assert gpu._version(None, "float16", True, 128, 128, 128, 16,
+                        full_selection_bytes=over)[0] == 2
+    assert gpu._version(None, "float16", True, 128, 128, 128, 16,
+                        full_selection_bytes=gpu.MAX_DS_BYTES)[0] == 3
+    with pytest.raises(ValueError, match="version=3 .*warmup at this size"):
+        gpu._version(3, "float16", True, 128, 128, 128, 16, full_selection_bytes=over)
+
+
+def test_v3_warmup_is_the_selection_of_every_visible_block():
+    """v3's warmup (``block_indices=None``) runs the selection path on every visible block:
+    all four outputs bitwise equal to passing that selection, and within the float rule of the
+    reference's warmup (bottom-right queries, a partial last block, a one-block sequence)."""
+    p = case_problem([13, 5], [37, 9], 4, 2, 16, 16, 16, 2, seed=12)
+    tq, tk = p.q.shape[0], p.k.shape[0]
+    nb = max_blocks(p.cu_seqlens_k, p.block_size)
+    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk, p.block_size)
+    b = np.arange(nb)
+    row = np.where(b[None, :] <= local[:, None], b[None, :], -1).astype(np.int32)  # [Tq, NB]
+    every = np.ascontiguousarray(np.broadcast_to(row[:, None, :], (tq, 2, nb)))
+    vals, kin = rounded(p, "float16")
+    lse = main_lse(vals, None, p)
+    plan = gpu._validated(*kin, None, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size,
+                          None, None, None, True, False)
+    assert plan.version == 3 and not plan.warmup and plan.topk == nb
+    np.testing.assert_array_equal(to_numpy(plan.I), every)
+    warm = gpu.kl_loss_and_backward(*kin, None, lse, p.cu_seqlens_q, p.cu_seqlens_k,
+                                    p.block_size)
+    sel = gpu.kl_loss_and_backward(*kin, every, lse, p.cu_seqlens_q, p.cu_seqlens_k,
+                                   p.block_size)
+    for a, b_ in zip(warm, sel):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b_))
+    check(p, None, 3, "float16")
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_warmup_equals_selecting_every_visible_block(version):
     """``block_indices=None`` is the same loss and gradient as selecting every visible block:
@@ -456,8 +493,6 @@ def test_loss_and_backward_in_one_call(mode, version):
     bitwise (v1/v2 run the same kernels; v3's forward is its backward's passes without the
     gradients), and the loss within the float rule of the reference."""
     if version >= 3:
-        if mode == "warmup":
-            pytest.skip("v3 needs a selection (the warmup runs v2)")
         p, dtype = case_problem([11, 4], [27, 9], 4, 2, 16, 16, 16, 2, seed=9), "float16"
     else:
         p, dtype = case_problem([11, 4], [11, 9], 4, 2, 8, 8, 4, 3, seed=9), "float32"

@@ -43,9 +43,11 @@ Backward (eq 10-11): ``dS_j = g (P^idx_j - P_j) / (Tq Hkv)`` on the support,
 then computes the teacher and ``dS`` once, writing ``dS`` of every selected block to a buffer
 ``[Tq, Hkv, K, Bk]`` (0 on hidden keys) and summing ``dq_idx``; ``dk_idx`` is then summed
 KV-outer from the buffer over the queries of the key block's k2q CSR row
-(``msa.cuda.csr.build_csr``), in CSR order. In the warmup there is no selection and no buffer
-(the support is the whole causal past, a buffer would be ``Tq x Tk``): a key visits every later
-query of its sequence and recomputes ``dS``.
+(``msa.cuda.csr.build_csr``), in CSR order. In the warmup (the support is the whole causal
+past) v3 writes that support as a selection, every block up to the query's own in ``K = NB``
+slots (int32 ``[Tq, Hkv, NB]``, 2 GiB at 128K tokens in the paper configuration), and runs the
+path above on it; v1 and v2 keep no buffer there: a key visits every later query of its
+sequence and recomputes ``dS``.
 
 Every output element is written by one thread that sums in a fixed order, with no float atomics:
 reruns are bitwise identical. The loss of eq 10 is the mean of ``kl`` by one CTA
@@ -62,17 +64,18 @@ v    idea (file)                 default where                         verdict
      group) and per key, from    (the simulator's fastest:             (``bench_kl --v1-max-n``)
      global memory               no barriers)
      (``v1_thread_rows``)
-2    one CTA per (query, group)  fp32; the warmup; ``D``, ``Didx``,    811 ms at 32K (ff049cb):
-     and per key block, the      ``Bk`` not multiples of 16,           28x v3
-     queries in shared memory    ``Bk > 256``, other ``G``, v3
-     (``v2_cta_rows``)           tiles over shared memory; its
+2    one CTA per (query, group)  fp32; ``D``, ``Didx``, ``Bk`` not     811 ms at 32K (ff049cb):
+     and per key block, the      multiples of 16, ``Bk > 256``,        28x v3; the warmup step
+     queries in shared memory    other ``G``, v3 tiles over shared     at 32K 10.56 s (its KL)
+     (``v2_cta_rows``)           memory, a warmup whose full
+                                 selection passes 4 GiB; its
                                  dk_idx for v3 on fp16 or
                                  ``Bk > 128``
-3    KV-outer on tensor cores,   fp16/bf16 with a selection            28.99 ms at 32K, 102.4 at
-     the work in registers; was  otherwise (sm_80 and later:           128K (f4aaa47): 1.47x /
-     v4 (``v3_student``,         ``mma.sync``, ``cp.async``)           1.39x the attention
-     ``v3_tensor_cores``,                                              forward, 225x / 92x torch
-     ``v3_dk_idx``)
+3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       28.99 ms at 32K, 102.4 at
+     the work in registers; was  too (as every visible block           128K (f4aaa47): 1.47x /
+     v4 (``v3_student``,         selected) (sm_80 and later:           1.39x the attention
+     ``v3_tensor_cores``,        ``mma.sync``, ``cp.async``)           forward, 225x / 92x torch;
+     ``v3_dk_idx``)                                                    the warmup not yet timed
 ===  ==========================  ====================================  ==========================
 
 The old v3 (KV-outer, the teacher's scores staged through 185 KB of shared memory; 92.9 ms at
@@ -177,15 +180,16 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d))
     index_scale = check_scale("index_scale", index_scale, 1.0 / math.sqrt(d_idx))
     version, tiles = _version(version, kind, block_indices is None, batch.block_size, d, d_idx,
-                              group)
+                              group, full_selection_bytes=4 * tq * hkv * batch.nb)
     return Plan(batch, kind, (q, k, q_idx, k_idx), block_indices, lse,
                 (tq, tk, hq, hkv, d, d_idx), scale, index_scale, version, tiles)
 
 
-def _version(version, kind, warmup, block_size, d, d_idx, group):
+def _version(version, kind, warmup, block_size, d, d_idx, group, *, full_selection_bytes=0):
     """``(version, tiles)``: the requested rung, or the fastest that supports the inputs, and
     v3's tiles (``_plan.tensor_core_tiles``) where it runs."""
-    why = why_not_tensor_cores(kind, warmup, block_size, d, d_idx, group)
+    why = why_not_tensor_cores(kind, warmup, block_size, d, d_idx, group,
+                               full_selection_bytes=full_selection_bytes)
     tiles = None if why else tensor_core_tiles(block_size, d, d_idx, group)
     if why is None and tiles is None:
         why = (f"D={d}, Didx={d_idx}, block_size={block_size} (its tiles need more than the "
@@ -320,8 +324,8 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
         scale: main-branch scale (default ``1/sqrt(D)``); index_scale: index scale (default
             ``1/sqrt(Didx)``).
         version: kernel rung 1, 2 or 3 (module table); ``None`` picks the fastest that
-            supports the inputs (3 for fp16/bf16 with ``D, Didx, Bk`` multiples of 16 and a
-            selection, else 2).
+            supports the inputs (3 for fp16/bf16 with ``D, Didx, Bk`` multiples of 16, the
+            warmup included while its full selection fits 4 GiB, else 2).
         validate: check ``block_indices`` and ``lse`` on host copies (module docstring).
 
     Returns:
@@ -379,8 +383,8 @@ def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, c
 
     The training step needs both; v3 then scores the support with the teacher once instead of
     twice: the backward's grad pass also sums each slot's KL term, and ``kl`` equals
-    ``kl_loss``'s bitwise (v3's forward is that very pass without the gradients). v1, v2 and
-    the warmup run the forward kernel and then the backward on one validated plan.
+    ``kl_loss``'s bitwise (v3's forward is that very pass without the gradients), in the
+    warmup too. v1 and v2 run the forward kernel and then the backward on one validated plan.
 
     Arguments as :func:`kl_backward`.
 

@@ -1,6 +1,7 @@
 """The KL launchers' kernels that are no rung's own, on CUDA cores, one thread per output (the
 mean: one CTA, a fixed tree): the teacher's own LSE (``lse=None``, every rung), the mean of
-eq 10 (every rung), and the slot-order combines of v3's per-slot partials."""
+eq 10 (every rung), the slot-order combines of v3's per-slot partials, and the warmup's full
+causal support written as a selection (v3's warmup)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,23 @@ def kl_kernel_mean(threads: int):
             out[0] = red[0] / float32(n)
 
     return _kl_kernel_mean_tree
+
+
+@kernel_jit
+def kl_kernel_full_selection(cu_q, cu_k, block_size, I):
+    """v3's warmup: ``I[t, r, s] = s`` for every block ``s`` up to query t's own, ``-1`` after
+    (ascending, ``-1`` only at the tail): the full causal support as a selection of
+    ``K = NB`` slots. One thread per (query, slot)."""
+    nb = I.shape[2]
+    i = cuda.grid(1)
+    if i >= I.shape[0] * nb:
+        return
+    t = i // nb
+    s = i % nb
+    _, pos, _ = query_row(cu_q, cu_k, t)
+    blk = s if s * block_size <= pos else -1
+    for r in range(I.shape[1]):
+        I[t, r, s] = blk
 
 
 @kernel_jit

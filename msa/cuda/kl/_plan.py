@@ -21,12 +21,15 @@ from . import v3_dk_idx as v3dk
 from . import v3_student as v3s
 from . import v3_tensor_cores as v3
 from ._common import (kl_kernel_combine_dq, kl_kernel_combine_kl, kl_kernel_combine_states,
-                      kl_kernel_mean, kl_kernel_teacher_lse)
+                      kl_kernel_full_selection, kl_kernel_mean, kl_kernel_teacher_lse)
 
 VERSIONS = (1, 2, 3)
 DEFAULT_VERSION = 3
-# Default budget of one query chunk's per-query buffers (dS, dq_idx partials, states), bytes.
+# Default budget of one query chunk's per-query buffers (dS, dq_idx partials, states), bytes;
+# also the most that v3's warmup may spend on its full selection.
 MAX_DS_BYTES = 4 << 30
+# v3's hot-row cut is ``2 K Bk`` queries (the paper's); the warmup's K = NB slots cut as K = 16.
+WARMUP_CUT_TOPK = 16
 # Threads per CTA (powers of two). The simulator runs every thread as a Python thread and every
 # barrier costs milliseconds there, so it gets fewer; the kernels are the same.
 THREADS = 32 if SIMULATOR else 128  # one thread per output: v1, the combines, the teacher LSE
@@ -34,11 +37,14 @@ ROW_THREADS = 8 if SIMULATOR else 128  # v2: one CTA per (query, group)
 MEAN_THREADS = 32 if SIMULATOR else 512
 
 
-def why_not_tensor_cores(kind, warmup, block_size, head_dim, index_dim, group):
+def why_not_tensor_cores(kind, warmup, block_size, head_dim, index_dim, group, *,
+                         full_selection_bytes=0):
     """Why v3 (tensor cores, KV-outer) cannot run these inputs, or None (its tiles' fit in
-    shared memory is ``tensor_core_tiles``')."""
-    if warmup:
-        return "the warmup (block_indices=None: no selection to build a CSR from)"
+    shared memory is ``tensor_core_tiles``'). v3 runs the warmup as the selection of every
+    visible block (``Plan``), ``full_selection_bytes`` of int32 ``[Tq, Hkv, NB]``."""
+    if warmup and full_selection_bytes > MAX_DS_BYTES:
+        return (f"the warmup at this size (its full causal support as a selection [Tq, Hkv, NB] "
+                f"int32 would take {full_selection_bytes} bytes, more than {MAX_DS_BYTES})")
     if kind == "float32":
         return "float32 inputs (tensor cores take float16/bfloat16)"
     if head_dim % 16 or index_dim % 16:
@@ -79,7 +85,12 @@ class Plan:
     ``scale, index_scale`` (floats), ``version``; ``ctx`` the caller's array library; ``q, k,
     q_idx, k_idx`` kernel views (bf16 as uint16), ``I`` the selection (a dummy in the warmup),
     ``lse`` (None if not given), ``d_cu_q, d_cu_k`` the offsets on the device; for v3 the tile
-    (``positions, rows, smem, smem_student``).
+    (``positions, rows, smem, smem_student``) and ``cut_topk``, the ``K`` of its hot-row cut.
+
+    v3 in the warmup: the full causal support is written as a selection, ``I[t, r, s] = s`` for
+    every block up to the query's own and ``-1`` after (``K = NB`` slots, int32 ``[Tq, Hkv,
+    NB]``: 2 GiB at 128K tokens in the paper configuration), and the selection path runs on it
+    (``warmup`` is then False): the same support, so the same loss and gradients.
     """
 
     def __init__(self, batch, kind, arrays, block_indices, lse, shape, scale, index_scale,
@@ -111,6 +122,20 @@ class Plan:
             self.I = self.ctx.input("block_indices", block_indices)
         self.lse = self.ctx.input("lse", lse)
         self.d_cu_q, self.d_cu_k = device_offsets(batch)
+        self.cut_topk = self.topk
+        if self.warmup and version == 3:
+            self.I = self._full_selection()
+            self.warmup, self.topk, self.cut_topk = False, int(self.I.shape[2]), WARMUP_CUT_TOPK
+
+    def _full_selection(self):
+        """The warmup's support as a selection: int32 ``[Tq, Hkv, max(NB, 1)]`` (kernel arg)."""
+        nb = max(1, self.batch.nb)
+        I = self.ctx.arg(self.ctx.empty((self.tq, self.hkv, nb), np.int32))
+        n = self.tq * nb
+        if n:
+            kl_kernel_full_selection[_blocks(n, THREADS), THREADS](
+                self.d_cu_q, self.d_cu_k, self.block_size, I)
+        return I
 
     # -- every rung ------------------------------------------------------------------------
     def teacher_lse(self):
@@ -223,7 +248,7 @@ class Plan:
         """``(work, row_ptr, q_indices, slots, d_cu)`` of queries ``[t0, t1)``: the k2q CSR and
         the work items, and ``d_cu`` the chunk's ``(cu_q, cu_k)`` on the device."""
         row_ptr, q_indices, slots = self._csr(t0, t1, sub)
-        chunk = 2 * self.topk * self.block_size  # the paper's hot-row cut, in whole tiles
+        chunk = 2 * self.cut_topk * self.block_size  # the paper's hot-row cut, in whole tiles
         chunk = -(-chunk // self.positions) * self.positions
         work = launch_rows(*launch_schedule(sub, row_ptr, chunk, max(1, (t1 - t0) * self.topk),
                                             self.ctx))
