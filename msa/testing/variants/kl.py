@@ -107,3 +107,4 @@ def variants():
     yield "v3.combine_states", _common.kl_kernel_combine_states, (f4, I3, cu, cu, i64, i64, b1, f2)
     yield "v3.combine_kl", _common.kl_kernel_combine_kl, (f4, I3, cu, cu, i64, i64, f2)
     yield "v3.combine_dq", _common.kl_kernel_combine_dq, (f4, I3, cu, cu, i64, i64, f3)
+    yield "v3.full_selection", _common.kl_kernel_full_selection, (cu, cu, i64, I3)
