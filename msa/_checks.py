@@ -63,6 +63,26 @@ def check_positive_int(name: str, value, *, low: int = 1, high: int | None = Non
     return value
 
 
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool; anything but ``True``/``False`` (``"no"``, 0, None) is a TypeError,
+    since ``bool("no")`` is True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_version(name: str, value, versions) -> int | None:
+    """A kernel rung ``value`` among ``versions`` (``None`` passes: the launcher picks). A
+    ValueError otherwise, ``True`` and ``1.0`` included (``True == 1``, but it is no version)."""
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or int(value) not in versions):
+        raise ValueError(f"{name} must be one of {tuple(versions)} or None, got "
+                         f"{type(value).__name__} {value!r}")
+    return int(value)
+
+
 TOPK_SLACK = 64  # slots past NB that a selection may carry as -1 padding (msa.cuda's K limit)
 
 

@@ -31,7 +31,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
         o_part: float [K, Tq, Hq, D], ``O_s`` (locally normalised partial outputs), K >= 1.
         lse_part: float [K, Tq, Hq], ``L_s`` in natural log; ``-inf`` marks an unused slot or
             a block with no key visible to the query.
-        out_dtype: keyword-only dtype of ``o``; ``None`` keeps ``o_part``'s dtype.
+        out_dtype: keyword-only NumPy float dtype of ``o``; ``None`` keeps ``o_part``'s dtype.
 
     Returns:
         ``(o, lse)``: ``o`` [Tq, Hq, D] in ``out_dtype``; ``lse`` [Tq, Hq] (natural log) in the
@@ -60,12 +60,14 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
     if out_dtype is None:
         out_dtype = dtype_of(o_part)
     else:
+        want = ("out_dtype must be a NumPy float dtype (float16, float32, float64) or None; "
+                "NumPy has no bfloat16 (msa.cuda.combine_partials returns bf16)")
         try:
             out_dtype = np.dtype(out_dtype)
         except TypeError:
-            raise TypeError(f"out_dtype must be a float dtype or None, got {out_dtype!r}") from None
+            raise TypeError(f"{want}, got {out_dtype!r}") from None
         if out_dtype.kind != "f":
-            raise TypeError(f"out_dtype must be a float dtype or None, got {out_dtype}")
+            raise TypeError(f"{want}, got {out_dtype}")
     f64 = np.dtype(np.float64)
     compute = f64 if f64 in (dtype_of(o_part), dtype_of(lse_part)) else np.dtype(np.float32)
     L_s = np.asarray(lse_part, dtype=compute)  # [K, Tq, Hq]

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._batch import Batch
-from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_lse,
-                       check_same_dtype, check_scale, cu_to_host)
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_flag, check_gqa,
+                       check_lse, check_same_dtype, check_scale, cu_to_host)
 from ._mask import attend
 from .blocks import block_row_offsets, key_positions, max_blocks, visible_block_mask
 from .select import check_block_indices, nonempty_supports
@@ -164,6 +164,7 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
                   cu_seqlens_q, cu_seqlens_k, block_size, scale=None, index_scale=None,
                   teacher: bool, student: bool, validate: bool = True) -> _Problem:
     """Validate the arguments of the public functions and sort the selected blocks."""
+    validate = check_flag("validate", validate)
     arrays = {}
     if teacher:
         check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES)

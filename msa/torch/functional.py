@@ -49,8 +49,8 @@ import numbers
 import numpy as np
 import torch
 
-from .._checks import (check_block_size, check_cu_seqlens, check_gqa, check_lse, check_offsets,
-                       check_scale, cu_to_host)
+from .._checks import (check_block_size, check_cu_seqlens, check_flag, check_gqa, check_lse,
+                       check_offsets, check_scale, cu_to_host)
 from ..reference.select import check_block_indices, nonempty_supports
 from . import ops
 
@@ -196,7 +196,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     cu_q, cu_k = _checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
     return ops.sparse_attention(q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward,
-                                bool(validate))
+                                check_flag("validate", validate))
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -298,5 +298,6 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     want_grads = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     kl, loss, _, _ = ops.kl_loss(q.detach(), k.detach(), q_idx, k_idx, block_indices,
                                  None if lse is None else lse.detach(), cu_q, cu_k, block_size,
-                                 scale, index_scale, bool(validate), want_grads)
+                                 scale, index_scale, check_flag("validate", validate),
+                                 want_grads)
     return kl, loss

@@ -84,7 +84,8 @@ import math
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_positive_int, check_scale, check_topk, cu_to_host
+from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_topk,
+                        cu_to_host)
 from ...reference.attention import check_work
 from ...reference.select import check_block_indices
 from .._core.arrays import ArrayContext, device_offsets, fill, index_dtype
@@ -172,7 +173,7 @@ def _attention_partials(q, k, v, work, q_indices, partial_slots, cu_seqlens_q, c
         index_dtype(name, x)
     plan = K1Plan(spec, batch.block_size, version, tile_rows, groups, o_parts=o_parts,
                   assume_unaligned=assume_unaligned)
-    if validate:
+    if check_flag("validate", validate):
         host_work = np.asarray(cu_to_host(work), dtype=np.int64)
         real = host_work[host_work[:, 3] > 0]  # [W', 6]: padding items (q_count <= 0) skipped
         check_work(real, cu_to_host(q_indices), cu_to_host(partial_slots), spec.hkv, topk,
@@ -314,7 +315,7 @@ def _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_
     forward = _Forward(spec, batch, topk, version, tile_rows, groups, chunk_size,
                        max_partial_bytes, partial_dtype, o_parts=o_parts,
                        assume_unaligned=assume_unaligned)
-    if validate:
+    if check_flag("validate", validate):
         check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, batch.block_size)
     return forward.run(q, k, v, block_indices, scale)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._checks import check_array, check_lse, check_positive_int, cu_to_host
+from ..._checks import (check_array, check_flag, check_lse, check_positive_int, check_version,
+                        cu_to_host, unsupported)
 from ...reference.select import check_block_indices, nonempty_supports
 from .._core import mma as _mma
 from .._core.arrays import INT32_MAX, ArrayContext, device_constant, device_offsets, float_kind
@@ -158,8 +159,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     why_not, tc_rows, tc_smem = _why_not_v2(spec, bs)
     if version is None:
         version = 1 if why_not else 2
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+    version = check_version("version", version, VERSIONS)
     if version == 2 and why_not:
         raise ValueError(f"version=2 (tensor cores) does not support {why_not}; use version=1")
     smem = v1.dkdv_layout(bs, d, spec.g)[-1]
@@ -167,10 +167,11 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
                                     ("dQ", v1.dq_smem(bs, d, spec.g), _mma.STATIC_SMEM_LIMIT)):
             if need > limit:
-                raise ValueError(f"block_size={bs} with head dim D={d} and G={spec.g}: "
-                                 f"the {kernel} kernel needs {need} bytes of shared memory, "
-                                 f"more than {limit}")
-    if validate:
+                raise unsupported(
+                    "block_size", bs, "msa.cuda", "sizes whose tiles fit shared memory",
+                    why=f"with head dim D={d} and G={spec.g} the {kernel} kernel needs {need} "
+                        f"bytes of shared memory, more than {limit}")
+    if check_flag("validate", validate):
         host_I = check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, bs)
         check_lse(np.asarray(cu_to_host(lse)),
                   nonempty_supports(host_I, batch.cu_q, batch.cu_k, bs))

@@ -16,7 +16,7 @@ from numba import cuda
 
 from ..._batch import Batch
 from ..._checks import (GQA_GROUP_SIZES, check_array, check_gqa, check_positive_int,
-                        check_scale, unsupported)
+                        check_scale, check_version, unsupported)
 from .._core import mma as _mma, wgmma as _wgmma
 from .._core.arrays import SIMULATOR, float_kind, index_dtype
 from .._core.launch import launch_smem
@@ -156,8 +156,7 @@ class K1Plan:
         why_not = _why_not(spec, bk, tile_rows)
         if version is None:
             version = next((v for v in (4, 3, 2) if why_not[v] is None), 1)
-        if version not in VERSIONS:
-            raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+        version = check_version("version", version, VERSIONS)
         if why_not.get(version):
             raise ValueError(f"version={version} (tensor cores) does not support "
                              f"{why_not[version]}; use version=1"
@@ -192,11 +191,12 @@ class K1Plan:
         else:
             smem = _tile.layout(bk, d, rows, groups)[3]
         if smem > limit:
-            raise ValueError(
-                f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d}, "
-                f"block_size={bk}" + (f" and groups={groups}" if groups > 1 else "") +
-                f", more than the {limit} it may use; use a smaller block_size"
-                + (" or fewer groups" if groups > 1 else ""))
+            raise unsupported(
+                "block_size", bk, "msa.cuda", "sizes whose K/V tiles fit shared memory",
+                why=f"K1 v{version} needs {smem} bytes of shared memory for head dim D={d}"
+                + (f" and groups={groups}" if groups > 1 else "") +
+                f", more than the {limit} it may use; a smaller block_size"
+                + (" or fewer groups" if groups > 1 else "") + " fits")
         assert version != 4 or rows == 64
         self.version, self.positions, self.rows, self.smem = version, positions, rows, smem
         self.groups = groups

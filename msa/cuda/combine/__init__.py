@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._checks import check_array
+from ..._checks import check_array, check_version
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .v1_warp import launch_v1
 from .v2_vector import launch_v2, vector_path_ok
@@ -51,8 +51,8 @@ def _out_kind(dtype) -> str:
     name = str(dtype).replace("torch.", "")
     if name in ("bfloat16", "bf16"):
         return "bfloat16"
-    try:
-        dt = np.dtype(dtype)
+    try:  # a torch dtype (torch.float16) is no NumPy dtype: go by its name
+        dt = np.dtype(name if str(dtype).startswith("torch.") else dtype)
     except TypeError:
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
     if dt == np.float32:
@@ -91,7 +91,7 @@ def launch_combine(o_part, lse_part, out, lse_out, *, head_dim, bf16_part, bf16_
     return 1
 
 
-def combine_partials(o_part, lse_part, *, out_dtype=None, version: int = DEFAULT_VERSION):
+def combine_partials(o_part, lse_part, *, out_dtype=None, version: int | None = None):
     """Paper §4.2 K2: merge the ``K`` partial attentions of every (query, head) with their LSEs.
 
     .. math::  L = \\log \\sum_s e^{L_s}, \\qquad O = \\sum_s e^{L_s - L} O_s
@@ -100,10 +100,12 @@ def combine_partials(o_part, lse_part, *, out_dtype=None, version: int = DEFAULT
         o_part: [K, Tq, Hq, D] float32 (or bfloat16 partials), ``O_s``, K >= 1; a CuPy array,
             torch CUDA tensor, Numba device array or (copied) NumPy array.
         lse_part: float32 [K, Tq, Hq], ``L_s`` in natural log; ``-inf`` marks an unused slot (its
-            ``O_s`` is never read, so it may hold anything).
+            ``O_s`` is never read, so it may hold anything). A NaN ``L_s`` gives its (query,
+            head) ``o = NaN, lse = NaN``, else a ``+inf`` one ``o = NaN, lse = +inf`` (what eq
+            8 gives for such scores), bit for bit as ``msa.reference.combine_partials``.
         out_dtype: dtype of ``o``: float32, float16 or bfloat16 (a NumPy/torch dtype or the
             string ``"bfloat16"``); ``None`` keeps ``o_part``'s dtype.
-        version: kernel version (see the package's table).
+        version: kernel version 1 or 2 (the package's table); ``None``: 2.
 
     Returns:
         ``(o [Tq, Hq, D] in out_dtype, lse float32 [Tq, Hq])`` in the caller's array library. A
@@ -125,8 +127,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None, version: int = DEFAULT
     float_kind("lse_part", lse_part, ("float32",))
     kind = _out_kind(out_dtype) if out_dtype is not None else ("bfloat16" if bf16_part
                                                                else "float32")
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    version = check_version("version", version, VERSIONS) or DEFAULT_VERSION
     ctx = ArrayContext(o_part=o_part, lse_part=lse_part)
     o_arg = ctx.input("o_part", o_part)
     l_arg = ctx.input("lse_part", lse_part)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, cu_to_host, unsupported
+from ..._checks import check_array, check_flag, check_version, cu_to_host, unsupported
 from ...reference.select import check_block_indices
 from .._core.arrays import INT32_MAX, ArrayContext, index_dtype
 from .._core.launch import karg, kinput
@@ -85,6 +85,7 @@ def launch_build_csr(batch, block_indices, ctx):
 
 def _selection(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate):
     """``(batch, ctx, I)`` of a public call: everything checked, ``I`` a kernel argument."""
+    check_flag("validate", validate)
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
     index_dtype("block_indices", block_indices)
     tq, hkv, topk = (int(x) for x in block_indices.shape)
@@ -151,8 +152,8 @@ def exclusive_prefix_sum(counts, *, validate: bool = True, version: int = 2):
     """
     check_array("counts", counts, ndim=2, dtypes=("int",))
     index_dtype("counts", counts)
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    validate = check_flag("validate", validate)
+    version = check_version("version", version, (1, 2)) or 2
     ctx = ArrayContext(counts=counts)
     return ctx.output(_prefix_sum(ctx, kinput(ctx, "counts", counts), version, validate, counts))
 
@@ -206,8 +207,7 @@ def csr_scatter(block_indices, row_ptr, cu_seqlens_q, cu_seqlens_k, block_size: 
         ``(q_indices, slots)``, int32 [Hkv, Tq*K] each, in the caller's array library. Queries
         ascend inside a row; entries past ``row_ptr[h, -1]`` are -1.
     """
-    if version not in (None, 1, 2, 3):
-        raise ValueError(f"version must be None, 1, 2 or 3, got {version!r}")
+    check_version("version", version, (1, 2, 3))
     batch, ctx, I = _selection(block_indices, cu_seqlens_q, cu_seqlens_k, block_size, validate)
     hkv = int(block_indices.shape[1])
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(hkv, batch.rows + 1))

@@ -78,7 +78,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..._checks import check_array, check_positive_int, check_scale, cu_to_host, dtype_of
+from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_version,
+                        cu_to_host, dtype_of)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
@@ -118,6 +119,7 @@ class _Step:
 
 def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, block_size,
               topk, scale, index_scale, validate: bool) -> _Step:
+    validate = check_flag("validate", validate)
     layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                               block_size=block_size, dtypes=_FLOAT_OR_BF16, values=validate)
     arrays = [x for x in (q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
@@ -176,8 +178,7 @@ def _pick_version(step: _Step, version, arrays) -> int:
     why = _v2_blockers(step, arrays)
     if version is None:
         return 1 if why else (2 if _v3_blockers(step) else 3)
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+    version = check_version("version", version, VERSIONS)
     if version >= 2 and why:
         raise ValueError(f"version {version} does not apply here: {'; '.join(why)}")
     if version == 3 and _v3_blockers(step):

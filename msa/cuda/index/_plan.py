@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_scale
+from ..._checks import check_array, check_scale, check_version
 from .._core.arrays import SIMULATOR, ArrayContext, device_offsets, float_kind
 from .._core.memops import is_aligned16
 from .._core.mma import STATIC_SMEM_LIMIT
@@ -84,9 +83,7 @@ class IndexPlan:
         """
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-        if version is not None and (isinstance(version, bool) or not isinstance(
-                version, numbers.Integral) or version not in VERSIONS):
-            raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+        check_version("version", version, VERSIONS)
         check_array("q_idx", q_idx, ndim=3)
         check_array("k_idx", k_idx, ndim=2)
         kind = float_kind("q_idx", q_idx, bf16_bits=bf16_bits)

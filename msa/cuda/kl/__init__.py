@@ -111,8 +111,8 @@ import numbers
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import (check_array, check_gqa, check_lse, check_positive_int, check_scale,
-                        cu_to_host)
+from ..._checks import (check_array, check_flag, check_gqa, check_lse, check_positive_int,
+                        check_scale, check_version, cu_to_host)
 from ...reference.select import check_block_indices
 from .._core.arrays import float_kind, index_dtype
 from .._core.mma import DYNAMIC_SMEM_LIMIT
@@ -161,6 +161,7 @@ def _validated(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_
         # and it sizes the dS buffer [Tq, Hkv, K, Bk] by the keys there are
         batch = Batch.of(batch.cu_q, batch.cu_k, max(longest, _LONG_BLOCK))
     host_I = None
+    validate = check_flag("validate", validate)
     if block_indices is not None:
         check_array("block_indices", block_indices, ndim=3, dtypes=("int",))
         index_dtype("block_indices", block_indices)
@@ -196,8 +197,7 @@ def _version(version, kind, warmup, block_size, d, d_idx, group, *, full_selecti
                f"{DYNAMIC_SMEM_LIMIT} bytes of shared memory a kernel may have)")
     if version is None:
         version = 2 if why else DEFAULT_VERSION
-    if isinstance(version, bool) or version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS} or None, got {version!r}")
+    check_version("version", version, VERSIONS)
     if version == 3 and why:
         raise ValueError(f"version=3 (tensor cores) does not support {why}; use version=2 or 1")
     return version, tiles

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_positive_int, cu_to_host
+from ..._checks import check_array, check_flag, check_positive_int, cu_to_host
 from ...reference.schedule import WORK_COLUMNS
 from .._core.arrays import INT32_MAX, SIMULATOR, ArrayContext, index_dtype
 from .._core.launch import THREADS, dev, grid_size, karg, kinput, launch, upload_ints
@@ -127,7 +127,7 @@ def _build_schedule(row_ptr, cu_seqlens_k, block_size, chunk_size, *, max_edges=
     batch = Batch.of(None, cu_seqlens_k, block_size)
     check_array("row_ptr", row_ptr, ndim=2, dtypes=("int",), shape=(None, batch.rows + 1))
     index_dtype("row_ptr", row_ptr)
-    if validate:
+    if check_flag("validate", validate):
         _check_row_ptr(row_ptr, batch, max_edges)
     ctx = ArrayContext(row_ptr=row_ptr)
     work, num_items = _schedule(batch, kinput(ctx, "row_ptr", row_ptr), chunk_size, max_edges,

@@ -53,12 +53,10 @@ and ``heap4`` on ``tc4`` were dropped). See docs/performance.md.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
 from ..._batch import Batch
-from ..._checks import check_array, check_positive_int, unsupported
+from ..._checks import check_array, check_positive_int, check_version, unsupported
 from .._core.arrays import POISON, ArrayContext, device_offsets, float_kind
 from .._core.heap import MAX_TOPK, heap_capacity
 from ..index import IndexPlan, launch_block_scores, launch_fused_topk
@@ -72,13 +70,6 @@ DEFAULT_VERSION = 3
 FUSED_VERSIONS = (1, 2, 3)
 # Default memory for one chunk's block scores in select_blocks_fused version 1 (bytes).
 FUSED_MEMORY_BUDGET = 4 << 30
-
-
-def _check_version(name, version, versions):
-    if version is not None and (isinstance(version, bool) or not isinstance(
-            version, numbers.Integral) or version not in versions):
-        raise ValueError(f"{name} must be one of {versions} or None, got {version!r}")
-    return version
 
 
 def check_topk(topk) -> int:
@@ -136,7 +127,7 @@ def select_blocks(block_scores, cu_seqlens_q, cu_seqlens_k, block_size: int, top
         ``block_size < 1``, bad ``cu_seqlens``, ``NB`` not ``ceil(max Lk / Bk)``, an array
         that is not contiguous.
     """
-    version = _check_version("version", version, VERSIONS) or DEFAULT_VERSION
+    version = check_version("version", version, VERSIONS) or DEFAULT_VERSION
     topk = check_topk(topk)
     check_array("block_scores", block_scores, ndim=3)
     float_kind("block_scores", block_scores, ("float16", "float32", "float64"))
@@ -167,7 +158,7 @@ def launch_select_blocks_fused(q_idx, k_idx, batch: Batch, topk: int, *, scale=N
 def _select_blocks_fused(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, *,
                          scale=None, version=None, memory_budget=None, warps=None, batch=None):
     """``select_blocks_fused`` with the index plan's ``warps`` (tests)."""
-    version = _check_version("version", version, FUSED_VERSIONS)
+    version = check_version("version", version, FUSED_VERSIONS)
     topk = check_topk(topk)
     memory_budget = check_positive_int(
         "memory_budget", FUSED_MEMORY_BUDGET if memory_budget is None else memory_budget)
