@@ -857,6 +857,19 @@ PINNED = {
         P.params, block_size=4, topk=2)(T(P.x)[:-1], P.cu_k), ValueError, r"cu_seqlens\b"),
     "MSAAttention(device='cuda') without CUDA": (lambda P: MT.MSAAttention(
         8, 4, 2, 4, 4, device="cuda"), RuntimeError, "device"),
+    "reference kl: validate 'no'": (lambda P: R.kl_loss(
+        P.q, P.k, P.q_idx, P.k_idx, P.I, P.lse, P.cu_q, P.cu_k, P.bk, validate="no"), TypeError,
+        "validate"),
+    "torch sparse: validate 'no'": (lambda P: MT.sparse_attention(
+        **_torch_args(P), validate="no"), TypeError, "validate"),
+    "msa_layer: warmup 'no'": (lambda P: R.msa_layer(P.x, P.params, P.cu_k, 4, 2, warmup="no"),
+                               TypeError, "warmup"),
+    "MSAParams: a float32 w_k beside float64 weights": (lambda P: dataclasses.replace(
+        P.params, w_k=P.params.w_k.astype(np.float32)), TypeError, "w_k"),
+    "MSAParams: w_k of the wrong width": (lambda P: dataclasses.replace(
+        P.params, w_k=P.params.w_k[:, :1]), ValueError, "w_k"),
+    "reference combine: out_dtype 'bfloat16'": (lambda P: R.combine_partials(
+        P.o_part, P.lse_part, out_dtype="bfloat16"), TypeError, "out_dtype.*NumPy"),
 }
 
 
@@ -921,6 +934,21 @@ def _cuda_pinned():
             P.cu_k, P.bk, P.topk), TypeError, r"\bq_idx\b"),
         "ArrayContext: a torch CPU tensor beside NumPy": (lambda P: C.attention.sparse_attention(
             P.q, T(P.k), P.v, P.I, P.cu_q, P.cu_k, P.bk), TypeError, r"\bk is a torch tensor"),
+        "sparse_attention: validate 'no'": (lambda P: C.attention.sparse_attention(
+            P.q, P.k, P.v, P.I, P.cu_q, P.cu_k, P.bk, validate="no"), TypeError, "validate"),
+        "kl_loss: validate 0": (lambda P: C.kl.kl_loss(
+            P.q, P.k, P.q_idx, P.k_idx, P.I, P.lse, P.cu_q, P.cu_k, P.bk, validate=0), TypeError,
+            "validate"),
+        "sparse_attention: version True": (lambda P: C.attention.sparse_attention(
+            P.q, P.k, P.v, P.I, P.cu_q, P.cu_k, P.bk, version=True), ValueError, "version"),
+        "sparse_attention: version 1.0": (lambda P: C.attention.sparse_attention(
+            P.q, P.k, P.v, P.I, P.cu_q, P.cu_k, P.bk, version=1.0), ValueError, "version"),
+        "combine_partials: version 1.0": (lambda P: C.combine.combine_partials(
+            P.o_part, P.lse_part, version=1.0), ValueError, "version"),
+        "sparse_attention: block_size 10**6, one block a sequence": (
+            lambda P: C.attention.sparse_attention(
+                P.q, P.k, P.v, np.where(np.arange(P.topk) == 0, 0, -1) + 0 * P.I, P.cu_q, P.cu_k,
+                10**6), ValueError, r"\bblock_size.*" + unsupported),
     }
 
 
@@ -934,6 +962,21 @@ def test_cuda_pinned_bad_inputs_raise_their_error(case):
     P = build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float32", 1)
     with pytest.raises(error, match=match):
         run(P)
+
+
+@pytest.mark.skipif(not CUDA_RUNNABLE, reason=CUDA_WHY_NOT or "msa.cuda runs here")
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32, np.float16, "float32"])
+def test_cuda_combine_takes_torch_and_numpy_out_dtypes(out_dtype):
+    """``out_dtype`` as the docs allow it: a torch dtype, a NumPy dtype or a name."""
+    P = build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float32", 1)
+    C = Backend("cuda")
+    o, lse = C.combine.combine_partials(P.o_part, P.lse_part, out_dtype=out_dtype)
+    want = np.dtype(str(out_dtype).replace("torch.", "") if isinstance(out_dtype, torch.dtype)
+                    else out_dtype)
+    assert np.asarray(o).dtype == want
+    o32, lse32 = C.combine.combine_partials(P.o_part, P.lse_part)
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse32))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o32).astype(want))
 
 
 def test_from_params_keeps_the_params_dtype():

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_gqa, check_offsets,
-                       check_positive_int, check_scale, check_topk, cu_to_host, dtype_of)
+from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_flag, check_gqa,
+                       check_offsets, check_positive_int, check_scale, check_topk, cu_to_host,
+                       dtype_of)
 from .attention import dense_attention, sparse_attention
 from .index import block_scores, index_projections
 from .kl import kl_loss
@@ -46,6 +47,31 @@ class MSAParams:
     w_k_idx: np.ndarray
     num_q_heads: int
     num_kv_heads: int
+
+    def __post_init__(self):
+        """Every weight checked when the parameters are made (``dataclasses.replace`` too): one
+        float dtype, 2-D, shapes that agree with each other and with the heads."""
+        check_gqa(self.num_q_heads, self.num_kv_heads)
+        hq, hkv = self.num_q_heads, self.num_kv_heads
+        check_array("w_q", self.w_q, ndim=2, dtypes=FLOAT_DTYPES)
+        d_model, width = (int(s) for s in self.w_q.shape)
+        if d_model < 1 or width < hq or width % hq:
+            raise ValueError(f"w_q must have shape [d_model >= 1, Hq*D] with Hq = {hq}, got "
+                             f"{tuple(self.w_q.shape)}")
+        d = width // hq
+        check_array("w_k_idx", self.w_k_idx, ndim=2, shape=(d_model, None))
+        d_idx = int(self.w_k_idx.shape[1])
+        if d_idx < 1:
+            raise ValueError(f"w_k_idx must have shape [d_model, Didx >= 1], got "
+                             f"{tuple(self.w_k_idx.shape)}")
+        for name, shape in (("w_k", (d_model, hkv * d)), ("w_v", (d_model, hkv * d)),
+                            ("w_o", (hq * d, d_model)), ("w_q_idx", (d_model, hkv * d_idx))):
+            check_array(name, getattr(self, name), ndim=2, shape=shape)
+        dtype = dtype_of(self.w_q)
+        for name in ("w_k", "w_v", "w_o", "w_q_idx", "w_k_idx"):
+            if dtype_of(getattr(self, name)) != dtype:
+                raise TypeError(f"{name} must have w_q's dtype {dtype}, got "
+                                f"{dtype_of(getattr(self, name))}")
 
     @property
     def head_dim(self) -> int:
@@ -115,6 +141,7 @@ def msa_layer(x, params: MSAParams, cu_seqlens, block_size: int, topk: int, *, w
         raise TypeError(f"x must have the weights' dtype {params.w_q.dtype}, got {dtype_of(x)}")
     x = np.asarray(cu_to_host(x))  # [T, d_model]
     block_size = check_block_size(block_size)
+    warmup = check_flag("warmup", warmup)
     t = x.shape[0]
     cu_seqlens = check_offsets("cu_seqlens", cu_seqlens, t)
     scale = check_scale("scale", scale, 1.0 / np.sqrt(params.head_dim))
