@@ -30,11 +30,15 @@ the projections of the new tokens, the append, the decode step and the output pr
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
-from .._checks import check_gqa, check_positive_int, cu_to_host
+from .._checks import (INT32_MAX, check_array, check_block_size, check_gqa, check_offsets,
+                       check_positive_int, check_scale, cu_to_host)
 from ..reference import decode as _ref
+from .functional import FLOAT_DTYPES, _check_tensor
 
 __all__ = ["CapturedDecode", "PagedKVCache", "decode_attention_step"]
 
@@ -43,6 +47,42 @@ def _gpu():
     from ..cuda import decode as gpu  # msa.cuda needs numba: imported for CUDA tensors only
 
     return gpu
+
+
+def _check_device(device, *, types=("cpu", "cuda")):
+    """``device`` as a ``torch.device`` (None stays None), one of ``types``; a CUDA device needs
+    a usable GPU. ValueError naming ``device`` otherwise, before anything is allocated (the
+    allocator's own error names nothing). Shared with ``MSAAttention`` (layer.py imports it:
+    this module is below layer.py)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or "
+                         f"'cuda', got {device!r}") from None
+    if dev.type not in types:
+        raise ValueError(f"device must be of type {' or '.join(map(repr, types))} (CPU tensors "
+                         f"run the NumPy reference, CUDA tensors msa.cuda), got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but torch.cuda.is_available() is False (torch "
+                f"{torch.__version__} has no CUDA, or no GPU is visible); use device='cpu', which "
+                "runs the NumPy reference")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device={device!r}, but this torch sees {n} CUDA device(s) "
+                             f"(indices 0 to {n - 1})")
+    return dev
+
+
+def _check_dtype(dtype):
+    """``dtype`` a torch float dtype or None (torch's default dtype); TypeError otherwise."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be a torch float dtype (float16, bfloat16, float32, "
+                        f"float64) or None, got {dtype!r}")
+    return dtype
 
 
 class PagedKVCache:
@@ -54,19 +94,38 @@ class PagedKVCache:
             block table. max_pages_per_request: its columns (a request's longest context is
             ``max_pages_per_request * Bk`` tokens).
         device, dtype: of the caches (bf16 or fp16 on a GPU for the fast kernels; float32 or
-            float64 on the CPU, where the reference runs).
+            float64 on the CPU, where the reference runs: it has no bfloat16, so a CPU cache
+            must be given another float dtype than the default).
+
+    Raises:
+        TypeError/ValueError naming the argument, before anything is allocated: sizes that are
+        not positive integers, ``num_pages`` or ``block_size`` past int32 (page ids and
+        offsets are int32), ``max_pages_per_request * block_size`` past int32 (lengths are),
+        a device this torch cannot use, a dtype that is not a float dtype, bfloat16 on the CPU.
     """
 
     def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, index_dim: int, *,
                  block_size: int = 128, max_requests: int = 1, max_pages_per_request: int = 1,
                  device=None, dtype=torch.bfloat16):
-        p = check_positive_int("num_pages", num_pages)
+        p = check_positive_int("num_pages", num_pages, high=INT32_MAX)  # int32 page ids
         hkv = check_positive_int("num_kv_heads", num_kv_heads)
         d = check_positive_int("head_dim", head_dim)
         d_idx = check_positive_int("index_dim", index_dim)
-        self.block_size = bk = check_positive_int("block_size", block_size)
-        self.max_requests = check_positive_int("max_requests", max_requests)
-        self.max_pages = check_positive_int("max_pages_per_request", max_pages_per_request)
+        bk = check_block_size(block_size)
+        max_requests = check_positive_int("max_requests", max_requests, high=INT32_MAX)
+        max_pages = check_positive_int("max_pages_per_request", max_pages_per_request,
+                                       high=INT32_MAX)
+        if max_pages * bk > INT32_MAX:  # cache_seqlens are int32
+            raise ValueError(f"max_pages_per_request * block_size (a request's longest context) "
+                             f"must be <= {INT32_MAX}, got {max_pages} * {bk} = {max_pages * bk}")
+        device, dtype = _check_device(device), _check_dtype(dtype)
+        on = (device if device is not None else torch.get_default_device()).type
+        if on == "cpu" and (dtype if dtype is not None else torch.get_default_dtype()) \
+                == torch.bfloat16:
+            raise TypeError(f"dtype must be float16, float32 or float64 for a CPU cache (the NumPy "
+                            f"reference runs it and has no bfloat16), got {dtype!r}; bfloat16 "
+                            "needs device='cuda'")
+        self.block_size, self.max_requests, self.max_pages = bk, max_requests, max_pages
         kw = dict(device=device, dtype=dtype)
         self.k_cache = torch.zeros((p, hkv, bk, d), **kw)
         self.v_cache = torch.zeros((p, hkv, bk, d), **kw)
@@ -113,10 +172,11 @@ class PagedKVCache:
 
     def reserve(self, slots, tokens) -> None:
         """Map pages so that each request in ``slots`` can take ``tokens`` (an int, or one per
-        slot) more tokens; writes the device block table once. RuntimeError if the pool or a
-        request's row of the table runs out (nothing is changed then)."""
+        slot, each in ``[0, 2**31 - 1]``) more tokens; writes the device block table once.
+        RuntimeError if the pool or a request's row of the table runs out; nothing is changed
+        then, nor on a bad argument (TypeError/ValueError)."""
         slots = self._slots(slots)
-        more = np.broadcast_to(np.asarray(tokens, dtype=np.int64), slots.shape)
+        more = self._tokens(tokens, slots.size)
         need = -(-(self._lens[slots] + more) // self.block_size) - self._pages[slots]
         need = np.maximum(need, 0)
         over = np.nonzero(self._pages[slots] + need > self.max_pages)[0]
@@ -154,6 +214,28 @@ class PagedKVCache:
             raise ValueError(f"slots must be distinct active requests, got {out.tolist()}")
         return out
 
+    @staticmethod
+    def _tokens(tokens, b: int) -> np.ndarray:
+        """``reserve``'s ``tokens`` as ``[B]`` int64: an integer, or B of them (a list, tuple
+        or integer array), each in ``[0, 2**31 - 1]`` (lengths are int32); no floats, no bools."""
+        if isinstance(tokens, numbers.Integral) and not isinstance(tokens, bool):
+            return np.full(b, check_positive_int("tokens", tokens, low=0, high=INT32_MAX),
+                           dtype=np.int64)
+        if isinstance(tokens, (list, tuple)):
+            if len(tokens) != b:
+                raise ValueError(f"tokens must be an integer or one per slot (B = {b}), got "
+                                 f"{len(tokens)} values")
+            return np.array([check_positive_int(f"tokens[{i}]", x, low=0, high=INT32_MAX)
+                             for i, x in enumerate(tokens)], dtype=np.int64)
+        if not (hasattr(tokens, "shape") and hasattr(tokens, "dtype")):
+            raise TypeError(f"tokens must be an integer or one per slot, got "
+                            f"{type(tokens).__name__} {tokens!r}")
+        check_array("tokens", tokens, ndim=1, dtypes=("int",), shape=(b,))
+        host = np.asarray(cu_to_host(tokens))
+        if host.size and (host.min() < 0 or host.max() > INT32_MAX):
+            raise ValueError(f"tokens must be in [0, {INT32_MAX}], got {host.tolist()}")
+        return host.astype(np.int64)
+
     def views(self, slots):
         """``(block_table [B, max_pages], cache_seqlens [B])`` of the requests ``slots``, as the
         decode functions take them (a view for slots ``0..B-1`` in order, a copy otherwise)."""
@@ -164,24 +246,49 @@ class PagedKVCache:
         return self.block_table[rows].contiguous(), self.seqlens[rows].contiguous()
 
     # -- append, decode, gather ---------------------------------------------------------------
+    def _check_new(self, name, x, shape) -> int:
+        """``x`` a float tensor of ``shape`` (None: any size) with the cache's dtype and device,
+        checked before the cache changes (no silent cast, no copy across devices); its rows."""
+        _check_tensor(name, x, len(shape), kind="float")
+        check_array(name, x, shape=shape)
+        if x.dtype != self.k_cache.dtype:
+            raise TypeError(f"{name} must have the cache's dtype {self.k_cache.dtype}, got "
+                            f"{x.dtype}")
+        if x.device != self.k_cache.device:
+            raise ValueError(f"{name} must be on the cache's device {self.k_cache.device}, got "
+                             f"{x.device}")
+        return int(x.shape[0])
+
+    @staticmethod
+    def _new_tokens(slots: np.ndarray, t: int, cu_seqlens):
+        """How ``append``'s ``t`` new rows split over the requests ``slots``: ``(n_new [B]
+        int64, cu [B+1] int64 or None)``, by ``cu_seqlens [B+1]`` (None: ``t / B`` each)."""
+        b = slots.size
+        if cu_seqlens is None:
+            if t % b:
+                raise ValueError(f"k must have a multiple of B = {b} rows when "
+                                 f"cu_seqlens is None, got {t}")
+            return np.full(b, t // b, dtype=np.int64), None
+        cu = check_offsets("cu_seqlens", cu_seqlens, t)  # integers only: no silent cast
+        if cu.shape != (b + 1,):
+            raise ValueError(f"cu_seqlens must be [B+1] = [{b + 1}] offsets (B = len(slots)), "
+                             f"got {cu.tolist()}")
+        return np.diff(cu), cu
+
     def append(self, slots, k, v, k_idx, *, cu_seqlens=None) -> None:
         """Append new tokens ``k, v [T, Hkv, D]``, ``k_idx [T, Didx]`` (request-major over
         ``slots``; ``cu_seqlens [B+1]`` their offsets, None: ``T / B`` each) to the requests'
-        caches, reserving pages as needed."""
+        caches, reserving pages as needed. The tokens have the cache's dtype and device.
+
+        Every argument is checked before the cache changes: a TypeError/ValueError (or the
+        ``RuntimeError`` of ``reserve`` when pages run out) leaves lengths and pages as they
+        were."""
         slots = self._slots(slots)
-        t = int(k.shape[0])
-        if cu_seqlens is None:
-            if t % slots.size:
-                raise ValueError(f"k must have a multiple of B = {slots.size} rows when "
-                                 f"cu_seqlens is None, got {t}")
-            n_new = np.full(slots.size, t // slots.size, dtype=np.int64)
-            cu = None
-        else:
-            cu = np.asarray(cu_to_host(cu_seqlens), dtype=np.int64)
-            if cu.shape != (slots.size + 1,) or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 0):
-                raise ValueError(f"cu_seqlens must be [B+1] = [{slots.size + 1}] offsets from 0 to "
-                                 f"{t}, got {cu.tolist()}")
-            n_new = np.diff(cu)
+        _, hkv, _, d = self.k_cache.shape
+        t = self._check_new("k", k, (None, hkv, d))
+        self._check_new("v", v, (t, hkv, d))
+        self._check_new("k_idx", k_idx, (t, self.k_idx_cache.shape[2]))
+        n_new, cu = self._new_tokens(slots, t, cu_seqlens)
         self.reserve(slots, n_new)
         self._lens[slots] += n_new
         self._upload(slots)
@@ -200,7 +307,12 @@ class PagedKVCache:
 
     def decode(self, slots, q, q_idx, topk: int, *, scale=None, index_scale=None):
         """The decode step of ``q [B*Lq, Hq, D]``, ``q_idx [B*Lq, Hkv, Didx]``, the last ``Lq``
-        positions of each request (append them first): ``(o, lse, block_indices)``."""
+        positions of each request (append them first): ``(o, lse, block_indices)``. ``q`` and
+        ``q_idx`` have the cache's dtype and device; their shapes, ``topk`` and the scales are
+        checked by the backend (``msa.cuda.decode`` or the reference), with named errors."""
+        _, hkv, _, d = self.k_cache.shape
+        self._check_new("q", q, (None, None, d))
+        self._check_new("q_idx", q_idx, (None, hkv, self.k_idx_cache.shape[2]))
         table, lens = self.views(slots)
         if self.k_cache.is_cuda:
             with torch.cuda.device(self.k_cache.device):
@@ -246,16 +358,22 @@ class CapturedDecode:
 
     def __init__(self, cache: PagedKVCache, slots, lq: int, num_q_heads: int, topk: int, *,
                  scale=None, index_scale=None):
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be an msa.torch.PagedKVCache, got {type(cache).__name__}")
         if not cache.k_cache.is_cuda:
             raise TypeError("CUDA graphs need a cache on a CUDA device")
         gpu = _gpu()
-        self.cache = cache
-        self.slots = cache._slots(slots)
-        self.lq = lq = check_positive_int("lq", lq, high=8)
-        b = self.slots.size
+        # every argument before the buffers are allocated (the plan checks them only after)
+        slots = cache._slots(slots)
+        lq = check_positive_int("lq", lq, high=gpu.MAX_QUERIES)
         p, hkv, bk, d = cache.k_cache.shape
         d_idx = cache.k_idx_cache.shape[2]
         check_gqa(num_q_heads, hkv)
+        check_positive_int("topk", topk, high=gpu.MAX_TOPK)
+        check_scale("scale", scale, 1.0)
+        check_scale("index_scale", index_scale, 1.0)
+        self.cache, self.slots, self.lq = cache, slots, lq
+        b = slots.size
         kw = dict(device=cache.k_cache.device, dtype=cache.k_cache.dtype)
         self.q = torch.zeros((b * lq, num_q_heads, d), **kw)
         self.q_idx = torch.zeros((b * lq, hkv, d_idx), **kw)
@@ -312,9 +430,40 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
     Returns ``(output [B*Lq, d_model], block_indices [B*Lq, Hkv, K])``. The hook is
     ``MSAAttention.decode(self, x, cache, slots): return decode_attention_step(self, x, cache,
     slots)``.
+
+    Raises TypeError/ValueError naming the argument before the cache changes: ``x`` as
+    ``MSAAttention.forward`` takes it, a cache whose heads, dims, dtype or device are not the
+    layer's, slots that are not distinct active requests, ``B*Lq`` rows with ``Lq`` outside
+    ``[1, 8]`` on a GPU (``msa.cuda.decode``'s limit; ``Lq >= 1`` on the CPU), the layer's
+    ``topk`` above the backend's limit; ``reserve``'s RuntimeError when pages run out.
     """
-    t = int(x.shape[0])
+    from .layer import MSAAttention  # here: layer.py imports this module
+
+    if not isinstance(layer, MSAAttention):
+        raise TypeError(f"layer must be an msa.torch.MSAAttention, got {type(layer).__name__}")
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be an msa.torch.PagedKVCache, got {type(cache).__name__}")
+    layer._check_input(x)
     hq, hkv, d, d_idx = layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.index_dim
+    # the append happens before the decode step: everything the step would reject, now
+    got = (*cache.k_cache.shape[1::2], cache.k_idx_cache.shape[2])
+    if tuple(int(n) for n in got) != (hkv, d, d_idx):
+        raise ValueError(f"cache must have the layer's (num_kv_heads, head_dim, index_dim) = "
+                         f"{(hkv, d, d_idx)}, got {tuple(int(n) for n in got)}")
+    if cache.k_cache.dtype != layer.w_q.dtype:
+        raise TypeError(f"cache must have the layer's dtype {layer.w_q.dtype}, got "
+                        f"{cache.k_cache.dtype}")
+    if cache.k_cache.device != layer.w_q.device:
+        raise ValueError(f"cache must be on the layer's device {layer.w_q.device}, got "
+                         f"{cache.k_cache.device}")
+    t, b = int(x.shape[0]), cache._slots(slots).size
+    lq, max_lq = t // b, (_gpu().MAX_QUERIES if cache.k_cache.is_cuda else None)
+    if t % b or lq < 1 or (max_lq is not None and lq > max_lq):
+        want = ">= 1" if max_lq is None else f"in [1, {max_lq}]: msa.cuda.decode's limit, " \
+            "longer chunks are a prefill"
+        raise ValueError(f"x must have B*Lq rows (B = {b} slots, Lq {want}), got {t} rows")
+    check_positive_int("topk", layer.topk,
+                       high=_gpu().MAX_TOPK if cache.k_cache.is_cuda else _ref.MAX_TOPK)
     with torch.no_grad():
         q = (x @ layer.w_q).view(t, hq, d)
         k = (x @ layer.w_k).view(t, hkv, d)

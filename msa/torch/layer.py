@@ -25,34 +25,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_block_size, check_gqa, check_positive_int, check_scale
+from .._checks import check_block_size, check_flag, check_gqa, check_positive_int, check_scale
 from . import functional as F
 from . import ops
-from .cache import decode_attention_step
+# the device and dtype checks live in cache.py, which this module imports (not the reverse)
+from .cache import _check_device, _check_dtype, decode_attention_step
 
 
-def _check_device(device):
-    """``device`` as a ``torch.device`` (None stays None); a CUDA device needs a usable GPU."""
-    if device is None:
+def _check_process_group(group):
+    """``process_group``: None (one device) or a ``torch.distributed.ProcessGroup``; TypeError
+    otherwise (a string or a rank would fail only in ``forward``, in ``torch.distributed``)."""
+    if group is None:
         return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or "
-                         f"'cuda', got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device={device!r}, but torch.cuda.is_available() is False (torch "
-            f"{torch.__version__} has no CUDA, or no GPU is visible); use device='cpu', which "
-            "runs the NumPy reference")
-    return dev
-
-
-def _check_dtype(dtype):
-    if dtype is not None and dtype not in F.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be a torch float dtype (float16, bfloat16, float32, "
-                        f"float64) or None, got {dtype!r}")
-    return dtype
+    if not torch.distributed.is_available():
+        raise TypeError(f"process_group must be None: torch {torch.__version__} has no "
+                        f"torch.distributed, got {type(group).__name__} {group!r}")
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"process_group must be None or a torch.distributed.ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD after init_process_group), got "
+                        f"{type(group).__name__} {group!r}")
+    return group
 
 
 class MSAOutput(NamedTuple):
@@ -84,6 +76,11 @@ class MSAAttention(nn.Module):
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
             ``msa.reference.init_params``); a float dtype, a device this torch can use.
 
+    ``block_size``, ``topk``, ``warmup``, ``main_backward``, ``process_group`` and
+    ``cp_chunk_size`` are properties: a value set later is checked as the constructor checks
+    it (``layer.warmup = "no"`` is a TypeError at once). Every argument is checked before a
+    weight is allocated: a TypeError or ValueError naming it.
+
     On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
     CUDA-core versions). The main branch's backward is ``msa.cuda``'s tensor-core kernel on
     such activations, PyTorch code (``functional.sparse_attention_backward``) otherwise
@@ -99,17 +96,16 @@ class MSAAttention(nn.Module):
                             ("index_dim", index_dim)):
             check_positive_int(name, value)
         check_gqa(num_q_heads, num_kv_heads)
-        device, dtype = _check_device(device), _check_dtype(dtype)
+        device = _check_device(device, types=("cpu", "cuda", "meta"))  # meta: deferred init
+        dtype = _check_dtype(dtype)
         self.d_model, self.num_q_heads, self.num_kv_heads = d_model, num_q_heads, num_kv_heads
         self.head_dim, self.index_dim = head_dim, index_dim
-        self.block_size = check_block_size(block_size)
-        self.topk = check_positive_int("topk", topk)
+        # the knobs below are properties that check every value set, here and later
+        self.block_size, self.topk = block_size, topk
         scale = None if scale is None else check_scale("scale", scale, 1.0)
         index_scale = None if index_scale is None else check_scale("index_scale", index_scale, 1.0)
-        self.scale, self.index_scale, self.warmup = scale, index_scale, bool(warmup)
-        if main_backward not in F.BACKWARDS:
-            raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {main_backward!r}")
-        self.main_backward = main_backward
+        self.scale, self.index_scale = scale, index_scale
+        self.warmup, self.main_backward = warmup, main_backward
         # context parallelism (msa.distributed): this rank's queries against all ranks' keys
         self.process_group, self.cp_chunk_size = process_group, cp_chunk_size
         kw = dict(device=device, dtype=dtype)
@@ -126,15 +122,79 @@ class MSAAttention(nn.Module):
         self.w_q_idx = weight(d_model, num_kv_heads * index_dim)
         self.w_k_idx = weight(d_model, index_dim)
 
+    # -- knobs that may change after construction (documented attributes): each set checked,
+    # so that a bad value fails at the assignment and not inside the next forward -------------
+    @property
+    def block_size(self) -> int:
+        """Bk, an integer in ``[1, 2**31 - 1]``."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value):
+        self._block_size = check_block_size(value)
+
+    @property
+    def topk(self) -> int:
+        """K blocks per query and group, an integer ``>= 1``."""
+        return self._topk
+
+    @topk.setter
+    def topk(self, value):
+        self._topk = check_positive_int("topk", value)
+
+    @property
+    def warmup(self) -> bool:
+        """The indexer warmup (§3.2): True or False (``"no"`` is no bool: TypeError)."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value):
+        self._warmup = check_flag("warmup", value)
+
+    @property
+    def main_backward(self) -> str:
+        """The main branch's backward: ``"auto"``, ``"torch"`` or ``"cuda"``."""
+        return self._main_backward
+
+    @main_backward.setter
+    def main_backward(self, value):
+        if not isinstance(value, str) or value not in F.BACKWARDS:
+            raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {value!r}")
+        self._main_backward = value
+
+    @property
+    def process_group(self):
+        """None or a ``torch.distributed.ProcessGroup`` (context parallelism)."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, value):
+        self._process_group = _check_process_group(value)
+
+    @property
+    def cp_chunk_size(self):
+        """None (``msa.distributed``'s default) or tokens per context-parallel chunk, >= 1."""
+        return self._cp_chunk_size
+
+    @cp_chunk_size.setter
+    def cp_chunk_size(self, value):
+        self._cp_chunk_size = None if value is None else check_positive_int("cp_chunk_size", value)
+
     @classmethod
     def from_params(cls, params, *, block_size: int = 128, topk: int = 16, device=None,
                     dtype=None, **kwargs) -> MSAAttention:
         """The layer with the weights of a ``msa.reference.MSAParams`` (copied), in their dtype
-        unless ``dtype`` says otherwise."""
+        unless ``dtype`` says otherwise.
+
+        The weights are checked first, as ``MSAParams`` checks them when made (its fields may
+        have been reassigned since): one float dtype for all six, shapes that agree with the
+        heads, ``d_model``, ``D`` and ``Didx`` they define; TypeError/ValueError naming the
+        weight otherwise (no weight is cast to another's dtype, none is cut or padded)."""
         from ..reference.layer import MSAParams
 
         if not isinstance(params, MSAParams):
             raise TypeError(f"params must be an msa.reference.MSAParams, got {type(params).__name__}")
+        params.__post_init__()  # the dataclass's own checks, again
         if dtype is None:
             dtype = torch.from_numpy(np.zeros(0, dtype=np.asarray(params.w_q).dtype)).dtype
         layer = cls(params.w_q.shape[0], params.num_q_heads, params.num_kv_heads,
@@ -142,7 +202,9 @@ class MSAAttention(nn.Module):
                     device=device, dtype=dtype, **kwargs)
         with torch.no_grad():
             for name in ("w_q", "w_k", "w_v", "w_o", "w_q_idx", "w_k_idx"):
-                getattr(layer, name).copy_(torch.from_numpy(np.asarray(getattr(params, name))))
+                # contiguous: torch.from_numpy refuses negative strides (a reversed view)
+                w = np.ascontiguousarray(np.asarray(getattr(params, name)))
+                getattr(layer, name).copy_(torch.from_numpy(w))
         return layer
 
     def extra_repr(self) -> str:
@@ -163,11 +225,8 @@ class MSAAttention(nn.Module):
             return ops.select_blocks(q_idx.detach(), k_idx.detach(), cu, cu, self.block_size,
                                      self.topk, self.index_scale)
 
-    def forward(self, x: torch.Tensor, cu_seqlens) -> MSAOutput:
-        """Algorithm 1 on ``x [T, d_model]``, sequences packed by ``cu_seqlens [B+1]``.
-
-        Returns :class:`MSAOutput` ``(output [T, d_model], loss_kl, block_indices, lse)``.
-        """
+    def _check_input(self, x) -> None:
+        """``x [T, d_model]`` a tensor of the layer's dtype and device (``forward``, ``decode``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.ndim != 2 or x.shape[1] != self.d_model:
@@ -177,6 +236,13 @@ class MSAAttention(nn.Module):
                             "(use layer.to(dtype) or x.to(dtype))")
         if x.device != self.w_q.device:
             raise ValueError(f"x must be on the layer's device {self.w_q.device}, got {x.device}")
+
+    def forward(self, x: torch.Tensor, cu_seqlens) -> MSAOutput:
+        """Algorithm 1 on ``x [T, d_model]``, sequences packed by ``cu_seqlens [B+1]``.
+
+        Returns :class:`MSAOutput` ``(output [T, d_model], loss_kl, block_indices, lse)``.
+        """
+        self._check_input(x)
         if self.process_group is not None:  # x is this rank's share (msa.distributed.shard_tokens)
             from ..distributed import context_parallel_msa  # here: msa.distributed imports msa.torch
 
