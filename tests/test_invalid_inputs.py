@@ -856,7 +856,7 @@ PINNED = {
     "MSAAttention: x with the wrong length": (lambda P: MT.MSAAttention.from_params(
         P.params, block_size=4, topk=2)(T(P.x)[:-1], P.cu_k), ValueError, r"cu_seqlens\b"),
     "MSAAttention(device='cuda') without CUDA": (lambda P: MT.MSAAttention(
-        8, 4, 2, 4, 4, device="cuda"), RuntimeError, "device"),
+        8, 4, 2, 4, 4, device="cuda"), ValueError, "device"),
     "reference kl: validate 'no'": (lambda P: R.kl_loss(
         P.q, P.k, P.q_idx, P.k_idx, P.I, P.lse, P.cu_q, P.cu_k, P.bk, validate="no"), TypeError,
         "validate"),
