@@ -417,17 +417,24 @@ def test_warmup_past_the_full_selection_budget_runs_v2():
         gpu._version(3, "float16", True, 128, 128, 128, 16, full_selection_bytes=over)
 
 
-def test_v3_warmup_is_the_selection_of_every_visible_block():
-    """v3's warmup (``block_indices=None``) runs the selection path on every visible block:
-    all four outputs bitwise equal to passing that selection, and within the float rule of the
-    reference's warmup (bottom-right queries, a partial last block, a one-block sequence)."""
-    p = case_problem([13, 5], [37, 9], 4, 2, 16, 16, 16, 2, seed=12)
+def every_visible_block(p):
+    """The warmup's support as a selection: int32 [Tq, Hkv, NB], every block up to each query's
+    own ascending, -1 after."""
     tq, tk = p.q.shape[0], p.k.shape[0]
     nb = max_blocks(p.cu_seqlens_k, p.block_size)
     local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk, p.block_size)
     b = np.arange(nb)
     row = np.where(b[None, :] <= local[:, None], b[None, :], -1).astype(np.int32)  # [Tq, NB]
-    every = np.ascontiguousarray(np.broadcast_to(row[:, None, :], (tq, 2, nb)))
+    return np.ascontiguousarray(np.broadcast_to(row[:, None, :], (tq, p.num_kv_heads, nb)))
+
+
+def test_v3_warmup_is_the_selection_of_every_visible_block():
+    """v3's warmup (``block_indices=None``) runs the selection path on every visible block:
+    all four outputs bitwise equal to passing that selection, and within the float rule of the
+    reference's warmup (bottom-right queries, a partial last block, a one-block sequence)."""
+    p = case_problem([13, 5], [37, 9], 4, 2, 16, 16, 16, 2, seed=12)
+    every = every_visible_block(p)
+    nb = every.shape[2]
     vals, kin = rounded(p, "float16")
     lse = main_lse(vals, None, p)
     plan = gpu._validated(*kin, None, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size,
@@ -449,12 +456,7 @@ def test_warmup_equals_selecting_every_visible_block(version):
     ``kl`` and ``dq_idx`` bitwise (the same key loop), ``dk_idx`` to rounding (the warmup
     recomputes ``dS`` where a selection reads its buffer)."""
     p = case_problem([13, 5], [13, 9], 4, 2, 8, 8, 4, 2, seed=11)
-    tq, tk = p.q.shape[0], p.k.shape[0]
-    nb = max_blocks(p.cu_seqlens_k, p.block_size)
-    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, tq, tk, p.block_size)
-    b = np.arange(nb)
-    row = np.where(b[None, :] <= local[:, None], b[None, :], -1).astype(np.int32)  # [Tq, NB]
-    every = np.ascontiguousarray(np.broadcast_to(row[:, None, :], (tq, 2, nb)))
+    every = every_visible_block(p)
     vals, kin = rounded(p, "float32")
     lse = main_lse(vals, None, p)
     warm = run_kernels(version, kin, None, lse, p, "float32")
