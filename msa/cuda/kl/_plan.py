@@ -84,8 +84,9 @@ class Plan:
     'bfloat16'``), ``tq, tk, hq, hkv, group, d, d_idx, topk, block_size``, ``warmup``,
     ``scale, index_scale`` (floats), ``version``; ``ctx`` the caller's array library; ``q, k,
     q_idx, k_idx`` kernel views (bf16 as uint16), ``I`` the selection (a dummy in v1 and v2's
-    warmup), ``lse`` (None if not given), ``d_cu_q, d_cu_k`` the offsets on the device; for v3 the tile
-    (``positions, rows, smem, smem_student``) and ``cut_topk``, the ``K`` of its hot-row cut.
+    warmup), ``lse`` (None if not given), ``d_cu_q, d_cu_k`` the offsets on the device; for v3
+    the tile (``positions, rows, smem, smem_student``) and ``cut_topk``, the ``K`` of its hot-row
+    cut.
 
     v3 in the warmup: the full causal support is written as a selection, ``I[t, r, s] = s`` for
     every block up to the query's own and ``-1`` after (``K = NB`` slots, int32 ``[Tq, Hkv,
