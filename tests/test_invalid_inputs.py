@@ -188,6 +188,8 @@ def float_array(name, x, ops, *, related=(), finite=False, rows=True):
         yield "one row short", x[:-1], "raises", related
     yield "list", x.tolist(), "raises", related
     yield "foreign", ops.foreign(x), ("same_or_type" if ops.name == "numpy" else "raises"), related
+    if ops.name == "numpy":  # a tensor that requires grad: its values, or a named TypeError
+        yield "foreign, requires grad", ops.foreign(x).requires_grad_(), "same_or_type", related
     if x.shape[0] > 0:
         yield "strided view", ops.strided(x), "same", ()
         first = (0,) * len(x.shape)

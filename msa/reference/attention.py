@@ -56,8 +56,9 @@ def _check_qkv(q, k, v):
     check_array("k", k, shape=(None, None, d))
     g = check_gqa(int(q.shape[1]), int(k.shape[1]))
     compute = np.float64 if dt == np.float64 else np.float32
-    return (np.asarray(q, dtype=compute), np.asarray(k, dtype=compute),
-            np.asarray(v, dtype=compute), g)
+    # host copies (NumPy, or a CuPy / torch / Numba array's): the reference has no autograd
+    q, k, v = (np.asarray(cu_to_host(x), dtype=compute) for x in (q, k, v))
+    return q, k, v, g
 
 
 def _softmax_attend(s, visible, v):

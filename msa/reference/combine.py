@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_array, dtype_of
+from .._checks import check_array, cu_to_host, dtype_of
 
 
 def combine_partials(o_part, lse_part, *, out_dtype=None):
@@ -70,7 +70,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
             raise TypeError(f"{want}, got {out_dtype}")
     f64 = np.dtype(np.float64)
     compute = f64 if f64 in (dtype_of(o_part), dtype_of(lse_part)) else np.dtype(np.float32)
-    L_s = np.asarray(lse_part, dtype=compute)  # [K, Tq, Hq]
+    L_s = np.asarray(cu_to_host(lse_part), dtype=compute)  # [K, Tq, Hq]
     nan_slot = np.isnan(L_s).any(axis=0)  # [Tq, Hq]: o = NaN, lse = NaN
     inf_slot = np.isposinf(L_s).any(axis=0) & ~nan_slot  # [Tq, Hq]: o = NaN, lse = +inf
     used = np.isfinite(L_s)  # [K, Tq, Hq]
@@ -91,7 +91,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
     o = np.zeros((tq, hq, o_part.shape[3]), dtype=compute)  # [Tq, Hq, D]
     for s in range(num_slots):
         # One slot at a time keeps the temporaries at [Tq, Hq, D] instead of [K, Tq, Hq, D].
-        o_s = np.asarray(o_part[s], dtype=compute)  # [Tq, Hq, D]
+        o_s = np.asarray(cu_to_host(o_part[s]), dtype=compute)  # [Tq, Hq, D]
         o += w[s][..., None] * np.where(used[s][..., None], o_s, 0)
     o[nan_slot | inf_slot] = np.nan
     lse[nan_slot] = np.nan

@@ -318,7 +318,7 @@ def _block_indices(layout, lq, q_idx, k_idx_cache, topk, index_scale):
     cu_q, cu_k = decode_offsets(layout, lq)
     k_idx = _gather_pages(k_idx_cache, layout, False)  # [Tk, Didx]
     bk = layout.block_size
-    M = block_scores(np.asarray(q_idx), k_idx, cu_q, cu_k, bk, scale=index_scale)  # [Hkv, B*Lq, NB]
+    M = block_scores(q_idx, k_idx, cu_q, cu_k, bk, scale=index_scale)  # [Hkv, B*Lq, NB]
     return select_blocks(M, cu_q, cu_k, topk=topk, block_size=bk)  # [B*Lq, Hkv, K]
 
 
@@ -345,7 +345,7 @@ def _attention(layout, lq, q, k_cache, v_cache, block_indices, scale):
     cu_q, cu_k = decode_offsets(layout, lq)
     k = _gather_pages(k_cache, layout, True)  # [Tk, Hkv, D]
     v = _gather_pages(v_cache, layout, True)  # [Tk, Hkv, D]
-    return sparse_attention(np.asarray(q), k, v, cu_to_host(block_indices), cu_q, cu_k,
+    return sparse_attention(q, k, v, cu_to_host(block_indices), cu_q, cu_k,
                             layout.block_size, scale=scale)
 
 
@@ -403,9 +403,9 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
     cu_q, cu_k = chunk_offsets(layout, cu_seqlens_q, q, q_idx)
     k, v, k_idx, _ = gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
-    M = block_scores(np.asarray(q_idx), k_idx, cu_q, cu_k, layout.block_size, scale=index_scale)
+    M = block_scores(q_idx, k_idx, cu_q, cu_k, layout.block_size, scale=index_scale)
     I = select_blocks(M, cu_q, cu_k, topk=topk, block_size=layout.block_size)
-    o, lse = sparse_attention(np.asarray(q), k, v, I, cu_q, cu_k, layout.block_size, scale=scale)
+    o, lse = sparse_attention(q, k, v, I, cu_q, cu_k, layout.block_size, scale=scale)
     return o, lse, I
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .._batch import Batch
 from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_positive_int,
-                       check_same_dtype, check_scale)
+                       check_same_dtype, check_scale, cu_to_host)
 from .blocks import key_positions
 
 POOLS = ("max", "mean")
@@ -79,9 +79,10 @@ def index_projections(x, w_q_idx, w_k_idx, num_kv_heads: int):
             f"w_q_idx must have Hkv * Didx = {hkv} * {d_idx} = {hkv * d_idx} columns "
             f"(num_kv_heads times the columns of w_k_idx), got shape {tuple(w_q_idx.shape)}")
     cdt = _compute_dtype(dt)
-    x = np.asarray(x).astype(cdt, copy=False)  # [T, d_model]
-    q_idx = (x @ np.asarray(w_q_idx).astype(cdt, copy=False)).reshape(-1, hkv, d_idx)  # [T, Hkv, Didx]
-    k_idx = x @ np.asarray(w_k_idx).astype(cdt, copy=False)  # [T, Didx]
+    x, w_q_idx, w_k_idx = (np.asarray(cu_to_host(a)).astype(cdt, copy=False)
+                           for a in (x, w_q_idx, w_k_idx))  # host copies
+    q_idx = (x @ w_q_idx).reshape(-1, hkv, d_idx)  # [T, Hkv, Didx]
+    k_idx = x @ w_k_idx  # [T, Didx]
     return q_idx, k_idx
 
 
@@ -97,8 +98,8 @@ def _check_index_inputs(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, scale, block_s
     scale = check_scale("scale", scale, 1.0 / math.sqrt(d_idx))
     batch = Batch.of(cu_seqlens_q, cu_seqlens_k, block_size, total_q=tq, total_k=tk)
     cdt = _compute_dtype(dt)
-    q = np.asarray(q_idx).astype(cdt, copy=False)  # [Tq, Hkv, Didx]
-    k = np.asarray(k_idx).astype(cdt, copy=False)  # [Tk, Didx]
+    q = np.asarray(cu_to_host(q_idx)).astype(cdt, copy=False)  # [Tq, Hkv, Didx]
+    k = np.asarray(cu_to_host(k_idx)).astype(cdt, copy=False)  # [Tk, Didx]
     return q, k, batch, scale
 
 
