@@ -46,7 +46,7 @@ import functools
 
 from numba import cuda, types
 
-from .arrays import SIMULATOR
+from .arrays import SIMULATOR, require_gpu
 
 AVAILABLE = not SIMULATOR
 
@@ -56,6 +56,7 @@ def why_not_available():
     capability 9.0 (the simulator has no twin of it)."""
     if SIMULATOR:
         return "the simulator (it has no wgmma)"
+    require_gpu()
     return _why_not_on(cuda.get_current_device().id)
 
 

@@ -18,7 +18,7 @@ from ..._batch import Batch
 from ..._checks import (GQA_GROUP_SIZES, check_array, check_gqa, check_positive_int,
                         check_scale, check_version, unsupported)
 from .._core import mma as _mma, wgmma as _wgmma
-from .._core.arrays import SIMULATOR, float_kind, index_dtype
+from .._core.arrays import SIMULATOR, float_kind, index_dtype, require_gpu
 from .._core.launch import launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
@@ -280,6 +280,7 @@ def default_partial_bytes() -> int:
     (16 GiB); 4 GiB under the simulator."""
     if SIMULATOR:
         return MAX_PARTIAL_BYTES
+    require_gpu()
     return _partial_bytes_on(cuda.get_current_device().id)
 
 

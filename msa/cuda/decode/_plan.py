@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda
 
 from ..._checks import dtype_of
-from .._core.arrays import SIMULATOR, is_bf16, library_of
+from .._core.arrays import SIMULATOR, is_bf16, library_of, require_gpu
 
 if not SIMULATOR:
     from numba.cuda import types as _nbtypes
@@ -231,6 +231,7 @@ def multiprocessors() -> int:
     """SMs of the current GPU (132 on an H200; the simulator plans as for one)."""
     if SIMULATOR:
         return 132
+    require_gpu()
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
