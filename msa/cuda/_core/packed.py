@@ -102,6 +102,47 @@ def item_fields(work, item, q_indices, cu_k, num_kv_heads, block_size):
 
 
 @cuda.jit(device=True)
+def paged_item_fields(work, item, q_indices, cu_k, total_rows, block_size):
+    """``item_fields`` for K and V in pages (``msa.cuda.attention.sparse_attention(...,
+    block_table=...)``): the caches ``[P, Hkv, Bk, D]`` viewed as ``[P*Hkv*Bk, 1, D]``
+    (``total_rows`` rows), the block's page in the item's ``row`` column (written there by
+    ``msa.cuda.attention._paged``), ``Hkv = q_indices.shape[0]``.
+
+    Returns ``item_fields``' tuple with ``key0 = (page*Hkv + h)*Bk``, the first row of head h of
+    that page in the view; ``q_count = 0`` also for a page outside ``[0, P)``.
+    """
+    hkv = q_indices.shape[0]
+    h, q_begin, q_count, b, j, key0, nk = item_fields(work, item, q_indices, cu_k, hkv,
+                                                      block_size)
+    page = int(work[item, 1])
+    key0 = (page * hkv + h) * block_size
+    if page < 0 or key0 + block_size > total_rows:
+        q_count = 0
+    return h, q_begin, q_count, b, j, key0, nk
+
+
+def item_reader(paged: bool):
+    """The work-item reader of a K1 rung, ``read(work, item, q_indices, cu_k, k, block_size)
+    -> (h, q_begin, q_count, b, j, key0, nk, kv_h)``: K and V of the item's block are rows
+    ``key0 .. key0 + nk - 1`` of head ``kv_h`` of the kernel's ``k`` and ``v``. Packed K/V
+    ``[Tk, Hkv, D]``: ``item_fields``, ``kv_h = h``. Paged (the ``[P*Hkv*Bk, 1, D]`` view):
+    ``paged_item_fields``, ``kv_h = 0``. ``h`` stays the KV head of the item's queries."""
+    if paged:
+        @cuda.jit(device=True, inline=True)
+        def read(work, item, q_indices, cu_k, k, block_size):
+            h, q_begin, q_count, b, j, key0, nk = paged_item_fields(
+                work, item, q_indices, cu_k, k.shape[0], block_size)
+            return h, q_begin, q_count, b, j, key0, nk, 0
+    else:
+        @cuda.jit(device=True, inline=True)
+        def read(work, item, q_indices, cu_k, k, block_size):
+            h, q_begin, q_count, b, j, key0, nk = item_fields(
+                work, item, q_indices, cu_k, k.shape[1], block_size)
+            return h, q_begin, q_count, b, j, key0, nk, h
+    return read
+
+
+@cuda.jit(device=True)
 def row_query(q_indices, slots, cu_q, cu_k, h, b, e, topk):
     """``(t, slot, pos)`` of CSR entry ``e`` of head ``h``; ``t = -1`` if it is not a valid query
     of sequence ``b`` or its slot is outside ``[0, topk)`` (such entries are skipped)."""

@@ -70,6 +70,13 @@ own CSR, schedule, K1 and K2 writing straight into its rows of the output. With 
 partials are bf16 by default (``partial_dtype``), which halves both that memory and the bytes
 K1 writes and K2 reads (at 128K: 34 GB instead of 69 GB each way); the LSEs stay fp32.
 
+K and V in pages: ``sparse_attention(..., block_table=...)`` takes them as the pages of a KV
+cache, ``[P, Hkv, Bk, D]`` (docs/design.md §8), read where they lie. Every rung has the option
+(its factory's ``paged``): viewed as ``[P*Hkv*Bk, 1, D]``, the Bk rows of head h in page p are
+one run, like a packed block's, so K1 changes only where an item's block starts; the schedule
+is the packed one, and ``_paged`` writes each item's page into its ``row`` column
+(``_core.packed.item_reader``). Chunked prefill into the cache (``msa.cuda.decode``) runs on it.
+
 Validation once: a public function checks shapes, dtypes, devices, G, D, the knobs and the
 packed batch (``Batch.of``) before any launch, and with ``validate=True`` the selection or the
 schedule on a host copy; nothing below re-checks. With ``validate=False`` the kernels still
@@ -87,6 +94,7 @@ from ..._batch import Batch
 from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_topk,
                         cu_to_host)
 from ...reference.attention import check_work
+from ...reference.decode import check_cache
 from ...reference.select import check_block_indices
 from .._core.arrays import ArrayContext, device_offsets, fill, index_dtype
 from .._core.launch import kernel_array
@@ -95,6 +103,7 @@ from ..csr import launch_build_csr
 from ..schedule import launch_rows, launch_schedule
 from ..select import check_topk as check_select_topk, launch_select_blocks_fused
 from ._backward import default_backward_version, sparse_attention_backward
+from ._paged import launch_pages
 from ._plan import (MAX_PARTIAL_BYTES, VERSIONS, K1Plan, Spec, default_partial_bytes,
                     partials_are_bf16, query_chunk, selection_args)
 
@@ -210,15 +219,19 @@ class _Forward:
         self.bf16_partials = partials_are_bf16(partial_dtype, spec)
         self.spec, self.batch, self.topk = spec, batch, topk
 
-    def run(self, q, k, v, block_indices, scale):
+    def run(self, q, k, v, block_indices, scale, block_table=None):
+        """``(o, lse)``; ``block_table`` (with paged ``k, v``): the pages of each sequence's
+        blocks, int32 ``[B, max_pages]``."""
         spec, batch, topk, plan = self.spec, self.batch, self.topk, self.plan
         bf16_partials = self.bf16_partials
-        ctx = ArrayContext(q=q, k=k, v=v, block_indices=block_indices)
+        ctx = ArrayContext(q=q, k=k, v=v, block_indices=block_indices, block_table=block_table)
         o = ctx.empty((spec.tq, spec.hq, spec.d), spec.kind)
         lse = ctx.empty((spec.tq, spec.hq), np.float32)
         if spec.tq == 0:
             return ctx.output(o), ctx.output(lse)
         qa, ka, va = plan.inputs(ctx, q, k, v)
+        table = None if block_table is None else kernel_array(ctx.input("block_table",
+                                                                        block_table))
         # The CSR and the schedule are allocated in the caller's library when it has a GPU one
         # (so that e.g. torch's allocator sees them); NumPy input goes to the device once.
         I = block_indices if ctx.lib in ("torch", "cupy") else ctx.input("block_indices",
@@ -235,12 +248,18 @@ class _Forward:
         chunks = [(t0, t1, k_lo, k_hi, sub, *device_offsets(sub))
                   for t0, t1, k_lo, k_hi, sub in batch.chunks(q_chunk)]
         for t0, t1, k_lo, k_hi, sub, d_cu_q, d_cu_k in chunks:
+            if table is not None:  # the whole cache; the chunk's sequences' rows of the table
+                k_lo, k_hi = 0, int(ka.shape[0])
+                first = int(np.searchsorted(batch.cu_q, t0, side="right")) - 1  # its first
+                rows = table[first:first + sub.num_seqs]  # as Batch.chunks finds them
             tc = t1 - t0
             # the chunk's k2q CSR and hot-row schedule on its validated batch; the work array is
             # padded (its -1 rows are skipped by K1): no host round trip
             row_ptr, q_indices, slots = launch_build_csr(sub, I[t0:t1], ctx)
             work, num_items = launch_schedule(sub, row_ptr, self.chunk_size, tc * topk, ctx)
             work = launch_rows(work, num_items)
+            if table is not None:
+                launch_pages(kernel_array(work), rows)  # each item's page into its row column
             o_part = o_buf[:topk * tc * spec.hq * spec.d].reshape(topk, tc, spec.hq, spec.d)
             lse_part = l_buf[:topk * tc * spec.hq].reshape(topk, tc, spec.hq)
             # Only L_s needs a value in unused slots: K2 never reads O_s where L_s = -inf.
@@ -255,7 +274,8 @@ class _Forward:
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
                      scale=None, version=None, tile_rows=None, groups=None, chunk_size=None,
-                     max_partial_bytes=None, partial_dtype=None, validate=True):
+                     max_partial_bytes=None, partial_dtype=None, block_table=None,
+                     validate=True):
     """Paper eq 8 on the GPU: attention over the causally visible keys of the selected blocks.
 
     .. math::  O_t^{(h)} = \\mathrm{softmax}\\big(Q_t^{(h)} K^{(r)}[\\mathcal{I}_t^{(r)}]^\\top s\\big)\\, V^{(r)}[\\mathcal{I}_t^{(r)}]
@@ -285,8 +305,16 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         partial_dtype: ``"float32"`` or ``"bfloat16"`` partials ``O_s`` (the LSEs stay float32);
             default bfloat16 for bfloat16 inputs (half the bytes K1 writes and K2 reads, one
             more rounding of 2**-9 relative, below the output's own), float32 otherwise.
+        block_table: K and V in the pages of a KV cache (docs/design.md §8), read where they
+            lie, with no copy: ``k, v`` are then ``[P, Hkv, Bk, D]`` with ``Bk = block_size``,
+            and ``block_table`` int ``[B, max_pages]`` holds the page of block ``j`` of
+            sequence ``b`` at ``[b, j]``; ``cu_seqlens_k`` still gives each sequence's length
+            (its keys fill pages ``block_table[b, :ceil(Lk/Bk)]``). The result equals the packed
+            call on the gathered sequences, bit for bit. ``msa.cuda.decode.prefill_chunk``
+            runs on it.
         validate: check ``block_indices`` on a host copy first
-            (``msa.reference.select.check_block_indices``). ``False`` skips it; invalid entries
+            (``msa.reference.select.check_block_indices``), and with ``block_table`` its page
+            ids (``msa.reference.decode.check_cache``). ``False`` skips both; invalid entries
             are then skipped by the kernels (memory safe, result unspecified).
 
     Returns:
@@ -301,23 +329,45 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     return _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
                              scale, version=version, tile_rows=tile_rows, groups=groups,
                              chunk_size=chunk_size, max_partial_bytes=max_partial_bytes,
-                             partial_dtype=partial_dtype, validate=validate)
+                             partial_dtype=partial_dtype, block_table=block_table,
+                             validate=validate)
 
 
 def _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
                       scale=None, *, version=None, tile_rows=None, groups=None, chunk_size=None,
-                      max_partial_bytes=None, partial_dtype=None, validate=True,
-                      bf16_bits=False, o_parts=None, assume_unaligned=False):
+                      max_partial_bytes=None, partial_dtype=None, block_table=None,
+                      validate=True, bf16_bits=False, o_parts=None, assume_unaligned=False):
     """``sparse_attention``, with the tests' knobs of ``_attention_partials``."""
-    spec = Spec(q, k, v, bf16_bits=bf16_bits)
+    validate = check_flag("validate", validate)
+    spec = Spec(q, k, v, bf16_bits=bf16_bits, paged=block_table is not None)
     batch, scale, topk = selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k,
                                         block_size, scale)
+    if spec.paged:
+        check_pages(k, v, block_table, batch, validate)
     forward = _Forward(spec, batch, topk, version, tile_rows, groups, chunk_size,
                        max_partial_bytes, partial_dtype, o_parts=o_parts,
                        assume_unaligned=assume_unaligned)
-    if check_flag("validate", validate):
+    if validate:
         check_block_indices(cu_to_host(block_indices), batch.cu_q, batch.cu_k, batch.block_size)
-    return forward.run(q, k, v, block_indices, scale)
+    return forward.run(q, k, v, block_indices, scale, block_table)
+
+
+def check_pages(k_cache, v_cache, block_table, batch, validate):
+    """The paged forward's cache (``block_table`` given): ``[P, Hkv, Bk, D]`` pages of
+    ``Bk = block_size`` slots, one row of ``block_table`` a sequence, and (``validate``) every
+    page a sequence's length uses in ``[0, P)``."""
+    check_array("block_table", block_table, ndim=2, dtypes=("int",))
+    index_dtype("block_table", block_table)
+    if int(block_table.shape[0]) != batch.num_seqs:
+        raise ValueError(f"block_table must have a row per sequence of cu_seqlens_k (B = "
+                         f"{batch.num_seqs}), got shape {tuple(block_table.shape)}")
+    most = int(block_table.shape[1]) * batch.block_size
+    if batch.num_seqs and int(batch.lk.max()) > most:
+        b = int(np.argmax(batch.lk))
+        raise ValueError(f"cu_seqlens_k: sequence {b} has Lk = {int(batch.lk[b])} keys, more "
+                         f"than block_table's max_pages * Bk = {most} slots")
+    check_cache(k_cache, v_cache, None, block_table, batch.lk, block_size=batch.block_size,
+                dtypes=None, values=validate)
 
 
 def msa_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, *,

@@ -58,12 +58,14 @@ class Spec:
     """Validated shapes of ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` and their dtype kind.
 
     ``bf16_bits``: int16/uint16 arrays hold bf16 bit patterns (the simulator's NumPy has no
-    bf16); torch bf16 tensors are recognised by their dtype."""
+    bf16); torch bf16 tensors are recognised by their dtype. ``paged``: k and v are the pages of
+    a KV cache, ``[P, Hkv, Bk, D]`` (``tk`` is then None: the offsets give the keys)."""
 
-    def __init__(self, q, k, v, *, bf16_bits: bool = False):
+    def __init__(self, q, k, v, *, bf16_bits: bool = False, paged: bool = False):
         check_array("q", q, ndim=3)
-        check_array("k", k, ndim=3)
-        check_array("v", v, ndim=3, shape=tuple(int(s) for s in k.shape))
+        check_array("k", k, ndim=4 if paged else 3)
+        check_array("v", v, ndim=4 if paged else 3, shape=tuple(int(s) for s in k.shape))
+        self.paged = paged
         self.kind = float_kind("q", q, DTYPE_KINDS, bf16_bits=bf16_bits)
         for name, x in (("k", k), ("v", v)):
             other = float_kind(name, x, DTYPE_KINDS, bf16_bits=bf16_bits)
@@ -72,7 +74,9 @@ class Spec:
         self.bf16_bits = bf16_bits
         self.tq, self.hq, self.d = (int(s) for s in q.shape)
         self.tk, self.hkv = int(k.shape[0]), int(k.shape[1])
-        if int(k.shape[2]) != self.d:
+        if paged:  # the keys are the cache's pages: their number is cu_seqlens_k's
+            self.tk = None
+        if int(k.shape[-1]) != self.d:
             raise ValueError(f"k must have head dim D={self.d} (q's), got shape {tuple(k.shape)}")
         if self.d < 1:
             raise ValueError(f"q must have head dim D >= 1, got shape {tuple(q.shape)}")
@@ -207,7 +211,10 @@ class K1Plan:
 
     def inputs(self, ctx, q, k, v):
         """Kernel views of q, k, v: uint32 word views for the tensor cores, element views for
-        version 1."""
+        version 1. Paged k, v ``[P, Hkv, Bk, D]`` are viewed as ``[P*Hkv*Bk, 1, D]`` first: the
+        rows of head h of page p are then one run of Bk rows (``_core.packed.item_reader``)."""
+        if self.spec.paged:
+            k, v = (x.reshape(-1, 1, x.shape[-1]) for x in (k, v))
         if self.version >= 2:  # [T, H, D/2]: two 16-bit values per load
             return [ctx.input(name, x).view(np.uint32)
                     for name, x in (("q", q), ("k", k), ("v", v))]
@@ -218,7 +225,8 @@ class K1Plan:
                bf16_partials=False):
         """K1 over ``work.shape[0]`` items (padding items exit at once); checks nothing.
 
-        ``q, k, v``: ``inputs``' views (a query chunk of them, the keys its queries see);
+        ``q, k, v``: ``inputs``' views (a query chunk of them, the keys its queries see; paged:
+        the whole cache, each work item's page in its ``row`` column, ``_paged.launch_pages``);
         ``work``, ``q_indices``, ``slots``: the chunk's schedule and k2q CSR (int32, on the
         device); ``cu_q``, ``cu_k``: its int32 device offsets; ``o_part``: float32
         ``[K, Tq, Hq, D]``, or its bf16 bits (uint16/int16) with ``bf16_partials``;
@@ -229,7 +237,8 @@ class K1Plan:
         spec = self.spec
         if self.version == 1:
             kernel = v1_cuda_cores.k1_kernel_v1(self.block_size, spec.d, spec.g, self.positions,
-                                                v1_cuda_cores.THREADS, spec.bf16, bf16_partials)
+                                                v1_cuda_cores.THREADS, spec.bf16, bf16_partials,
+                                                spec.paged)
             launch_smem(kernel, num_items, v1_cuda_cores.THREADS, self.smem, q, k, v, work,
                         q_indices, slots, cu_q, cu_k, np.float32(scale), o_part, lse_part)
             return
@@ -237,7 +246,7 @@ class K1Plan:
             o_part = o_part.view(np.uint32)  # [K, Tq, Hq, D/2]: two bf16 per word
         if self.version == 2:
             kernel = v2_mma.k1_kernel_v2(self.block_size, spec.d, spec.g, self.positions,
-                                         spec.bf16, bf16_partials)
+                                         spec.bf16, bf16_partials, spec.paged)
             launch_smem(kernel, num_items, 2 * self.rows, self.smem, q, k, v, work, q_indices,
                         slots, cu_q, cu_k, np.float32(scale * LOG2E), o_part, lse_part,
                         np.int32(self.block_size), np.int32(spec.d // 2))
@@ -247,7 +256,8 @@ class K1Plan:
                                                 self.assume_unaligned)
         factory = k1_kernel_v4 if self.version == 4 else k1_kernel_v3
         kernel = factory(self.block_size, spec.d, spec.g, self.positions, spec.bf16,
-                         bf16_partials, use_async, self.o_parts, self.groups, vector_stores)
+                         bf16_partials, use_async, self.o_parts, self.groups, vector_stores,
+                         spec.paged)
         launch_smem(kernel, num_items, 2 * self.rows * self.groups, self.smem, q, k, v, work,
                     q_indices, slots, cu_q, cu_k, np.float32(scale * LOG2E), o_part, lse_part)
 

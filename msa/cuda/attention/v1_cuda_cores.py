@@ -25,7 +25,7 @@ from numba import cuda, float32, int32
 
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f32_to_bf16
-from .._core.packed import item_fields, row_query
+from .._core.packed import item_reader, row_query
 from .._core.diskcache import kernel_jit
 
 THREADS = 32 if SIMULATOR else 128
@@ -48,15 +48,18 @@ def layout(block_size, head_dim, rows):
 
 @functools.lru_cache(maxsize=None)
 def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, threads: int,
-                 bf16_in: bool, bf16_partials: bool = False):
-    """K1 v1 specialised for (Bk, D, G, P, threads, input kind, fp32 or bf16 partials).
+                 bf16_in: bool, bf16_partials: bool = False, paged: bool = False):
+    """K1 v1 specialised for (Bk, D, G, P, threads, input kind, fp32 or bf16 partials, K/V
+    packed or in pages).
 
     Arguments: q [Tq, Hq, D], k, v [Tk, Hkv, D] one value an element (bf16 as its bits);
     ``work`` int [W, 6] items ``[kv_head, row, q_begin, q_count, batch, kv_block]``,
     ``q_indices``, ``slots`` int [Hkv, nnz] the k2q CSR entries and their slots, ``cu_q``,
     ``cu_k`` int32 [B+1]; ``scale``; ``o_part [K, Tq, Hq, D]`` float32 or bf16 bits,
-    ``lse_part`` float32 [K, Tq, Hq]."""
+    ``lse_part`` float32 [K, Tq, Hq]. ``paged``: k, v are the caches ``[P, Hkv, Bk, D]`` viewed
+    as ``[P*Hkv*Bk, 1, D]``, each item's page in its ``row`` column (``_core.packed.item_reader``)."""
     Bk, D, G, P, NT = block_size, head_dim, group, positions, threads
+    read_item = item_reader(paged)
     R = P * G
     LDK = D + 1  # odd stride: threads reading consecutive keys hit different banks
     LDS = Bk + 1
@@ -74,8 +77,8 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
         row_l = cuda.shared.array(R, float32)
         tid = cuda.threadIdx.x
         topk = o_part.shape[0]
-        h, q_begin, q_count, b, j, key0, nk = item_fields(
-            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        h, q_begin, q_count, b, j, key0, nk, kv_h = read_item(
+            work, cuda.blockIdx.x, q_indices, cu_k, k, Bk)
         if q_count <= 0:
             return  # the whole CTA: padding item
         key_pos0 = j * Bk
@@ -87,8 +90,8 @@ def k1_kernel_v1(block_size: int, head_dim: int, group: int, positions: int, thr
             kv_k = float32(0.0)
             kv_v = float32(0.0)
             if c < nk:
-                kv_k = to_f32(k[key0 + c, h, d])
-                kv_v = to_f32(v[key0 + c, h, d])
+                kv_k = to_f32(k[key0 + c, kv_h, d])
+                kv_v = to_f32(v[key0 + c, kv_h, d])
             smem[c * LDK + d] = kv_k
             smem[OFF_V + c * D + d] = kv_v
 

@@ -36,7 +36,7 @@ from .._core import mma as _mma
 from .._core.finite import block_checks
 from .._core.mma import (bf16_to_f32, exp2, load_a_frag, load_b_frag, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2, prefetch_l1)
-from .._core.packed import LN2, check_entry, item_fields, load_entry
+from .._core.packed import LN2, check_entry, item_reader, load_entry
 from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
@@ -66,8 +66,9 @@ def layout(block_size, head_dim, rows):
 
 @functools.lru_cache(maxsize=None)
 def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
-                 bf16_partials: bool = False):
-    """K1 v2 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out).
+                 bf16_partials: bool = False, paged: bool = False):
+    """K1 v2 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, K/V
+    packed or in pages: ``paged`` as version 1's).
 
     Arguments as version 1's kernel, except q, k, v: uint32 views ``[T, H, D/2]`` of the 16-bit
     inputs, ``scale`` times log2(e), with ``bf16_partials`` ``o_part`` a uint32 view ``[K, Tq,
@@ -95,6 +96,7 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
     checks = block_checks(bf16_in)
     nonfinite_bits, clean = checks.nonfinite_bits, checks.clean
     first_nonfinite, nonfinite_sum = checks.first_nonfinite, checks.nonfinite_sum
+    read_item = item_reader(paged)
 
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h, tid):
@@ -313,8 +315,8 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         g4 = lane // 4
         t4 = lane % 4
         topk = o_part.shape[0]
-        h, q_begin, q_count, b, j, key0, nk = item_fields(
-            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        h, q_begin, q_count, b, j, key0, nk, kv_h = read_item(
+            work, cuda.blockIdx.x, q_indices, cu_k, k, Bk)
         if q_count <= 0:
             return  # the whole CTA: padding item
         key_pos0 = j * Bk
@@ -327,10 +329,10 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
         # The K/V block, its non-finite V values stored as +0; the barrier ORs whether a thread
         # met one (then, the rare path, first_bad[d]: the block's first key with V[c, d]
         # non-finite, for fix_o).
-        bad_v = cuda.syncthreads_or(int32(load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, h,
+        bad_v = cuda.syncthreads_or(int32(load_kv(smem, sh, k, v, kv_k, kv_v, key0, nk, kv_h,
                                                   tid)))
         if bad_v:
-            first_nonfinite(first_bad, v, key0, nk, h, tid, NT)
+            first_nonfinite(first_bad, v, key0, nk, kv_h, tid, NT)
 
         # Pipeline: while tile i computes, the CSR entries of tile i+2 load into registers (row r
         # of the table is thread r's) and tile i+1's query rows are prefetched into L1.
@@ -387,7 +389,7 @@ def k1_kernel_v2(block_size: int, head_dim: int, group: int, positions: int, bf1
                    hq_bot, inv_bot, keys_rt, dw_rt)
             if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
                 fix_o(o_part, v, first_bad, t4, t_top, s_top, hq_top, pos_top, t_bot, s_bot,
-                      hq_bot, pos_bot, key_pos0, key0, nk, h)
+                      hq_bot, pos_bot, key_pos0, key0, nk, kv_h)
             if t4 == 0:
                 store_lse(lse_part, row_m, r_top, t_top, s_top, hq_top, l_top)
                 store_lse(lse_part, row_m, r_bot, t_bot, s_bot, hq_bot, l_bot)

@@ -42,7 +42,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from .._core.memops import dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans
 from .._core.mma import make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16
-from .._core.packed import check_entry, item_fields, load_entry
+from .._core.packed import check_entry, item_reader, load_entry
 from ._tile import tile as tile_functions
 from .._core.diskcache import kernel_jit
 
@@ -50,11 +50,11 @@ from .._core.diskcache import kernel_jit
 @functools.lru_cache(maxsize=None)
 def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
                  bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1,
-                 groups: int = 1, vector_stores: bool = False):
+                 groups: int = 1, vector_stores: bool = False, paged: bool = False):
     """K1 v3 specialised for (Bk, D, G, P, bf16 or fp16 in, fp32 or bf16 partials out, inputs
     copied by ``cp.async`` or by plain loads when they are not 16-byte aligned, column parts
     of O, warp groups, bf16 partials stored 16 bytes a lane when ``vector_stores``: ``o_part``
-    16-byte aligned).
+    16-byte aligned, K/V packed or in pages: ``paged`` as version 1's).
 
     Arguments: q, k, v as uint32 word views ``[T, H, D/2]`` of the 16-bit inputs; ``work``,
     ``q_indices``, ``slots``, ``cu_q``, ``cu_k`` as version 1's; ``scale`` times log2(e);
@@ -81,6 +81,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
     D = head_dim
     mma_pair = make_mma_pair(mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16)
     BF16_PARTIALS = bf16_partials
+    read_item = item_reader(paged)
 
     @kernel_jit(**T.JIT)
     def _k1_kernel_v3(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
@@ -102,8 +103,8 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         hq_total = lse_part.shape[2]
         col = int32(2 * t4)  # this lane's first key (S) or output column (O) in an n-tile
         lane_col = uint64(t4) if BF16_PARTIALS else uint64(col)  # ... as an o_part offset
-        h, q_begin, q_count, b, j, key0, nk = item_fields(
-            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        h, q_begin, q_count, b, j, key0, nk, kv_h = read_item(
+            work, cuda.blockIdx.x, q_indices, cu_k, k, Bk)
         if q_count <= 0:
             return  # the whole CTA: padding item
         key_pos0 = j * Bk
@@ -116,7 +117,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         # the group's tiles: grp, grp + NG, ... (with UNIFORM every group walks as many steps)
         num_steps = (num_tiles + NG - 1 - (0 if UNIFORM else grp)) // NG
 
-        load_kv(smem, k, v, cta_tid, key0, nk, h, hkv)
+        load_kv(smem, k, v, cta_tid, key0, nk, kv_h, hkv)
         # The group's first tile; thread tid gathers half of row tid // 2 of every tile.
         g_row = tid // 2
         g_half = tid % 2
@@ -135,7 +136,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         wait_all()
         bad_v = cuda.syncthreads_or(int32(clean_v(smem, cta_tid)))
         if bad_v:  # the rare path: where the block's non-finite values are, per column
-            first_nonfinite(first_bad, v, key0, nk, h, cta_tid, CTA_THREADS)
+            first_nonfinite(first_bad, v, key0, nk, kv_h, cta_tid, CTA_THREADS)
 
         # This lane's rows in the mma layouts: r_top = 16 warp + g4 and r_bot = r_top + 8.
         r_top = 16 * warp + g4
@@ -211,7 +212,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
                         inv_bot)
             if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
                 fix_o(o_part, v, first_bad, t4, t_top, t_bot, at_top, at_bot, pos_top, pos_bot,
-                      key_pos0, key0, nk, h)
+                      key_pos0, key0, nk, kv_h)
             store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                       l_top, l_bot)
 

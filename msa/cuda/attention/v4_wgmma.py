@@ -27,7 +27,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from .._core import wgmma as _wgmma
 from .._core.memops import dynamic_smem_u32, ldmatrix_x4
-from .._core.packed import check_entry, item_fields, load_entry
+from .._core.packed import check_entry, item_reader, load_entry
 from ._tile import tile as tile_functions
 from .._core.diskcache import kernel_jit
 
@@ -35,7 +35,7 @@ from .._core.diskcache import kernel_jit
 @functools.lru_cache(maxsize=None)
 def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf16_in: bool,
                  bf16_partials: bool = False, use_async: bool = True, o_parts: int = 1,
-                 groups: int = 1, vector_stores: bool = False):
+                 groups: int = 1, vector_stores: bool = False, paged: bool = False):
     """K1 v4 specialised as ``k1_kernel_v3`` (same arguments and kernel arguments), for tiles
     of ``positions * group = 64`` rows: a warp group is one warpgroup."""
     T = tile_functions(block_size, head_dim, group, positions, bf16_in, bf16_partials,
@@ -61,6 +61,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
     # core-matrix descriptors of K (k: next 8 dims +128 B, n: next 8 keys +16 D B) and V (k:
     # next 8 keys, n: next 8 dims); a k-step of S moves 256 B, of O 32 D B (/16: descriptor)
     KV_GROUP_BYTES = 16 * D
+    read_item = item_reader(paged)
 
     @kernel_jit(**T.JIT)
     def _k1_kernel_v4(q, k, v, work, q_indices, slots, cu_q, cu_k, scale, o_part, lse_part):
@@ -83,8 +84,8 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
         hq_total = lse_part.shape[2]
         col = int32(2 * t4)  # this lane's first key (S) or output column (O) in an n-tile
         lane_col = uint64(t4) if BF16_PARTIALS else uint64(col)  # ... as an o_part offset
-        h, q_begin, q_count, b, j, key0, nk = item_fields(
-            work, cuda.blockIdx.x, q_indices, cu_k, k.shape[1], Bk)
+        h, q_begin, q_count, b, j, key0, nk, kv_h = read_item(
+            work, cuda.blockIdx.x, q_indices, cu_k, k, Bk)
         if q_count <= 0:
             return  # the whole CTA: padding item
         key_pos0 = j * Bk
@@ -97,7 +98,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
         # the group's tiles: grp, grp + NG, ... (with UNIFORM every group walks as many steps)
         num_steps = (num_tiles + NG - 1 - (0 if UNIFORM else grp)) // NG
 
-        load_kv(smem, k, v, cta_tid, key0, nk, h, hkv)
+        load_kv(smem, k, v, cta_tid, key0, nk, kv_h, hkv)
         # The group's first tile; thread tid gathers half of row tid // 2 of every tile.
         g_row = tid // 2
         g_half = tid % 2
@@ -116,7 +117,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
         _wgmma.fence_proxy_async()
         bad_v = cuda.syncthreads_or(int32(bad))
         if bad_v:  # the rare path: where the block's non-finite values are, per column
-            first_nonfinite(first_bad, v, key0, nk, h, cta_tid, CTA_THREADS)
+            first_nonfinite(first_bad, v, key0, nk, kv_h, cta_tid, CTA_THREADS)
         k_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, 0), 128, KV_GROUP_BYTES)
         v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), KV_GROUP_BYTES, 128)
 
@@ -189,7 +190,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
                         inv_bot)
             if bad_v:  # the rows that see a non-finite V get the reference's NaN or inf
                 fix_o(o_part, v, first_bad, t4, t_top, t_bot, at_top, at_bot, pos_top, pos_bot,
-                      key_pos0, key0, nk, h)
+                      key_pos0, key0, nk, kv_h)
             store_lse(lse_part, t4, t_top, s_top, hq_top, t_bot, s_bot, hq_bot, mb_top, mb_bot,
                       l_top, l_bot)
 

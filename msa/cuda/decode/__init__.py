@@ -63,8 +63,9 @@ v      file                        kernels
                                    ms at 128 x 128K (6.20x); Lq = 8 at 32 x 64K 0.532 ms (3.38x)
 =====  ==========================  ===========================================================
 
-``prefill_chunk`` (chunked prefill into the cache, any number of new tokens a request) is the
-gather of the requests' pages (``gather_cache``) then ``msa.cuda.attention.msa_prefill``.
+``prefill_chunk`` (chunked prefill into the cache, any number of new tokens a request): the fused
+index + top-k on the requests' gathered index keys, then the KV-outer sparse attention reading K
+and V from their pages (``msa.cuda.attention.sparse_attention(..., block_table=...)``).
 
 Bad input raises ``TypeError``/``ValueError`` naming the argument before anything is allocated
 (``msa.reference.decode.check_cache``'s checks, plus device, contiguity, ``Lq <= 8``, ``K <=
@@ -84,7 +85,8 @@ from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .._core.memops import is_aligned16
-from ..attention import msa_prefill
+from ..attention import sparse_attention
+from ..select import select_blocks_fused
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
@@ -542,10 +544,11 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, s
 def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                   cu_seqlens_q, block_size, topk, *, scale=None, index_scale=None):
     """``msa.reference.decode.prefill_chunk`` on the GPU: the chunk's queries against their whole
-    caches. Rung 1 of chunked prefill: ``gather_cache`` copies the requests' pages into packed
-    sequences, then ``msa.cuda.attention.msa_prefill`` (fused index + top-k, KV-outer attention)
-    runs on them with ``cu_seqlens_q``; a KV-outer kernel that reads the pages through the
-    block table (no copy) is the rung this one stands in for. Returns ``(o, lse,
+    caches. The index branch runs on the requests' index keys gathered into packed sequences
+    (``gather_cache`` of ``k_idx_cache`` only: an eighth of K + V in the paper configuration)
+    with ``msa.cuda.select.select_blocks_fused``; the main branch reads K and V from their pages
+    through the block table, with no copy (``msa.cuda.attention.sparse_attention(...,
+    block_table=...)``: the KV-outer path, each K1 block one page). Returns ``(o, lse,
     block_indices)``."""
     if v_cache is None or k_idx_cache is None:
         raise TypeError("prefill_chunk needs v_cache and k_idx_cache arrays, got None")
@@ -553,9 +556,13 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
                               block_size=block_size, dtypes=_FLOAT_OR_BF16)
     check_positive_int("topk", topk, high=MAX_TOPK)
     cu_q, cu_k = _ref.chunk_offsets(layout, cu_seqlens_q, q, q_idx, _FLOAT_OR_BF16)
-    k, v, k_idx, _ = gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
-    return msa_prefill(q, k, v, q_idx, k_idx, cu_q, cu_k, block_size, topk, scale=scale,
-                       index_scale=index_scale)
+    _, _, k_idx, _ = gather_cache(None, None, k_idx_cache, block_table, cache_seqlens)
+    block_indices = select_blocks_fused(q_idx, k_idx, cu_q, cu_k, block_size, topk,
+                                        scale=index_scale)
+    # the cache and the selection were checked above: validate=False reads nothing back
+    o, lse = sparse_attention(q, k_cache, v_cache, block_indices, cu_q, cu_k, block_size,
+                              scale=scale, block_table=block_table, validate=False)
+    return o, lse, block_indices
 
 
 __all__ = ["DecodePlan", "append_to_cache", "decode_attention", "decode_block_indices",

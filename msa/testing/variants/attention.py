@@ -13,14 +13,15 @@ np.float32, Python ints int64, partials from a flat buffer reshaped (C-contiguou
 partials as int16 (v1), uint32 [K, Tq, Hq, D/2] (v2) or flat uint32 (v3/v4). Tile rows and
 groups are what ``_plan.K1Plan`` picks on a GPU: 64 rows for v1/v3/v4 (3 warp groups where a
 CTA stays at 12 warps), 128 for v2; one simulator-style variant (16 rows, 1 group) of v3. The
-names and the order are those of the listing at 426fbbf.
+names and the order are those of the listing at 426fbbf, then the paged K1 variants (K and V
+read through a block table) at the end.
 """
 
 from numba import types
 
 
 def variants():
-    from msa.cuda.attention import (_backward_parts, _tile, v1_backward_cuda_cores,
+    from msa.cuda.attention import (_backward_parts, _paged, _tile, v1_backward_cuda_cores,
                                     v1_cuda_cores, v2_backward_tensor_cores, v2_mma,
                                     v3_registers, v4_wgmma)
 
@@ -100,3 +101,21 @@ def variants():
     for d, g in ((128, 16), (32, 2)):
         yield (f"bwd.v2.dq_sum.d{d}.g{g}", v2_backward_tensor_cores.dq_sum_kernel(d, g),
                (i32[:, :, ::1], cu, cu, f32[:, :, :, ::1], f32, f3))
+
+    # K1 on K/V in pages (``sparse_attention(..., block_table=...)``; the caches viewed as
+    # [P*Hkv*Bk, 1, D], arrays of the packed variants' types), and the kernel that writes each
+    # work item's page: the paper configuration on v4 and v3, plus v1 and v2
+    yield ("k1.v4.paged.bf16.bk128.d128.g16.p4.bf16part.grp3.st16",
+           v4_wgmma.k1_kernel_v4(128, 128, 16, 4, True, True, True, _tile.o_parts(128), 3, True,
+                                 True), (w3, w3, w3, *index, u32[::1], lse3))
+    yield ("k1.v3.paged.bf16.bk128.d128.g16.p4.bf16part.grp3.st16",
+           v3_registers.k1_kernel_v3(128, 128, 16, 4, True, True, True, _tile.o_parts(128), 3,
+                                     True, True), (w3, w3, w3, *index, u32[::1], lse3))
+    e = elem["f32"][:, :, ::1]
+    yield ("k1.v1.paged.f32.bk128.d128.g16.p4",
+           v1_cuda_cores.k1_kernel_v1(128, 128, 16, 4, 128, False, False, True),
+           (e, e, e, *index, f32[:, :, :, ::1], lse3))
+    yield ("k1.v2.paged.bf16.bk64.d256.g16.p8.bf16part",
+           v2_mma.k1_kernel_v2(64, 256, 16, 8, True, True, True),
+           (w3, w3, w3, *index, u32[:, :, :, ::1], lse3, i32, i32))
+    yield "k1.paged.pages", _paged.pages_kernel, (i32[:, ::1], i32[:, ::1])
