@@ -43,6 +43,9 @@ from .functional import FLOAT_DTYPES, _check_tensor
 __all__ = ["CapturedDecode", "PagedKVCache", "decode_attention_step"]
 
 
+_MAX_DECODE_QUERIES = 8  # msa.cuda.decode.MAX_QUERIES: longer chunks run as a chunked prefill
+
+
 def _gpu():
     from ..cuda import decode as gpu  # msa.cuda needs numba: imported for CUDA tensors only
 
@@ -328,6 +331,35 @@ class PagedKVCache:
         return (torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse),
                 torch.from_numpy(idx))
 
+    def prefill(self, slots, q, q_idx, topk: int, *, cu_seqlens=None, scale=None,
+                index_scale=None):
+        """Chunked prefill into the cache: ``q [T, Hq, D]``, ``q_idx [T, Hkv, Didx]`` are the last
+        positions of each request (append them first), any number a request, ``cu_seqlens
+        [B+1]`` their offsets over ``slots`` (None: ``T / B`` each). Returns ``(o, lse,
+        block_indices)`` as ``decode``. On a GPU ``msa.cuda.decode.prefill_chunk``: the fused
+        index + top-k on the gathered index keys, the KV-outer attention reading K and V from
+        their pages; on the CPU the reference's ``prefill_chunk``."""
+        _, hkv, _, d = self.k_cache.shape
+        slots = self._slots(slots)
+        t = self._check_new("q", q, (None, None, d))
+        self._check_new("q_idx", q_idx, (t, hkv, self.k_idx_cache.shape[2]))
+        n_new, cu = self._new_tokens(slots, t, cu_seqlens)
+        cu_q = (np.concatenate([[0], np.cumsum(n_new)]) if cu is None else cu).astype(np.int32)
+        table, lens = self.views(slots)
+        if self.k_cache.is_cuda:
+            with torch.cuda.device(self.k_cache.device):
+                return _gpu().prefill_chunk(q.contiguous(), q_idx.contiguous(), self.k_cache,
+                                            self.v_cache, self.k_idx_cache, table, lens, cu_q,
+                                            self.block_size, topk, scale=scale,
+                                            index_scale=index_scale)
+        o, lse, idx = _ref.prefill_chunk(q.detach().numpy(), q_idx.detach().numpy(),
+                                         self.k_cache.numpy(), self.v_cache.numpy(),
+                                         self.k_idx_cache.numpy(), table.numpy(), lens.numpy(),
+                                         cu_q, self.block_size, topk, scale=scale,
+                                         index_scale=index_scale)
+        return (torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse),
+                torch.from_numpy(idx))
+
     def gather(self, slots):
         """``(k, v, k_idx, cu_seqlens_k)``: the requests' caches as packed sequences."""
         table, lens = self.views(slots)
@@ -424,8 +456,9 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
 
     ``x [B*Lq, d_model]``: the hidden states of each request's ``Lq`` new tokens (request-major
     over ``slots``). Projects them (Algorithm 1 lines 1-2; the index branch on ``x`` as is: no
-    gradient flows in generation), appends their K, V and K_idx to the cache, runs the decode
-    step (lines 3-5 on the cache) and the output projection (line 6).
+    gradient flows in generation), appends their K, V and K_idx to the cache, runs lines 3-5 on
+    the cache (``PagedKVCache.decode`` for ``Lq <= 8``, MTP drafts; ``PagedKVCache.prefill``, a
+    chunked prefill, for a longer chunk such as a prompt) and the output projection (line 6).
 
     Returns ``(output [B*Lq, d_model], block_indices [B*Lq, Hkv, K])``. The hook is
     ``MSAAttention.decode(self, x, cache, slots): return decode_attention_step(self, x, cache,
@@ -433,9 +466,9 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
 
     Raises TypeError/ValueError naming the argument before the cache changes: ``x`` as
     ``MSAAttention.forward`` takes it, a cache whose heads, dims, dtype or device are not the
-    layer's, slots that are not distinct active requests, ``B*Lq`` rows with ``Lq`` outside
-    ``[1, 8]`` on a GPU (``msa.cuda.decode``'s limit; ``Lq >= 1`` on the CPU), the layer's
-    ``topk`` above the backend's limit; ``reserve``'s RuntimeError when pages run out.
+    layer's, slots that are not distinct active requests, ``x`` not ``B*Lq`` rows with ``Lq >=
+    1``, the layer's ``topk`` above the backend's limit; ``reserve``'s RuntimeError when pages
+    run out.
     """
     from .layer import MSAAttention  # here: layer.py imports this module
 
@@ -457,11 +490,11 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
         raise ValueError(f"cache must be on the layer's device {layer.w_q.device}, got "
                          f"{cache.k_cache.device}")
     t, b = int(x.shape[0]), cache._slots(slots).size
-    lq, max_lq = t // b, (_gpu().MAX_QUERIES if cache.k_cache.is_cuda else None)
-    if t % b or lq < 1 or (max_lq is not None and lq > max_lq):
-        want = ">= 1" if max_lq is None else f"in [1, {max_lq}]: msa.cuda.decode's limit, " \
-            "longer chunks are a prefill"
-        raise ValueError(f"x must have B*Lq rows (B = {b} slots, Lq {want}), got {t} rows")
+    lq = t // b
+    if t % b or lq < 1:
+        raise ValueError(f"x must have B*Lq rows (B = {b} slots, Lq >= 1), got {t} rows")
+    # a decode step up to msa.cuda.decode's Lq limit, a chunked prefill above it
+    step = cache.decode if lq <= _MAX_DECODE_QUERIES else cache.prefill
     check_positive_int("topk", layer.topk,
                        high=_gpu().MAX_TOPK if cache.k_cache.is_cuda else _ref.MAX_TOPK)
     with torch.no_grad():
@@ -471,6 +504,6 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
         q_idx = (x @ layer.w_q_idx).view(t, hkv, d_idx)
         k_idx = x @ layer.w_k_idx
         cache.append(slots, k, v, k_idx)
-        o, _, idx = cache.decode(slots, q, q_idx, layer.topk, scale=layer.scale,
-                                 index_scale=layer.index_scale)
+        o, _, idx = step(slots, q, q_idx, layer.topk, scale=layer.scale,
+                         index_scale=layer.index_scale)
         return o.reshape(t, hq * d) @ layer.w_o, idx

@@ -129,6 +129,57 @@ def test_generation_with_the_layer_equals_its_prefill():
             np.testing.assert_array_equal(idx[b].numpy(), want.block_indices[-1].numpy())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_layer_prefills_a_prompt_in_chunks_then_decodes(device):
+    """A prompt of 20 tokens a request through ``decode_attention_step`` in chunks of 12 and 8
+    (a chunk above 8 tokens runs as a chunked prefill, ``PagedKVCache.prefill``), then one
+    decode step: every output row equals the layer's forward over the sequence so far."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    params = R.init_params(32, 4, 2, 16, 16, seed=5)
+    layer = MSAAttention.from_params(params, block_size=16, topk=2).to(device, dtype)
+    rng = np.random.default_rng(7)
+    full = [torch.from_numpy(rng.standard_normal((21, 32))).to(device, dtype) for _ in range(2)]
+    c = PagedKVCache(num_pages=8, num_kv_heads=2, head_dim=16, index_dim=16, block_size=16,
+                     max_requests=2, max_pages_per_request=2, device=device, dtype=dtype)
+    slots = [c.add_request(), c.add_request()]
+    tol = dict(rtol=1e-10, atol=1e-12) if device == "cpu" else dict(rtol=0.05, atol=0.05)
+    at = 0
+    for chunk in (12, 8, 1):
+        x = torch.cat([f[at:at + chunk] for f in full])  # [B*chunk, d_model], request-major
+        out, idx = decode_attention_step(layer, x, c, slots)
+        at += chunk
+        for b in range(2):
+            want = layer(full[b][:at], torch.tensor([0, at], dtype=torch.int32))
+            got = out[b * chunk:(b + 1) * chunk]
+            np.testing.assert_allclose(got.float().cpu().numpy(),
+                                       want.output[-chunk:].detach().float().cpu().numpy(), **tol)
+            np.testing.assert_array_equal(idx[b * chunk:(b + 1) * chunk].cpu().numpy(),
+                                          want.block_indices[-chunk:].cpu().numpy())
+    assert [c.seqlen(s) for s in slots] == [21, 21]
+
+
+def test_prefill_with_ragged_chunks_equals_the_reference():
+    rng = np.random.default_rng(3)
+    c = small_cache()
+    slots = [c.add_request(), c.add_request()]
+    new = np.array([6, 11])  # new tokens a request, on top of 3 and 0 cached ones
+    c.append([slots[0]], *(torch.from_numpy(rng.standard_normal(s)) for s in
+                           ((3, 2, 8), (3, 2, 8), (3, 8))))
+    cu = np.concatenate([[0], np.cumsum(new)])
+    c.append(slots, *(torch.from_numpy(rng.standard_normal(s)) for s in
+                      ((17, 2, 8), (17, 2, 8), (17, 8))), cu_seqlens=cu)
+    q = torch.from_numpy(rng.standard_normal((17, 4, 8)))
+    q_idx = torch.from_numpy(rng.standard_normal((17, 2, 8)))
+    o, lse, idx = c.prefill(slots, q, q_idx, 2, cu_seqlens=cu)
+    table, seqlens = c.views(slots)
+    want = ref.prefill_chunk(q.numpy(), q_idx.numpy(), c.k_cache.numpy(), c.v_cache.numpy(),
+                             c.k_idx_cache.numpy(), table.numpy(), seqlens.numpy(), cu, 4, 2)
+    for got, w in zip((o, lse, idx), want):
+        np.testing.assert_array_equal(got.numpy(), w)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        c.prefill(slots, q, q_idx, 2, cu_seqlens=[0, 5, 16])
+
+
 @pytest.mark.gpu
 def test_captured_steps_equal_eager_steps_bitwise():
     rng = np.random.default_rng(2)
