@@ -212,3 +212,10 @@ def test_captured_steps_equal_eager_steps_bitwise():
         assert torch.equal(gidx, idx)
         assert torch.equal(go.view(torch.int16), o.view(torch.int16))
         assert torch.equal(glse, lse)
+
+
+def test_the_layer_takes_a_decode_step_up_to_msa_cuda_decodes_limit():
+    from msa.cuda import decode as gpu
+    from msa.torch import cache as cache_module
+
+    assert cache_module._MAX_DECODE_QUERIES == gpu.MAX_QUERIES

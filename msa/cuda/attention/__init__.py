@@ -343,7 +343,7 @@ def _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_
     batch, scale, topk = selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k,
                                         block_size, scale)
     if spec.paged:
-        check_pages(k, v, block_table, batch, validate)
+        _check_pages(k, v, block_table, batch, validate)
     forward = _Forward(spec, batch, topk, version, tile_rows, groups, chunk_size,
                        max_partial_bytes, partial_dtype, o_parts=o_parts,
                        assume_unaligned=assume_unaligned)
@@ -352,7 +352,7 @@ def _sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_
     return forward.run(q, k, v, block_indices, scale, block_table)
 
 
-def check_pages(k_cache, v_cache, block_table, batch, validate):
+def _check_pages(k_cache, v_cache, block_table, batch, validate):
     """The paged forward's cache (``block_table`` given): ``[P, Hkv, Bk, D]`` pages of
     ``Bk = block_size`` slots, one row of ``block_table`` a sequence, and (``validate``) every
     page a sequence's length uses in ``[0, P)``."""
