@@ -547,3 +547,86 @@ def test_cuda_graph_replay_equals_eager_bitwise():
     torch.cuda.synchronize()
     assert torch.equal(pl.block_indices, fresh[2])
     assert torch.equal(pl.o.view(torch.int16), fresh[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_long_context_takes_the_wide_merge(version):
+    """A request of 140 pages: more than 32 index splits, so the merge runs several warps a row
+    (``v2_split_index.wide_warps``); the selection is the reference's bit for bit."""
+    from msa.cuda.decode import v2_split_index as v2i
+
+    p = paged_problem([140 * 16 - 3, 20], 1, hq=2, hkv=1, bk=16, d_idx=32, topk=4,
+                      dtype=np.float16, seed=21, integer_index=True, spare_pages=0)
+    pl = gpu.plan(p.q, p.q_idx, *p.cache, 16, 4, version=version)
+    assert pl.index_splits > 32 and v2i.wide_warps(pl.index_splits, 4) > 1
+    I = gpu.run(pl, p.q, p.q_idx, *p.cache)[2]
+    w = widened(p)
+    I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 16, 4)
+    assert_exact(to_numpy(I), I_ref, name="block_indices")
+
+
+# -- the merge of the splits' lists: one warp a row, and several -----------------------------
+
+def split_lists(splits, rows, hkv, topk, loc_blocks, seed):
+    """``cand_s, cand_i [S, rows, Hkv, K-1]`` as the split kernels leave them: each list the
+    best of its own blocks (split s owns blocks s, s + S, ...), sorted best first by
+    ``(score, -id)``, padded with ``(-inf, -1)``; scores from a few values, so that ties across
+    splits are common."""
+    rng = np.random.default_rng(seed)
+    km = topk - 1
+    cand_s = np.full((splits, rows, hkv, km), -np.inf, np.float32)
+    cand_i = np.full((splits, rows, hkv, km), -1, np.int32)
+    for sp in range(splits):
+        for t in range(rows):
+            for r in range(hkv):
+                blocks = np.arange(sp, loc_blocks[t], splits)
+                scores = rng.integers(-4, 5, blocks.size).astype(np.float32)
+                order = np.lexsort((blocks, -scores))[:km]
+                cand_s[sp, t, r, :order.size] = scores[order]
+                cand_i[sp, t, r, :order.size] = blocks[order]
+    return cand_s, cand_i
+
+
+def merged_rows(cand_s, cand_i, loc_blocks, topk):
+    """The rows the merge must write: the best K-1 of every list's entries ascending, the local
+    block, -1 padding."""
+    splits, rows, hkv, _ = cand_s.shape
+    out = np.full((rows, hkv, topk), -1, np.int32)
+    for t in range(rows):
+        for r in range(hkv):
+            s, i = cand_s[:, t, r].ravel(), cand_i[:, t, r].ravel()
+            keep = i >= 0
+            s, i = s[keep], i[keep]
+            best = np.sort(i[np.lexsort((i, -s))[:topk - 1]])
+            out[t, r, :best.size] = best
+            out[t, r, best.size] = loc_blocks[t]
+    return out
+
+
+@pytest.mark.parametrize("splits, topk", [(33, 4), (140, 16), (70, 32)])
+def test_wide_merge_equals_the_one_warp_merge(splits, topk):
+    """Where a lane of the one-warp merge would take more than one list, the merge runs with
+    several warps a row (``wide_warps``): the same rows, bit for bit, and the reference's."""
+    from msa.cuda.decode import v2_split_index as v2i
+
+    bk, lq, hkv = 16, 1, 2
+    lens = np.array([300 * bk + 5, 40 * bk + 1], np.int32)  # 2 requests
+    rows = lens.size * lq
+    pos = np.repeat(lens, lq) - np.tile(np.arange(lq, 0, -1), lens.size)
+    loc = pos // bk
+    cand_s, cand_i = split_lists(splits, rows, hkv, topk, loc, seed=splits + topk)
+    want = merged_rows(cand_s, cand_i, loc, topk)
+    w = v2i.wide_warps(splits, topk)
+    assert w > 1
+    capacity = int(lens.max())
+    got = {}
+    for name, kernel, grid, block in (
+            ("one warp", v2i.merge_kernel(bk, topk), -(-rows * hkv // v2i.merge_warps(topk)),
+             32 * v2i.merge_warps(topk)),
+            ("wide", v2i.merge_kernel_wide(bk, topk, w), rows * hkv, 32 * w)):
+        out = np.full((rows, hkv, topk), -7, np.int32)
+        kernel[grid, block](cand_s, cand_i, lens, lq, capacity, out)
+        got[name] = out
+    assert_exact(got["one warp"], want, name="one-warp merge")
+    assert_exact(got["wide"], want, name="wide merge")

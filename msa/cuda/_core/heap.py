@@ -6,7 +6,8 @@ enters. ``better`` is the order everywhere in msa's selection: a higher score fi
 scores to the smaller block id; ``offer`` never keeps ``-inf`` or NaN. ``sort_ids_ascending``
 and ``write_selection`` turn the kept ids into a row of ``I`` (the select stage's v1 kernel and
 the index stage's fused top-k epilogue end the same way); ``warp_merge`` is the end of the
-paper's warp-level selection, shared by the select stage's v2 kernel and the decode merge.
+paper's warp-level selection, shared by the select stage's v2 kernel and the decode merge, whose
+wide form first reduces each warp to its best with ``warp_top``.
 """
 
 from __future__ import annotations
@@ -137,6 +138,48 @@ def write_selection(out, t, r, hi, n, loc, topk):
 
 
 @cuda.jit(device=True, inline=True)
+def warp_best(hs, hi, p, n, neg):
+    """One round of the warp merge: every lane shows its best remaining entry ``hs/hi[p]`` (none
+    once ``p == n``), and a butterfly arg-max gives every lane the warp's best ``(score, id)``;
+    ``(neg, NO_BLOCK)`` when every lane is empty. Every lane of the warp calls it."""
+    cs = neg
+    ci = int32(NO_BLOCK)
+    if p < n:
+        cs = hs[p]
+        ci = hi[p]
+    off = 16
+    while off > 0:
+        os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
+        oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
+        if better(os_, oi, cs, ci):
+            cs = os_
+            ci = oi
+        off >>= 1
+    return cs, ci
+
+
+@cuda.jit(device=True, inline=True)
+def warp_top(hs, hi, n, kmax, neg, top_s, top_i, lane):
+    """The first level of a merge over several warps: the warp's best ``kmax`` entries of its
+    lanes' heaps (each ``hs/hi[0:n]`` sorted best first), best first into ``top_s/top_i``
+    (lane 0 writes them); returns their number, in every lane. Their union over the warps holds
+    the global best ``kmax`` (each is among its own warp's best)."""
+    p = 0
+    count = 0
+    while count < kmax:
+        cs, ci = warp_best(hs, hi, p, n, neg)
+        if ci == NO_BLOCK:
+            break
+        if p < n and hi[p] == ci:
+            p += 1
+        if lane == 0:
+            top_s[count] = cs
+            top_i[count] = ci
+        count += 1
+    return count
+
+
+@cuda.jit(device=True, inline=True)
 def warp_merge(hs, hi, n, kmax, neg, out, t, r, loc, topk, lane):
     """Paper §4.1, the merge of a warp's 32 lane heaps into the row ``out[t, r]``: each lane's
     ``hs/hi[0:n]`` sorted best first (``heap_sort_best_first``), ``kmax`` rounds in which
@@ -150,19 +193,7 @@ def warp_merge(hs, hi, n, kmax, neg, out, t, r, loc, topk, lane):
     w0 = int32(-1)
     w1 = int32(-1)
     while count < kmax:
-        cs = neg
-        ci = int32(NO_BLOCK)
-        if p < n:
-            cs = hs[p]
-            ci = hi[p]
-        off = 16
-        while off > 0:
-            os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
-            oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
-            if better(os_, oi, cs, ci):
-                cs = os_
-                ci = oi
-            off >>= 1
+        cs, ci = warp_best(hs, hi, p, n, neg)
         if ci == NO_BLOCK:  # every lane is empty (the same answer in every lane)
             break
         if p < n and hi[p] == ci:

@@ -26,6 +26,11 @@ full heap (the lists are sorted, so the rest cannot either), sorts it best first
 its owner pops it. The winners are exactly the global top ``K - 1`` (each is in its split's top
 ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
 then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
+Where a request has more than 32 splits (a lane would walk several lists, one after another),
+``merge_kernel_wide`` gives a row up to 8 warps, one list a lane: each warp reduces its lanes'
+heaps to its best ``K - 1`` (``_core.heap.warp_top``), then warp 0 merges those lists; the same
+rows bit for bit (not yet timed on a GPU; the one-warp merge took 0.036 ms of the 0.069 ms step
+at B = 1 x 128K with 256 splits, 0.056 of 0.180 at 1M).
 
 Verdict (H200, paper configuration, bf16, CUDA graphs; runs M, R of docs/performance.md): the
 split kernel reads the index keys at 3.1-3.5 TB/s, 72-81% of the 4.26 TB/s copy bandwidth (537 MB
@@ -45,7 +50,8 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
-from .._core.heap import NO_BLOCK, better, heap_sort_best_first, offer, warp_merge
+from .._core.heap import (NO_BLOCK, better, heap_sort_best_first, offer, warp_merge,
+                          warp_top)
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_u32,
                             ldmatrix_x4)
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
@@ -346,6 +352,76 @@ def merge_kernel(block_size: int, topk: int):
     return kernel
 
 
+def wide_warps(splits: int, topk: int) -> int:
+    """Warps a row of the wide merge (``merge_kernel_wide``) for ``splits`` lists: one list a
+    lane where the one-warp merge would give a lane more than one (``splits > 32``), at most
+    ``MAX_WIDE_WARPS``, within ``WIDE_SMEM`` bytes of lane heaps; 1 (the one-warp merge)
+    otherwise."""
+    if topk < 2 or splits <= 32:
+        return 1
+    fit = WIDE_SMEM // (32 * (topk - 1) * 8)  # a lane's heap: K - 1 (score, id) pairs
+    return max(1, min(-(-splits // 32), MAX_WIDE_WARPS, fit))
+
+
+MAX_WIDE_WARPS = 8
+WIDE_SMEM = 40 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel_wide(block_size: int, topk: int, warps: int):
+    """The merge with ``warps`` warps a row (one CTA a row), for rows of many splits: warp ``w``
+    takes the lists of splits ``32 w + l, 32 (w + warps) + l, ...`` into its lanes' heaps as the
+    one-warp merge does, reduces them to its best ``K - 1`` (``_core.heap.warp_top``), and after
+    the CTA barrier warp 0 merges those ``warps`` sorted lists, one a lane, into the row
+    (``warp_merge``). Exact, and bitwise the one-warp merge's row: the global best ``K - 1`` are
+    each among their warp's best, and ``better`` is a total order. Arguments as
+    ``merge_kernel``'s."""
+    BK = block_size
+    KM = topk - 1
+    W = warps
+    assert KM >= 1 and W >= 2
+
+    @kernel_jit
+    def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
+        heap_s = cuda.shared.array((W, 32, KM), float32)
+        heap_i = cuda.shared.array((W, 32, KM), int32)
+        top_s = cuda.shared.array((W, KM), float32)
+        top_i = cuda.shared.array((W, KM), int32)
+        top_n = cuda.shared.array(W, int32)
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        hkv = out.shape[1]
+        row = cuda.blockIdx.x  # the grid is exactly the rows: no CTA leaves early
+        t = row // hkv
+        r = row % hkv
+        _, pos = query_of(t, lq, cache_seqlens, capacity)
+        loc = pos // BK if pos >= 0 else -1
+        hs = heap_s[warp, lane]
+        hi = heap_i[warp, lane]
+        n = 0
+        rs = float32(-math.inf)
+        ri = int32(NO_BLOCK)
+        for sp in range(32 * warp + lane, cand_s.shape[0], 32 * W):
+            for e in range(KM):  # as merge_kernel: a sorted list is left at its first miss
+                blk = cand_i[sp, t, r, e]
+                sc = cand_s[sp, t, r, e]
+                if blk < 0 or (n == KM and not better(sc, blk, rs, ri)):
+                    break
+                n, rs, ri = offer(hs, hi, n, KM, rs, ri, sc, blk)
+        heap_sort_best_first(hs, hi, n)
+        count = warp_top(hs, hi, n, KM, float32(-math.inf), top_s[warp], top_i[warp], lane)
+        if lane == 0:
+            top_n[warp] = count
+        cuda.syncthreads()
+        if warp == 0:  # lane l < W holds warp l's list, sorted best first: its "heap"
+            mine = min(lane, W - 1)
+            m = top_n[mine] if lane < W else 0
+            warp_merge(top_s[mine], top_i[mine], m, KM, float32(-math.inf), out, t, r, loc,
+                       out.shape[2], lane)
+
+    return kernel
+
+
 def plan_index(p, ctx, step, index_scale) -> int:
     """Add the index launches of rung 2 to plan ``p``; returns the split count."""
     lay = step.layout
@@ -379,10 +455,15 @@ def plan_splits_and_merge(p, ctx, step, index_scale, splits, make_split, threads
                          ("in", "block_table", None), ("in", "cache_seqlens", None),
                          min_pages, float(index_scale), ("ws", "cand_s", None),
                          ("ws", "cand_i", None)]))
-    merge, wm = merge_kernel(lay.block_size, topk), merge_warps(topk)
-    p.steps.append((Kernel(merge, -(-rows * hkv // wm), 32 * wm),
-                    [("ws", "cand_s", None), ("ws", "cand_i", None), ("in", "cache_seqlens", None),
-                     lq, lay.max_pages * lay.block_size, ("out", "block_indices", None)]))
+    wide = wide_warps(splits, topk)
+    if wide > 1:  # one CTA of `wide` warps a row
+        merge = Kernel(merge_kernel_wide(lay.block_size, topk, wide), rows * hkv, 32 * wide)
+    else:  # one warp a row, `wm` rows a CTA
+        wm = merge_warps(topk)
+        merge = Kernel(merge_kernel(lay.block_size, topk), -(-rows * hkv // wm), 32 * wm)
+    p.steps.append((merge, [("ws", "cand_s", None), ("ws", "cand_i", None),
+                            ("in", "cache_seqlens", None), lq, lay.max_pages * lay.block_size,
+                            ("out", "block_indices", None)]))
     return splits
 
 

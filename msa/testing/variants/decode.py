@@ -48,3 +48,7 @@ def variants():
         yield (f"v1-attention-{kind}", v1.attention_kernel(kind, 16),
                (e3, e4, e4, i3, table, lens, i64, i64, f32, f3, b3 if kind == "bfloat16" else f3, f2))
     yield "v1-topk", v1.topk_kernel(16), (f3, lens, i64, i3)
+    # the merge over several warps a row, where a request has more than 32 index splits
+    # (idx.wide_warps: 8 warps at 256 splits, 2 at 49, 5 at K = 32)
+    for k, w in ((16, 8), (16, 2), (32, 5)):
+        yield f"index-merge-wide-K{k}-W{w}", idx.merge_kernel_wide(128, k, w), merge_sig
