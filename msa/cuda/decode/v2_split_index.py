@@ -308,6 +308,29 @@ def merge_warps(topk: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def list_walk(km: int, cap: int):
+    """``take(hs, hi, cand_s, cand_i, t, r, first, stride) -> n``: the candidate lists of splits
+    ``first, first + stride, ...`` for row ``(t, r)`` into a lane's heap ``hs/hi`` of ``cap``
+    entries (``km = K - 1`` a list; ``km = 0``: none). Each list is sorted best first, so it is
+    left at its first entry that cannot enter the full heap."""
+    @cuda.jit(device=True, inline=True)
+    def take(hs, hi, cand_s, cand_i, t, r, first, stride):
+        n = 0
+        rs = float32(-math.inf)
+        ri = int32(NO_BLOCK)
+        for sp in range(first, cand_s.shape[0] if km > 0 else 0, stride):
+            for e in range(km):
+                blk = cand_i[sp, t, r, e]
+                sc = cand_s[sp, t, r, e]
+                if blk < 0 or (n == cap and not better(sc, blk, rs, ri)):
+                    break
+                n, rs, ri = offer(hs, hi, n, cap, rs, ri, sc, blk)
+        return n
+
+    return take
+
+
+@functools.lru_cache(maxsize=None)
 def merge_kernel(block_size: int, topk: int):
     """The merge of the splits' candidate lists into ``I [B*Lq, Hkv, K]``; arguments:
     ``(cand_s, cand_i, cache_seqlens, lq, capacity, out)`` (K = 1: no candidates, any
@@ -316,6 +339,7 @@ def merge_kernel(block_size: int, topk: int):
     KM = topk - 1
     CAP = max(KM, 1)  # K = 1: no candidates, the loop below never runs
     WM = merge_warps(topk)
+    take_lists = list_walk(KM, CAP)
 
     @kernel_jit
     def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
@@ -333,18 +357,7 @@ def merge_kernel(block_size: int, topk: int):
         loc = pos // BK if pos >= 0 else -1
         hs = heap_s[warp, lane]
         hi = heap_i[warp, lane]
-        n = 0
-        rs = float32(-math.inf)
-        ri = int32(NO_BLOCK)
-        # lane l takes the lists of splits l, l + 32, ...: each is sorted best first, so a list
-        # is left at its first entry that cannot enter the lane's (full) heap
-        for sp in range(lane, cand_s.shape[0] if KM > 0 else 0, 32):
-            for e in range(KM):
-                blk = cand_i[sp, t, r, e]
-                sc = cand_s[sp, t, r, e]
-                if blk < 0 or (n == CAP and not better(sc, blk, rs, ri)):
-                    break
-                n, rs, ri = offer(hs, hi, n, CAP, rs, ri, sc, blk)
+        n = take_lists(hs, hi, cand_s, cand_i, t, r, lane, 32)  # splits lane, lane + 32, ...
         heap_sort_best_first(hs, hi, n)
         # the paper's warp merge: the warp's top K - 1, ascending, the local block, -1 padding
         warp_merge(hs, hi, n, KM, float32(-math.inf), out, t, r, loc, out.shape[2], lane)
@@ -380,6 +393,7 @@ def merge_kernel_wide(block_size: int, topk: int, warps: int):
     KM = topk - 1
     W = warps
     assert KM >= 1 and W >= 2
+    take_lists = list_walk(KM, KM)
 
     @kernel_jit
     def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
@@ -398,16 +412,7 @@ def merge_kernel_wide(block_size: int, topk: int, warps: int):
         loc = pos // BK if pos >= 0 else -1
         hs = heap_s[warp, lane]
         hi = heap_i[warp, lane]
-        n = 0
-        rs = float32(-math.inf)
-        ri = int32(NO_BLOCK)
-        for sp in range(32 * warp + lane, cand_s.shape[0], 32 * W):
-            for e in range(KM):  # as merge_kernel: a sorted list is left at its first miss
-                blk = cand_i[sp, t, r, e]
-                sc = cand_s[sp, t, r, e]
-                if blk < 0 or (n == KM and not better(sc, blk, rs, ri)):
-                    break
-                n, rs, ri = offer(hs, hi, n, KM, rs, ri, sc, blk)
+        n = take_lists(hs, hi, cand_s, cand_i, t, r, 32 * warp + lane, 32 * W)
         heap_sort_best_first(hs, hi, n)
         count = warp_top(hs, hi, n, KM, float32(-math.inf), top_s[warp], top_i[warp], lane)
         if lane == 0:
