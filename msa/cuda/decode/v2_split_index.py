@@ -365,6 +365,10 @@ def merge_kernel(block_size: int, topk: int):
     return kernel
 
 
+MAX_WIDE_WARPS = 8  # warps a row of the wide merge: one list a lane up to 256 splits
+WIDE_SMEM = 40 * 1024  # its lanes' heaps, in static shared memory (48 KB at most a CTA)
+
+
 def wide_warps(splits: int, topk: int) -> int:
     """Warps a row of the wide merge (``merge_kernel_wide``) for ``splits`` lists: one list a
     lane where the one-warp merge would give a lane more than one (``splits > 32``), at most
@@ -375,9 +379,6 @@ def wide_warps(splits: int, topk: int) -> int:
     fit = WIDE_SMEM // (32 * (topk - 1) * 8)  # a lane's heap: K - 1 (score, id) pairs
     return max(1, min(-(-splits // 32), MAX_WIDE_WARPS, fit))
 
-
-MAX_WIDE_WARPS = 8
-WIDE_SMEM = 40 * 1024
 
 
 @functools.lru_cache(maxsize=None)
