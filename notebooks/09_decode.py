@@ -116,6 +116,37 @@ else:
     nbtools.check("o within the 16-bit output's rounding", err < 2e-3, f"{err:.2e}")
 
 # %% [markdown]
+# ## Chunked prefill: K and V read where they lie
+#
+# A longer run of new tokens (a prompt arriving in pieces) is the same computation with more
+# queries a request: `prefill_chunk`. On the GPU its KV-outer attention reads K and V straight
+# from the pages. Viewed as `[P Hkv Bk, 1, D]`, the `Bk` rows of head $h$ in page $p$ are one run,
+# as a packed block's rows are, so a work item only needs its page
+# (`msa.cuda.attention.sparse_attention(..., block_table=...)`): no copy of the cache, and the
+# result of the packed call on the gathered sequences, bit for bit. The NaN in the slots no token
+# owns show that nothing else is read.
+
+# %%
+attend, why = nbtools.cuda_function("attention", "sparse_attention")
+if attend is None:
+    print("skipped:", why)
+else:
+    C = np.array([5, 9])  # the chunk: the last 5 and 9 positions of the two requests
+    cu_c = np.concatenate([[0], np.cumsum(C)]).astype(np.int32)
+    qc = rng.standard_normal((int(C.sum()), HQ, DH)).astype(np.float16)
+    qc_idx = rng.integers(-3, 4, (int(C.sum()), HKV, DIDX)).astype(np.float64)
+    Ic = R.select_blocks(R.block_scores(qc_idx, gi, cu_c, cu_k, BK), cu_c, cu_k, topk=K,
+                         block_size=BK).astype(np.int32)
+    h16 = [x.astype(np.float16) for x in (k_cache, v_cache, gk, gv)]
+    cu_k32 = cu_k.astype(np.int32)
+    o_paged, lse_paged = attend(qc, h16[0], h16[1], Ic, cu_c, cu_k32, BK, block_table=table)
+    o_packed, lse_packed = attend(qc, h16[2], h16[3], Ic, cu_c, cu_k32, BK)
+    nbtools.check("K and V read through the block table: the packed call's o and lse, bit for bit",
+                  np.array_equal(np.asarray(o_paged), np.asarray(o_packed))
+                  and np.array_equal(np.asarray(lse_paged), np.asarray(lse_packed))
+                  and np.isfinite(np.asarray(o_paged)).all())
+
+# %% [markdown]
 # ## Speed-up against dense decode, as a function of the context
 #
 # The roofline model (`msa.reference.complexity`-style byte counts at the H200's measured copy
