@@ -208,6 +208,7 @@ def bench_case(b, n, lq, args):
     import torch
 
     from msa.cuda import decode as gpu
+    from msa.cuda.decode.v2_split_index import wide_warps
 
     rows = []
     name = f"B={b} N={n // K}K Lq={lq}" + (" shared" if args.shared_index_queries else "")
@@ -223,6 +224,7 @@ def bench_case(b, n, lq, args):
     row = dict(case=name, B=b, N=n, Lq=lq, shared_index_queries=args.shared_index_queries,
                version=plan.version, first_s=first_s,
                index_splits=plan.index_splits, attention_splits=plan.attention_splits,
+               merge_warps_a_row=wide_warps(plan.index_splits, TOPK),
                workspace_MiB=plan.workspace_bytes() / 2**20, gate_selection_bad=bad,
                gate_rel_err=err)
     if bad or not err < GATE_REL:
