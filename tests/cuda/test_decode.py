@@ -566,6 +566,27 @@ def test_a_long_context_takes_the_wide_merge(version):
     assert_exact(to_numpy(I), I_ref, name="block_indices")
 
 
+
+@pytest.mark.big
+@pytest.mark.parametrize("lq", [1, 8])
+def test_paper_configuration_long_context_takes_the_wide_merge(lq):
+    """One request of 20000 tokens (157 pages): 40 index splits on a GPU of 20 or more SMs,
+    so the merge runs several warps a row; the selection is the reference's bit for bit."""
+    torch = pytest.importorskip("torch")
+    from msa.cuda.decode import v2_split_index as v2i
+
+    p, c, m = _paper_problem(torch, 1, 20000, lq, seed=lq + 20, integer_index=True)
+    args = (c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"], m["block_table"],
+            m["cache_seqlens"])
+    pl = gpu.plan(*args, 128, 16)
+    assert v2i.wide_warps(pl.index_splits, 16) > 1, pl.index_splits
+    I = gpu.run(pl, *args)[2]
+    as32 = {k: v.float().cpu().numpy() for k, v in c.items()}
+    I_ref = ref.decode_block_indices(as32["q_idx"], as32["k_idx_cache"], p.block_table,
+                                     p.cache_seqlens, 128, 16)
+    assert_exact(I.cpu().numpy(), I_ref, name="block_indices")
+
+
 # -- the merge of the splits' lists: one warp a row, and several -----------------------------
 
 def split_lists(splits, rows, hkv, topk, loc_blocks, seed):
