@@ -2,7 +2,7 @@
 KV cache (docs/design.md §8, chunked prefill) equal the packed call on the gathered sequences,
 bit for bit, for every K1 rung the inputs allow.
 
-The caches come from ``tests.reference.test_decode.paged_problem``: pages handed out in a random
+The caches come from ``tests.paged_cases.paged_problem``: pages handed out in a random
 order, spare pages, and NaN in every slot no token owns (a kernel that reads one, or multiplies
 it by 0, fails). The chunk's queries are the last ``Lq`` positions of each request; lengths
 below one block, on a block boundary and one past it; one query chunk or several (a small
@@ -20,7 +20,7 @@ from msa.cuda import attention as gpu
 from msa.reference import index as ref_index
 from msa.reference import select as ref_select
 from msa.testing.backends import to_numpy
-from tests.reference.test_decode import paged_problem
+from tests.paged_cases import paged_problem
 
 BK = 16
 

@@ -1,6 +1,6 @@
 """msa.cuda.decode against msa.reference.decode (docs/design.md §8, §5), in the simulator and on a GPU.
 
-The caches come from ``tests.reference.test_decode.paged_problem``: pages shuffled, spare pages,
+The caches come from ``tests.paged_cases.paged_problem``: pages shuffled, spare pages,
 -1 in unused block-table entries, NaN in every slot no token owns. Selections compare exactly
 where the index scores are exact (``integer_index``: small integers, every score exact in
 float32, many ties, so the tie rule is exercised); with Gaussian index data a near tie may swap
@@ -34,7 +34,7 @@ from msa.testing import variants
 from msa.testing.backends import to_numpy
 from msa.testing.ptx import assert_no_f64_or_local, sm90_ptx
 from msa.testing.tolerance import assert_close_to_oracle, assert_exact, oracle_and_baseline
-from tests.reference.test_decode import Paged, paged_problem, prefill_last_rows
+from tests.paged_cases import Paged, paged_problem, prefill_last_rows
 
 U16 = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from msa.cuda import decode as gpu
-from tests.reference.test_decode import paged_problem
+from tests.paged_cases import paged_problem
 
 
 @pytest.mark.gpu
