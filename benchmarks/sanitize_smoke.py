@@ -14,7 +14,8 @@ with the stages' rung tables. The results of the last runs are in
 benchmarks/results/gpu_tests/README.md.
 
 Besides each stage on a valid selection, it runs the layer's paths (``msa_prefill``,
-``kl_loss_and_backward``, a decode step on a paged cache with Lq = 1 and 4) and a hostile
+``kl_loss_and_backward``, a decode step on a paged cache with Lq = 1 and 4, a chunked prefill
+reading K and V through the block table, the decode merge over several warps a row) and a hostile
 selection with ``validate=False`` (ids past the sequence and at the int32 extremes, negative
 ids, repeats, -1 before an id) through the bf16 defaults of the forward, the backward and the
 KL: memory safe, and every undamaged query's results bitwise those of the clean selection.
@@ -254,6 +255,7 @@ def check_decode(p, attempt, bf, dev):
     from msa import reference as R
     # msa.cuda.decode is a stage of its own (not re-exported by msa.cuda)
     from msa.cuda import decode as CD
+    from msa.reference import decode as RD
 
     cq, ck, bk, k = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, p.topk
     rb = lambda a: bf(a).float().cpu().numpy()  # noqa: E731
@@ -287,6 +289,45 @@ def check_decode(p, attempt, bf, dev):
             return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
 
         attempt(f"decode_step Lq={lq}", decode_step)
+
+    def prefill_chunk():  # K1 reading K and V through the block table
+        c = np.minimum(lens, 37)  # the chunk: each request's last (up to) 37 positions
+        rows_q = np.concatenate([int(cq[b + 1]) - int(c[b]) + np.arange(int(c[b]))
+                                 for b in range(len(lens))])
+        cu_c = np.concatenate([[0], np.cumsum(c)]).astype(np.int32)
+        o, _lse, I = CD.prefill_chunk(bf(p.q[rows_q]), bf(p.q_idx[rows_q]), bf(kc), bf(vc),
+                                      bf(kic), dev(table), dev(lens), cu_c, bk, k)
+        gk, gv, _, cu_k = RD.gather_cache(rb(kc), rb(vc), None, table, lens)
+        o_b, _ = R.sparse_attention(rb(p.q[rows_q]), gk, gv, I.cpu().numpy(), cu_c, cu_k, bk)
+        return float(np.abs(o.float().cpu().numpy() - o_b).max()) < 3e-2
+
+    attempt("prefill_chunk (paged K1)", prefill_chunk)
+
+    def wide_merge():  # the merge over several warps a row, on synthetic candidate lists
+        import torch
+
+        from msa.cuda.decode import v2_split_index as v2i
+
+        splits, rows, kk = 140, 4, 16
+        rng = np.random.default_rng(5)
+        # split s owns blocks s, s + splits, ... (as the split kernels do): ids unique in a row
+        blocks = np.stack([s_ + splits * rng.permutation(29)[:kk - 1]
+                           for s_ in range(splits) for _ in range(rows)])
+        scores = rng.integers(-4, 5, blocks.shape).astype(np.float32)
+        order = np.lexsort((blocks, -scores), axis=-1)
+        cand_i = np.take_along_axis(blocks, order, -1).astype(np.int32).reshape(splits, rows, 1, kk - 1)
+        cand_s = np.take_along_axis(scores, order, -1).reshape(splits, rows, 1, kk - 1)
+        seqlens = torch.full((rows,), 4096 * 16 + 1, dtype=torch.int32, device="cuda")
+        outs = []
+        wm = v2i.merge_warps(kk)  # the one-warp merge: wm rows (warps) a CTA
+        for kernel, grid, block in ((v2i.merge_kernel(16, kk), -(-rows // wm), 32 * wm),
+                                    (v2i.merge_kernel_wide(16, kk, 5), rows, 160)):
+            out = torch.full((rows, 1, kk), -7, dtype=torch.int32, device="cuda")
+            kernel[grid, block](dev(cand_s), dev(cand_i), seqlens, 1, 4097 * 16, out)
+            outs.append(out.cpu().numpy())
+        return np.array_equal(*outs)
+
+    attempt("decode merge over 5 warps a row", wide_merge)
 
 
 if __name__ == "__main__":
