@@ -557,9 +557,10 @@ def test_a_long_context_takes_the_wide_merge(version):
 
     p = paged_problem([140 * 16 - 3, 20], 1, hq=2, hkv=1, bk=16, d_idx=32, topk=4,
                       dtype=np.float16, seed=21, integer_index=True, spare_pages=0)
-    pl = gpu.plan(p.q, p.q_idx, *p.cache, 16, 4, version=version)
+    args = tuple(device(x) for x in (p.q, p.q_idx, *p.cache))  # plan/run: device arrays
+    pl = gpu.plan(*args, 16, 4, version=version)
     assert pl.index_splits > 32 and v2i.wide_warps(pl.index_splits, 4) > 1
-    I = gpu.run(pl, p.q, p.q_idx, *p.cache)[2]
+    I = gpu.run(pl, *args)[2]
     w = widened(p)
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 16, 4)
