@@ -854,11 +854,7 @@ def test_production_sizes_bf16(mode, version):
     I_t = None if I is None else torch.tensor(I, device="cuda")
     lse_t = torch.tensor(lse, device="cuda")
     a = (*tens, I_t, lse_t, cu_q, cu_k, p.block_size)
-    if mode == "warmup" and version == 3:  # tensor cores need a selection (a CSR to walk)
-        for fn in (gpu.kl_loss, gpu.kl_backward):
-            with pytest.raises(ValueError, match=f"version={version}"):
-                fn(*a, version=version)
-        return
+    # (the warmup on version 3 runs the selection of every visible block: kl/_plan.py)
     kl, loss = gpu.kl_loss(*a, version=version)
     dq, dk = gpu.kl_backward(*a, version=version)
     tail = (I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
