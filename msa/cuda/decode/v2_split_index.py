@@ -29,8 +29,9 @@ then the local block, then -1. Equal to the reference bit for bit wherever the s
 Where a request has more than 32 splits (a lane would walk several lists, one after another),
 ``merge_kernel_wide`` gives a row up to 8 warps, one list a lane: each warp reduces its lanes'
 heaps to its best ``K - 1`` (``_core.heap.warp_top``), then warp 0 merges those lists; the same
-rows bit for bit (not yet timed on a GPU; the one-warp merge took 0.036 ms of the 0.069 ms step
-at B = 1 x 128K with 256 splits, 0.056 of 0.180 at 1M).
+rows bit for bit. H100, paper configuration (``benchmarks/dev/decode_merge.py``): 0.035 -> 0.018
+ms at B = 1 x 128K (256 splits, 8 warps), 0.055 -> 0.028 at 1M, 0.028 -> 0.026 at 8 x 128K (49
+splits, 2 warps); at 12 splits 2 warps were slower (0.018 -> 0.024), hence one warp up to 32.
 
 Verdict (H200, paper configuration, bf16, CUDA graphs; runs M, R of docs/performance.md): the
 split kernel reads the index keys at 3.1-3.5 TB/s, 72-81% of the 4.26 TB/s copy bandwidth (537 MB
