@@ -513,6 +513,12 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, s
     packed sequences (any cache None: None), copies in the cache's dtype."""
     layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                               dtypes=_FLOAT_OR_BF16)
+    return _gather(layout, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, stream)
+
+
+def _gather(layout, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, stream=None):
+    """``gather_cache`` on a cache ``check_cache`` already read (``layout``): no second host
+    copy of the table and lengths."""
     ctx = ArrayContext(*[x for x in (k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
                          if x is not None])
     named = _device_inputs(ctx, dict(k_cache=k_cache, v_cache=v_cache, k_idx_cache=k_idx_cache,
@@ -556,7 +562,7 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
                               block_size=block_size, dtypes=_FLOAT_OR_BF16)
     check_positive_int("topk", topk, high=MAX_TOPK)
     cu_q, cu_k = _ref.chunk_offsets(layout, cu_seqlens_q, q, q_idx, _FLOAT_OR_BF16)
-    _, _, k_idx, _ = gather_cache(None, None, k_idx_cache, block_table, cache_seqlens)
+    _, _, k_idx, _ = _gather(layout, None, None, k_idx_cache, block_table, cache_seqlens)
     block_indices = select_blocks_fused(q_idx, k_idx, cu_q, cu_k, block_size, topk,
                                         scale=index_scale)
     # the cache and the selection were checked above: validate=False reads nothing back
