@@ -149,9 +149,14 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
         check_attention(o, lse, p, I_ref, kind, version)
 
 
-def test_pages_of_several_stages():
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pages_of_several_stages(stages, monkeypatch):
     # Bk = 32: two key stages a page in the simulator's rung 2 (64 keys a stage on a GPU: the
-    # paper's Bk = 128 has two there), ragged lengths, Lq = 3
+    # paper's Bk = 128 has two there), ragged lengths, Lq = 3; a split's four stages go round
+    # a ring of 2 or 3 buffers
+    from msa.cuda.decode import v2_split_attention as v2a
+
+    monkeypatch.setattr(v2a, "STAGES", stages)
     p = paged_problem([31, 64, 65], 3, hq=4, hkv=2, bk=32, topk=3, dtype=np.float16, seed=11,
                       integer_index=True)
     w = widened(p)

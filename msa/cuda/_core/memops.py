@@ -26,6 +26,8 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    ``syncwarp`` for the lanes of its warp), to the others
 ``cp_async_commit()``              closes the group of copies issued so far
 ``cp_async_wait_all()``            waits for every committed group of this thread
+``cp_async_wait_group(n)``         waits until at most ``n`` (a literal) of this thread's
+                                   committed groups are pending: a pipeline of ``n + 2`` stages
 ``copy16_plain3/2``, ``no_op``     ``cp_async16``'s contract (same arguments) by ordinary
                                    loads and stores, for a [T, H, W] / [T, W] ``src`` whose
                                    data is not 16-byte aligned; ``no_op`` stands in for commit
@@ -125,6 +127,10 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_wait_all():
         pass
+
+    @cuda.jit(device=True)
+    def cp_async_wait_group(n):
+        """Simulator twin: ``cp_async16`` copies at once, nothing to wait for."""
 
     @cuda.jit(device=True)
     def ldmatrix_x4(a, flat):
@@ -276,6 +282,22 @@ else:
 
     cp_async_commit = _asm_statement("cp.async.commit_group;")
     cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
+
+    @intrinsic
+    def cp_async_wait_group(typingctx, n):
+        """``cp.async.wait_group n`` (``n`` a compile-time constant): at most ``n`` of this
+        thread's committed groups still pending."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        count = n.literal_value
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                               f"cp.async.wait_group {count};", "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(n), codegen
 
     def _ldmatrix(ptx):
         """An intrinsic ``(a, flat)`` -> the four words ``ptx`` (an ``ldmatrix ... .x4`` form)

@@ -50,8 +50,8 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
-from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_f32,
-                            dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans)
+from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, cp_async_wait_group,
+                            dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
@@ -65,8 +65,9 @@ NEG_INF = float32(-math.inf)
 COMBINE_THREADS = 128
 
 
-STAGES = 2  # key stages in shared memory: the next stage is copied while one is computed
+STAGES = 3  # key stages in shared memory: the next two are copied while one is computed
 STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
+SMEM_PER_CTA = 113 * 1024  # two CTAs an SM (228 KB, 1 KB of it reserved a CTA)
 
 
 def shape(block_size: int, head_dim: int, group: int):
@@ -82,25 +83,32 @@ def shape(block_size: int, head_dim: int, group: int):
     return mt, ksplit, kc, sk
 
 
-def layout(block_size: int, head_dim: int, group: int):
+def layout(block_size: int, head_dim: int, group: int, stages: int = STAGES):
     """``(LD, stage words, combine words, Q offset, total bytes)`` of the split kernel's dynamic
-    shared memory: STAGES stages of SK keys' K then V rows (rows of ``D/2 + 4`` words), re-used
-    at the end for the warps' ``(m, l, O)``, then the query rows."""
+    shared memory: ``stages`` stages of SK keys' K then V rows (rows of ``D/2 + 4`` words),
+    re-used at the end for the warps' ``(m, l, O)``, then the query rows."""
     mt, ksplit, _, sk = shape(block_size, head_dim, group)
     ld = head_dim // 2 + 4
     stage = 2 * sk * ld
     comb = ksplit * 16 * mt * (head_dim + 2)
-    q_off = -(-max(STAGES * stage, comb) // 4) * 4
+    q_off = -(-max(stages * stage, comb) // 4) * 4
     return ld, stage, comb, q_off, 4 * (q_off + 16 * mt * ld)
+
+
+def stages_for(block_size: int, head_dim: int, group: int) -> int:
+    """``STAGES``, or 2 where that many would not leave two CTAs an SM (``G`` above 16)."""
+    fits = layout(block_size, head_dim, group, STAGES)[-1] <= SMEM_PER_CTA
+    return STAGES if fits else 2
 
 
 @functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bool,
-                 direct: bool, drafts: int = 1, _max_registers: int = 0):
+                 direct: bool, drafts: int = 1, _max_registers: int = 0, stages: int = 0):
     """The split attention for (Bk, D, G, K, bf16 or fp16, one split writing the outputs, Lq
-    queries a request); arguments ``(q words [B*Lq, Hq, D/2], k_cache words, v_cache words [P,
-    Hkv, Bk, D/2], block_indices, block_table, cache_seqlens, scale * log2 e, o_part, lse_part,
-    o bits, lse)``, the grid ``(splits, Hkv, B*Lq)``."""
+    queries a request; ``stages`` key stages, 0: ``stages_for``); arguments ``(q words [B*Lq,
+    Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2], block_indices, block_table,
+    cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``, the grid ``(splits, Hkv,
+    B*Lq)``."""
     BK, D, G, K = block_size, head_dim, group, topk
     DR = drafts
     R = G
@@ -109,7 +117,9 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
     NTH = 32 * W
     KR = SK // KSPLIT  # keys of a stage per warp
     SPP = BK // SK  # stages per page
-    LD, STAGE, _, OFF_Q, _ = layout(BK, D, G)
+    NS = stages or stages_for(BK, D, G)
+    IN_FLIGHT = NS - 2  # groups still copying once stage c has landed
+    LD, STAGE, _, OFF_Q, _ = layout(BK, D, G, NS)
     OFF_V = SK * LD  # V's rows after K's in a stage
     DW = D // 2
     PIECES = DW // 4
@@ -129,9 +139,11 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
     assert KR % KC == 0 and KC in (16, 32) and D % 16 == 0 and R <= 128 and W <= 8
 
     @cuda.jit(device=True, inline=True)
-    def build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount):
+    def build_union(block_indices, t0, r, nb, raw, first, union, umask, upage, ucount,
+                    block_table, b, n_pool):
         """The distinct valid blocks of the selection, ascending (``umask``: 1 for each, the
-        bit of the CTA's one query)."""
+        bit of the CTA's one query; ``upage``: each one's page, -1 outside ``[0, P)``), the
+        block table read once here rather than at every stage."""
         tid = cuda.threadIdx.x
         for e in range(tid, NE, NTH):
             v = block_indices[t0 + e // K, r, e % K]
@@ -160,8 +172,10 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
                         rank += 1
                     if v2 == v:
                         mask |= 1 << (e2 // K)
+                page = block_table[b, v]
                 union[rank] = v
                 umask[rank] = mask
+                upage[rank] = page if 0 <= page < n_pool else -1
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline=True)
@@ -192,14 +206,13 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
             cp_async16(smem, OFF_Q + row * LD + w, q, src, 16 if real else 0)
 
     @cuda.jit(device=True, inline=True)
-    def issue(smem, c, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys):
-        """Start copying stage ``c`` (page ``union[u0 + c // SPP]``, part ``c % SPP``)."""
+    def issue(smem, c, n_stages, u0, union, upage, r, k_cache, v_cache, n_keys):
+        """Start copying stage ``c`` (page ``upage[u0 + c // SPP]``, part ``c % SPP``)."""
         if c < n_stages:
-            j = union[u0 + c // SPP]
-            page = block_table[b, j]
-            ok = 0 <= page < k_cache.shape[0]
-            load_stage(smem, (c % STAGES) * STAGE, r, k_cache, v_cache, page, ok,
-                       (c % SPP) * SK, n_keys - j * BK)
+            u = u0 + c // SPP
+            page = upage[u]
+            load_stage(smem, (c % NS) * STAGE, r, k_cache, v_cache, page, page >= 0,
+                       (c % SPP) * SK, n_keys - union[u] * BK)
 
     @cuda.jit(device=True, inline=True)
     def chunk_scores(smem, base, qa, s_acc, c0, lane):
@@ -332,6 +345,7 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         first = cuda.shared.array(NE, int32)
         union = cuda.shared.array(NE, int32)
         umask = cuda.shared.array(NE, int32)
+        upage = cuda.shared.array(NE, int32)
         ucount = cuda.shared.array(1, int32)
         qa = cuda.local.array(QA, types.uint32)  # Q's A fragments
         s_acc = cuda.local.array(SA, float32)
@@ -355,7 +369,8 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         else:
             _, pos_last = query_of(t0, 1, cache_seqlens, block_table.shape[1] * BK)
         nb = (pos_last + BK) // BK if pos_last >= 0 else 0
-        build_union(block_indices, t0, r, nb, raw, first, union, umask, ucount)
+        build_union(block_indices, t0, r, nb, raw, first, union, umask, upage, ucount,
+                    block_table, b, k_cache.shape[0])
         n_union = ucount[0]
         per = (n_union + splits - 1) // splits
         u0 = s * per
@@ -376,13 +391,16 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         n_keys = pos_last + 1
         n_stages = max(0, u1 - u0) * SPP
-        # the queries and stage 0; then at stage c: wait for it, free stage c - 1 (barrier),
-        # start copying stage c + 1, compute stage c
+        # the queries and stages 0 .. NS - 2, a group each; then at stage c: wait for it (the
+        # NS - 2 after it may still copy), free stage c - 1 (barrier), start copying stage
+        # c + NS - 1 into its buffer, compute stage c. A group is committed every step, empty
+        # or not, so that "at most NS - 2 pending" always means "stage c has landed".
         load_queries(smem, q, t0, r)
-        issue(smem, 0, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys)
-        cp_async_commit()
+        for c in range(NS - 1):
+            issue(smem, c, n_stages, u0, union, upage, r, k_cache, v_cache, n_keys)
+            cp_async_commit()
         for c in range(n_stages):
-            cp_async_wait_all()
+            cp_async_wait_group(IN_FLIGHT)
             cuda.syncthreads()
             if c == 0:
                 for ks in range(KSD):
@@ -392,18 +410,17 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
                     qa[4 * ks + 1] = a1
                     qa[4 * ks + 2] = a2
                     qa[4 * ks + 3] = a3
-            issue(smem, c + 1, n_stages, u0, union, block_table, b, r, k_cache, v_cache, n_keys)
+            issue(smem, c + NS - 1, n_stages, u0, union, upage, r, k_cache, v_cache, n_keys)
             cp_async_commit()
             u = u0 + c // SPP
             j = union[u]
-            page = block_table[b, j]
-            if 0 <= page < k_cache.shape[0]:
+            if upage[u] >= 0:
                 mask = umask[u]
                 key0 = (c % SPP) * SK  # the stage's first key in its page
                 # key c of the page is visible to a row iff c <= lim (a padding row: lim = -1)
                 lim_top = pos_top - j * BK - key0 if i_top >= 0 and (mask >> i_top) & 1 else -1
                 lim_bot = pos_bot - j * BK - key0 if i_bot >= 0 and (mask >> i_bot) & 1 else -1
-                base = (c % STAGES) * STAGE
+                base = (c % NS) * STAGE
                 for c0 in range(kr * KR, (kr + 1) * KR, KC):
                     chunk_scores(smem, base, qa, s_acc, c0, lane)
                     online_softmax(s_acc, p_frag, o_acc, st, lim_top, lim_bot, c0, t4, sl2)
@@ -458,8 +475,10 @@ def plan_attention(p, ctx, step, scale) -> int:
                                         np.float32)
     parts = [("ws", "o_part", None), ("ws", "lse_part", None)]
     mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, g)
-    smem = layout(lay.block_size, lay.head_dim, g)[-1]
-    kernel = split_kernel(lay.block_size, lay.head_dim, g, int(topk), bf16, splits == 1, lq)
+    stages = stages_for(lay.block_size, lay.head_dim, g)
+    smem = layout(lay.block_size, lay.head_dim, g, stages)[-1]
+    kernel = split_kernel(lay.block_size, lay.head_dim, g, int(topk), bf16, splits == 1, lq,
+                          stages=stages)
     p.steps.append((Kernel(kernel, (splits, hkv, rows), 32 * mt * ksplit, smem),
                     [("in", "q", "words"), ("in", "k_cache", "words"), ("in", "v_cache", "words"),
                      ("out", "block_indices", None), ("in", "block_table", None),

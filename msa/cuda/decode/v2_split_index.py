@@ -53,8 +53,8 @@ from numba import cuda, float32, int32, types
 from .._core.arrays import SIMULATOR
 from .._core.heap import (NO_BLOCK, better, heap_sort_best_first, offer, warp_merge,
                           warp_top)
-from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, dynamic_smem_u32,
-                            ldmatrix_x4)
+from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, cp_async_wait_group,
+                            dynamic_smem_u32, ldmatrix_x4)
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ._plan import Kernel, index_splits, multiprocessors
 from .v1_simple import query_of
@@ -66,31 +66,6 @@ MERGE_WARPS = 1 if SIMULATOR else 4
 STAGES = 4  # key stages in shared memory: STAGES - 1 copies in flight while one is scored
 STAGE_KEYS = 16 if SIMULATOR else 64  # keys a stage (16 in the simulator: Bk = 32 has two)
 _IN_FLIGHT = STAGES - 2  # the wait_group count: stages still copying once stage c has landed
-
-if SIMULATOR:
-    def _wait_group(n):
-        """Simulator twin: ``cp_async16`` copies at once, nothing to wait for."""
-
-    wait_group = cuda.jit(device=True)(_wait_group)
-else:
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def wait_group(typingctx, n):
-        """``cp.async.wait_group n`` (``n`` a compile-time constant): at most ``n`` of this
-        thread's committed groups still pending."""
-        if not isinstance(n, types.IntegerLiteral):
-            return None
-        count = n.literal_value
-
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                               f"cp.async.wait_group {count};", "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(n), codegen
 
 
 def layout(block_size: int, index_dim: int, num_queries: int):
@@ -256,7 +231,7 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
             cp_async_commit()
         pending = -1  # the page whose maxima wait in red for the owners
         for c in range(n_stages):
-            wait_group(_IN_FLIGHT)  # this thread's copies of stage c have landed
+            cp_async_wait_group(_IN_FLIGHT)  # this thread's copies of stage c have landed
             cuda.syncthreads()  # everyone's have; stage c - 1 is read by all: its buffer is free
             if c == 0:
                 for nt in range(NT):

@@ -1,0 +1,86 @@
+"""The decode step under alternative settings of the planners' constants, in one process (GPU).
+
+    source .gpu/env.sh && python3 -m benchmarks.dev.decode_knobs \
+        --cases 32:65536:1,8:131072:1,128:8192:1,32:65536:8 \
+        --configs "base;v2_split_attention.STAGES=2;_plan.CTAS_PER_SM=3"
+
+A config is ``module.NAME=value`` settings (modules of ``msa.cuda.decode``) joined by ``,``;
+``base`` is the code as it is. For each case and config: ``plan`` + one ``run`` (the outputs
+must equal the base config's bit for bit: these constants change the schedule, never the
+arithmetic of a row), then the step in a CUDA graph and each of its kernels alone (as
+``bench_decode``), median of ``--reps``. The settings are restored after each config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
+
+
+def parse_config(text):
+    """``[(module, name, value)]`` of one config (``base``: none)."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if item == "base":
+            continue
+        target, value = item.split("=")
+        mod, name = target.rsplit(".", 1)
+        out.append((importlib.import_module(f"msa.cuda.decode.{mod}"), name, int(value)))
+    return out
+
+
+def main(argv=None):
+    import torch
+
+    from benchmarks.bench_decode import BK, TOPK, graph_of, kernel_times, make_case, timed
+    from msa.cuda import decode as gpu
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="32:65536:1,8:131072:1,128:8192:1,32:65536:8")
+    ap.add_argument("--configs", default="base;v2_split_attention.STAGES=2")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"),
+                                                  "decode_knobs.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    for case in args.cases.split(","):
+        b, n, lq = (int(x) for x in case.split(":"))
+        torch.cuda.empty_cache()
+        _, step = make_case(b, n, lq)
+        base_out = None
+        for config in args.configs.split(";"):
+            settings = parse_config(config)
+            saved = [(m, k, getattr(m, k)) for m, k, _ in settings]
+            try:
+                for m, k, v in settings:
+                    setattr(m, k, v)
+                plan = gpu.plan(*step, BK, TOPK)
+                gpu.run(plan, *step)
+                torch.cuda.synchronize()
+                out = (plan.o.clone(), plan.lse.clone(), plan.block_indices.clone())
+                if base_out is None:
+                    base_out = out
+                same = all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+                                       y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
+                           for x, y in zip(out, base_out))
+                graph = graph_of(lambda plan=plan: gpu.run(plan, *step))
+                row = dict(case=case, config=config, index_splits=plan.index_splits,
+                           attention_splits=plan.attention_splits, equal_to_first=same,
+                           step_ms=timed(graph.replay, args.reps),
+                           kernels_ms=kernel_times(plan, step, args.reps))
+                del graph, plan
+            finally:
+                for m, k, v in saved:
+                    setattr(m, k, v)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
