@@ -4,8 +4,8 @@
         --cases 32:65536:1,8:131072:1,128:8192:1,32:65536:8 \
         --configs "base;v2_split_attention.STAGES=2;_plan.CTAS_PER_SM=3"
 
-A config is ``module.NAME=value`` settings (modules of ``msa.cuda.decode``) joined by ``,``;
-``base`` is the code as it is. For each case and config: ``plan`` + one ``run`` (the outputs
+A config is ``module.NAME=value`` settings (modules of ``msa.cuda.decode``) and optionally
+``version=N`` (the rung ``plan`` takes) joined by ``,``; ``base`` is the code as it is. For each case and config: ``plan`` + one ``run`` (the outputs
 must equal the base config's bit for bit: these constants change the schedule, never the
 arithmetic of a row), then the step in a CUDA graph and each of its kernels alone (as
 ``bench_decode``), median of ``--reps``. The settings are restored after each config.
@@ -22,15 +22,18 @@ os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 
 
 def parse_config(text):
-    """``[(module, name, value)]`` of one config (``base``: none)."""
-    out = []
+    """``([(module, name, value)], version)`` of one config (``base``: none, None)."""
+    out, version = [], None
     for item in filter(None, (t.strip() for t in text.split(","))):
         if item == "base":
             continue
         target, value = item.split("=")
+        if target == "version":
+            version = int(value)
+            continue
         mod, name = target.rsplit(".", 1)
         out.append((importlib.import_module(f"msa.cuda.decode.{mod}"), name, int(value)))
-    return out
+    return out, version
 
 
 def main(argv=None):
@@ -53,12 +56,12 @@ def main(argv=None):
         _, step = make_case(b, n, lq)
         base_out = None
         for config in args.configs.split(";"):
-            settings = parse_config(config)
+            settings, version = parse_config(config)
             saved = [(m, k, getattr(m, k)) for m, k, _ in settings]
             try:
                 for m, k, v in settings:
                     setattr(m, k, v)
-                plan = gpu.plan(*step, BK, TOPK)
+                plan = gpu.plan(*step, BK, TOPK, version=version)
                 gpu.run(plan, *step)
                 torch.cuda.synchronize()
                 out = (plan.o.clone(), plan.lse.clone(), plan.block_indices.clone())
@@ -68,7 +71,8 @@ def main(argv=None):
                                        y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
                            for x, y in zip(out, base_out))
                 graph = graph_of(lambda plan=plan: gpu.run(plan, *step))
-                row = dict(case=case, config=config, index_splits=plan.index_splits,
+                row = dict(case=case, config=config, version=plan.version,
+                           index_splits=plan.index_splits,
                            attention_splits=plan.attention_splits, equal_to_first=same,
                            step_ms=timed(graph.replay, args.reps),
                            kernels_ms=kernel_times(plan, step, args.reps))
