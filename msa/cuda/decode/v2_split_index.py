@@ -288,13 +288,33 @@ def list_walk(km: int, cap: int):
     """``take(hs, hi, cand_s, cand_i, t, r, first, stride) -> n``: the candidate lists of splits
     ``first, first + stride, ...`` for row ``(t, r)`` into a lane's heap ``hs/hi`` of ``cap``
     entries (``km = K - 1`` a list; ``km = 0``: none). Each list is sorted best first, so it is
-    left at its first entry that cannot enter the full heap."""
+    left at its first entry that cannot enter the full heap. The first list enters whole and
+    without offers: it holds at most ``km <= cap`` entries, all kept ones (scores above
+    ``-inf``, then ``(-inf, -1)`` padding), and stored worst first it is already a min-heap; its
+    loads are independent of each other (a walk would wait for each before the next)."""
     @cuda.jit(device=True, inline=True)
     def take(hs, hi, cand_s, cand_i, t, r, first, stride):
         n = 0
         rs = float32(-math.inf)
         ri = int32(NO_BLOCK)
-        for sp in range(first, cand_s.shape[0] if km > 0 else 0, stride):
+        if km > 0 and first < cand_s.shape[0]:
+            for e in range(km):
+                hs[e] = cand_s[first, t, r, e]
+                hi[e] = cand_i[first, t, r, e]
+            for e in range(km):
+                if hi[e] >= 0:
+                    n += 1
+            for e in range(n // 2):  # best first -> worst first
+                s = hs[e]
+                i = hi[e]
+                hs[e] = hs[n - 1 - e]
+                hi[e] = hi[n - 1 - e]
+                hs[n - 1 - e] = s
+                hi[n - 1 - e] = i
+            if n > 0:
+                rs = hs[0]
+                ri = hi[0]
+        for sp in range(first + stride, cand_s.shape[0] if km > 0 else 0, stride):
             for e in range(km):
                 blk = cand_i[sp, t, r, e]
                 sc = cand_s[sp, t, r, e]
