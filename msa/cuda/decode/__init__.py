@@ -355,8 +355,8 @@ def plan(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, bl
     """Plan a decode step (module docstring): validate, choose, allocate, compile. Host only.
 
     Args: as ``decode_step``; ``k, v, k_idx`` the step's new tokens to append first (all three
-    or none); ``version`` 1 or 2 (None: 2 where it applies); ``validate`` reads the block table
-    and lengths once to check them (``run`` never does).
+    or none); ``version`` one of ``VERSIONS`` (None: the module docstring's default);
+    ``validate`` reads the block table and lengths once to check them (``run`` never does).
     """
     step = _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                      block_size, topk, scale, index_scale, validate)

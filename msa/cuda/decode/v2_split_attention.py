@@ -9,13 +9,15 @@ queries a request (MTP drafts) query ``t = b * Lq + i`` is draft ``i`` of reques
 position ``cache_seqlens[b] - Lq + i``, with its own selection and request ``b``'s block table.
 
 * The query's selection ``I[t, r, :]`` is made a sorted list of its distinct valid block ids in
-  shared memory; split ``s`` takes its share of it.
+  shared memory, each with its page (the block table is read once here, not before every
+  copy); split ``s`` takes its share of it.
 * The query rows ``g`` (head ``r*G + g``, padded to ``MT`` m-tiles of 16) are copied once and
   kept as A fragments in registers. Warp ``w`` owns m-tile ``w % MT`` and key range ``w // MT``
   of every page (``KSPLIT = W / MT`` ranges, so that four warps work even at ``G <= 16``).
-* Per page: K and V (``[Bk, D]`` of head ``r``) land in shared memory, two stages of ``SK``
-  keys (the next copied while one is computed); keys past the query's position are loaded as
-  zeros (a later draft's keys are never read). Per chunk of ``KC`` keys ``S = Q Kᵀ`` by
+* Per page: K and V (``[Bk, D]`` of head ``r``) land in shared memory in stages of ``SK`` keys,
+  a ring of ``STAGES = 3`` (the next two copied while one is computed; 2 where three would not
+  leave two CTAs an SM); keys past the query's position are loaded as zeros (a later draft's
+  keys are never read). Per chunk of ``KC`` keys ``S = Q Kᵀ`` by
   ``mma.sync`` (B fragments by ``ldmatrix``), the keys past the position masked to ``-inf``,
   the online softmax in base 2 in registers (``ex2.approx``; ``msa.cuda._core.softmax``), ``P``
   packed to 16 bits as the A fragments of ``O += P V`` (V's B fragments by
@@ -37,7 +39,9 @@ selections, ~8x the pages), against 0.297 ms one CTA column a draft; 0.193 again
 where the drafts select the same blocks (``bench_decode --shared-index-queries``), 0.115 against
 0.073 at 8 x 128K; code at 0f02a23 (docs/performance.md, "Tried and dropped"). Two key stages
 against one page at a time: 0.073 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x
-8K. More splits are slower (0.094 ms at 9, 0.129 at 16 against 0.076 at 5); a register cap of
+8K; three against two (and the pages read once a CTA), on an H100 (``benchmarks.dev.
+decode_knobs``, the kernel alone): 0.211 against 0.230 ms at 128 x 8K, 0.0234 against 0.0244
+at 8 x 128K, 0.066 against 0.064 at 32 x 64K, 0.383 against 0.386 at Lq = 8. More splits are slower (0.094 ms at 9, 0.129 at 16 against 0.076 at 5); a register cap of
 168 changed nothing.
 """
 
