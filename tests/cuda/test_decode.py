@@ -109,7 +109,7 @@ def near_tie_equivalent(I, p, w, topk, factor=4.0):
 
 
 def versions_for(kind):
-    return (1, 2, 3, 4) if kind in ("float16", "bfloat16") else (1,)
+    return (1, 2, 3) if kind in ("float16", "bfloat16") else (1,)
 
 
 # -- the decode step ----------------------------------------------------------------------------
@@ -139,10 +139,10 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 16, topk)
     for version in versions_for(kind):
-        if version >= 3:  # rungs 3 and 4 add an index kernel; their attention is rung 2's
+        if version == 3:  # rung 3 adds an index kernel; its attention is rung 2's
             I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens,
-                                         16, topk, version=version)
-            assert_exact(I, I_ref, name=f"block_indices v{version}")
+                                         16, topk, version=3)
+            assert_exact(I, I_ref, name="block_indices v3")
             continue
         o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 16, topk, version=version)
         assert_exact(I, I_ref, name=f"block_indices v{version}")
@@ -167,10 +167,10 @@ def test_pages_of_several_stages(stages, monkeypatch):
     check_attention(o, lse, p, I_ref, "float16", 2)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_selection_up_to_near_ties_on_gaussian_scores(version):
     # rung 3 sums each score's products in another order (its permuted index dimensions)
-    p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, d_idx=32 if version >= 3 else 16, topk=4,
+    p = paged_problem([40, 70], 2, hq=4, hkv=2, bk=16, d_idx=32 if version == 3 else 16, topk=4,
                       dtype=np.float16, seed=3)
     I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens, 16, 4,
                                  version=version)
@@ -334,13 +334,13 @@ def stale_cases(draw, lq, g):
 
 def _stale_params():
     """(version, Lq, G) for the reference and every rung."""
-    for version in ("reference", 1, 2, 3, 4):
+    for version in ("reference", 1, 2, 3):
         for lq, g in DRAFTS_AND_GROUPS:
             # sim_heavy (30 s or more each, where cheaper cases run the same code): rung 1 at
             # Lq = 4 and at G = 16 (one thread an output: G changes only the count), rungs 2-3
             # at Lq = 4 x G = 16 (Lq = 2 x G = 16 and Lq = 4 x G = 4 run)
             heavy = ((version == 1 and (lq == 4 or g == 16))
-                     or (version in (2, 3, 4) and lq == 4 and g == 16))
+                     or (version in (2, 3) and lq == 4 and g == 16))
             marks = [pytest.mark.sim_heavy] if heavy else []
             yield pytest.param(version, lq, g, marks=marks, id=f"{version}-Lq{lq}-G{g}")
 
@@ -356,7 +356,7 @@ def test_a_query_never_reads_a_slot_it_cannot_see(version, lq, g, data):
     case = data.draw(stale_cases(lq, g), label="case")
     bk, topk = case["bk"], case["topk"]
     p = paged_problem(case["lens"], lq, hq=g * case["hkv"], hkv=case["hkv"], bk=bk, topk=topk,
-                      d_idx=32 if version in (3, 4) else 16, dtype=np.float16,
+                      d_idx=32 if version == 3 else 16, dtype=np.float16,
                       seed=case["seed"] % 1000, integer_index=True)
     clean = with_finite_slots(p, case["seed"])
     unused = p.block_table < 0  # past each request's blocks: page ids too, never to be read
@@ -454,10 +454,8 @@ def test_bad_inputs_raise_named_errors():
     with pytest.raises(ValueError, match="version 3 does not apply.*Didx = 16") as why:
         gpu.decode_step(*step, 16, 3, version=3)
     assert "heaps" not in str(why.value)  # only the reason that holds
-    with pytest.raises(ValueError, match="version 4 does not apply.*Didx = 16"):
-        gpu.decode_step(*step, 16, 3, version=4)
     with pytest.raises(ValueError, match="version must be"):
-        gpu.decode_step(*step, 16, 3, version=5)
+        gpu.decode_step(*step, 16, 3, version=4)
     with pytest.raises(TypeError, match="dtype"):
         gpu.decode_step(p.q.astype(np.float32), *step[1:], 16, 3)
     bad = p.block_table.copy()
@@ -493,9 +491,6 @@ def test_ptx_has_no_f64_and_no_local_memory(name):
     if "register" in name:  # rung 3's index: keys straight from global memory into the mma
         assert "mma.sync.aligned.m16n8k16" in ptx and "ld.global.nc.v4" in ptx
         assert "cp.async" not in ptx
-    if "bulk" in name:  # rung 4's index: bulk copies counted on mbarriers, 16-byte shared loads
-        assert "mma.sync.aligned.m16n8k16" in ptx and "cp.async.bulk.shared" in ptx
-        assert "mbarrier.try_wait.parity" in ptx and "ld.shared.v4.u32" in ptx
 
 
 # -- GPU only: the paper configuration, CUDA graphs ---------------------------------------------
@@ -511,16 +506,15 @@ def _paper_problem(torch, b, n, lq, seed=0, integer_index=False):
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("lq", [1, 4, 8])
-def test_paper_configuration_against_the_reference(lq, version):
+def test_paper_configuration_against_the_reference(lq):
     torch = pytest.importorskip("torch")
     p, c, m = _paper_problem(torch, 2, 3000, lq, seed=lq, integer_index=True)
     as32 = {k: v.float().cpu().numpy() for k, v in c.items()}
     I_ref = ref.decode_block_indices(as32["q_idx"], as32["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 128, 16)
     o, lse, I = gpu.decode_step(c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"],
-                                m["block_table"], m["cache_seqlens"], 128, 16, version=version)
+                                m["block_table"], m["cache_seqlens"], 128, 16)
     assert_exact(I.cpu().numpy(), I_ref, name="block_indices")
     wo, wl = ref.decode_attention(as32["q"], as32["k_cache"], as32["v_cache"], I_ref,
                                   p.block_table, p.cache_seqlens, 128)
@@ -560,7 +554,7 @@ def test_cuda_graph_replay_equals_eager_bitwise():
     assert torch.equal(pl.o.view(torch.int16), fresh[0].view(torch.int16))
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [2, 3])
 def test_a_long_context_takes_the_wide_merge(version):
     """A request of 140 pages: more than 32 index splits, so the merge runs several warps a row
     (``v2_split_index.wide_warps``); the selection is the reference's bit for bit."""
@@ -580,9 +574,8 @@ def test_a_long_context_takes_the_wide_merge(version):
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("lq", [1, 8])
-def test_paper_configuration_long_context_takes_the_wide_merge(lq, version):
+def test_paper_configuration_long_context_takes_the_wide_merge(lq):
     """One request of 20000 tokens (157 pages): 40 index splits on a GPU of 20 or more SMs,
     so the merge runs several warps a row; the selection is the reference's bit for bit."""
     torch = pytest.importorskip("torch")
@@ -591,7 +584,7 @@ def test_paper_configuration_long_context_takes_the_wide_merge(lq, version):
     p, c, m = _paper_problem(torch, 1, 20000, lq, seed=lq + 20, integer_index=True)
     args = (c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"], m["block_table"],
             m["cache_seqlens"])
-    pl = gpu.plan(*args, 128, 16, version=version)
+    pl = gpu.plan(*args, 128, 16)
     assert v2i.wide_warps(pl.index_splits, 16) > 1, pl.index_splits
     I = gpu.run(pl, *args)[2]
     as32 = {k: v.float().cpu().numpy() for k, v in c.items()}

@@ -91,10 +91,9 @@ from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
 from . import v3_register_index as v3i
-from . import v4_bulk_index as v4i
 from ._plan import Kernel, arg, grid_1d, stream_handle
 
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3)
 MAX_QUERIES = 8  # Lq: new queries per request (MTP drafts)
 MAX_TOPK = 64
 _FLOAT_OR_BF16 = ("float", np.uint16)  # bf16 tensors read as uint16 (float_kind tells them apart)
@@ -177,14 +176,6 @@ def _v3_blockers(step: _Step) -> list[str]:
     return why
 
 
-def _v4_blockers(step: _Step) -> list[str]:
-    """Why rung 4's index kernel does not apply where rung 2 does (empty: it does)."""
-    why = _v3_blockers(step)
-    if not v4i.applies():
-        why.append("bulk copies need compute capability 9.0")
-    return why
-
-
 def _pick_version(step: _Step, version, arrays) -> int:
     why = _v2_blockers(step, arrays)
     if version is None:
@@ -192,9 +183,8 @@ def _pick_version(step: _Step, version, arrays) -> int:
     version = check_version("version", version, VERSIONS)
     if version >= 2 and why:
         raise ValueError(f"version {version} does not apply here: {'; '.join(why)}")
-    blockers = {3: _v3_blockers, 4: _v4_blockers}.get(version)
-    if blockers and blockers(step):
-        raise ValueError(f"version {version} does not apply here: {'; '.join(blockers(step))}")
+    if version == 3 and _v3_blockers(step):
+        raise ValueError(f"version 3 does not apply here: {'; '.join(_v3_blockers(step))}")
     return version
 
 
@@ -277,7 +267,7 @@ def _build(step: _Step, version: int, arrays: dict, *, parts, block_indices=None
                             [("ws", "M", None), ("in", "cache_seqlens", None), lq,
                              ("out", "block_indices", None)]))
         else:
-            rung = {2: v2i, 3: v3i, 4: v4i}[version]
+            rung = v2i if version == 2 else v3i
             p.index_splits = rung.plan_index(p, ctx, step, index_scale)
     if "attention" in parts:
         if block_indices is not None:

@@ -81,24 +81,55 @@ def splits_for(batch: int, max_pages: int, sms: int, num_queries: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def register_common(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, bf16: bool,
-                    warps: int):
-    """Device functions shared with rung 4 (``v4_bulk_index``): ``tile_maxima(buf, qb, cm)``
-    scores an m-tile whose words a lane holds in ``buf`` (the permuted layout above) into the
-    lane's column maxima; ``offer_page(hs, hi, cnt, cm, j, ok, pos_last, scale, lane)`` reduces
-    them over the lanes and offers block ``j`` to lane ``n``'s heap if it is a candidate of the
-    lane's query; ``merge_heaps(heap_s, heap_i, heap_n, cand_s, cand_i, s, b, tid)`` merges the
-    ``warps`` warps' heaps of each column into warp 0's and writes split ``s``'s sorted
-    lists."""
+def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, bf16: bool):
+    """The split scorer for (Bk, Didx, Lq, Hkv, K, bf16 or fp16); arguments (those of rung 2's):
+    ``(q_idx words [B*Lq, Hkv, Didx/2], k_idx_cache words [P, Bk, Didx/2], block_table,
+    cache_seqlens, min_pages, scale, cand_s, cand_i)``."""
     BK, DI, LQ, HKV = block_size, index_dim, lq, hkv
     NQ = LQ * HKV
     KM = topk - 1
     NT = -(-NQ // 8)  # n-tiles of queries
     KS = DI // 16  # k-steps
-    U = DI // 32  # 16-byte chunks a lane holds of one key row
-    W = warps
+    U = DI // 32  # 16-byte chunks a lane loads of one key row
+    DW = DI // 2  # words a key row
+    MT = BK // 16  # m-tiles a page
+    W = WARPS
+    NB = BUFFERS
+    TILE = 8 * U  # words a lane holds of one m-tile: rows g, g + 8, U chunks each
+    assert NB == 3
     kstep, fold, store = split_common(LQ, HKV, topk, NT, KS, bf16)
-    CM, ACC = 2 * NT, 4 * NT  # array sizes (constants)
+    HEAP = W * NQ * KM
+    COLS = W * NQ  # the warps' heaps
+    QB, CM, ACC = 2 * NT * KS, 2 * NT, 4 * NT  # array sizes (constants)
+    assert BK % 16 == 0 and DI % 32 == 0 and 1 <= KM and NQ <= 32
+
+    @cuda.jit(device=True, inline=True)
+    def page_of(block_table, b, j, n_pool):
+        """The pool page of block ``j`` of request ``b``; -1 when outside ``[0, P)``."""
+        page = block_table[b, j]
+        return page if 0 <= page < n_pool else int32(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def item_page(block_table, b, j0, warp, i, n_items, n_pool):
+        """The page of the warp's item ``i`` (-1 past its items)."""
+        if i < n_items:
+            return page_of(block_table, b, j0 + warp + W * (i // MT), n_pool)
+        return int32(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(buf, k_idx_cache, page, mt, g, t):
+        """``buf`` <- the lane's words of m-tile ``mt`` of ``page`` (zeros for no page): chunk
+        ``u`` of row ``g + 8 h`` at ``8 u + 4 h``."""
+        for h in range(2):
+            row = (page * BK + 16 * mt + g + 8 * h) * DW + 4 * t
+            for u in range(U):
+                w0 = w1 = w2 = w3 = types.uint32(0)
+                if page >= 0:
+                    w0, w1, w2, w3 = load_u32x4(k_idx_cache, row + 16 * u)
+                buf[8 * u + 4 * h] = w0
+                buf[8 * u + 4 * h + 1] = w1
+                buf[8 * u + 4 * h + 2] = w2
+                buf[8 * u + 4 * h + 3] = w3
 
     @cuda.jit(device=True, inline=True)
     def tile_maxima(buf, qb, cm):
@@ -134,74 +165,6 @@ def register_common(block_size: int, index_dim: int, lq: int, hkv: int, topk: in
         if ok and lane < NQ and j < (pos_last - (LQ - 1 - lane // HKV)) // BK:
             cnt, _, _ = offer(hs, hi, cnt, KM, hs[0], hi[0], mine * scale, int32(j))
         return cnt
-
-    @cuda.jit(device=True, inline=True)
-    def merge_heaps(heap_s, heap_i, heap_n, cand_s, cand_i, s, b, tid):
-        # column n: the other warps' heaps into warp 0's, sorted best first into the slot
-        for n in range(tid, NQ, 32 * W):
-            hs0 = heap_s[n * KM:(n + 1) * KM]
-            hi0 = heap_i[n * KM:(n + 1) * KM]
-            c0 = heap_n[n]
-            for w in range(1, W):
-                base = (w * NQ + n) * KM
-                for e in range(heap_n[w * NQ + n]):
-                    c0, _, _ = offer(hs0, hi0, c0, KM, hs0[0], hi0[0], heap_s[base + e],
-                                     heap_i[base + e])
-            store(hs0, hi0, c0, cand_s, cand_i, s, b, n)
-
-    return tile_maxima, offer_page, merge_heaps
-
-
-@functools.lru_cache(maxsize=None)
-def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, bf16: bool):
-    """The split scorer for (Bk, Didx, Lq, Hkv, K, bf16 or fp16); arguments (those of rung 2's):
-    ``(q_idx words [B*Lq, Hkv, Didx/2], k_idx_cache words [P, Bk, Didx/2], block_table,
-    cache_seqlens, min_pages, scale, cand_s, cand_i)``."""
-    BK, DI, LQ, HKV = block_size, index_dim, lq, hkv
-    NQ = LQ * HKV
-    KM = topk - 1
-    NT = -(-NQ // 8)  # n-tiles of queries
-    KS = DI // 16  # k-steps
-    U = DI // 32  # 16-byte chunks a lane loads of one key row
-    DW = DI // 2  # words a key row
-    MT = BK // 16  # m-tiles a page
-    W = WARPS
-    NB = BUFFERS
-    TILE = 8 * U  # words a lane holds of one m-tile: rows g, g + 8, U chunks each
-    assert NB == 3
-    tile_maxima, offer_page, merge_heaps = register_common(BK, DI, LQ, HKV, topk, bf16, W)
-    HEAP = W * NQ * KM
-    COLS = W * NQ  # the warps' heaps
-    QB, CM = 2 * NT * KS, 2 * NT  # array sizes (constants)
-    assert BK % 16 == 0 and DI % 32 == 0 and 1 <= KM and NQ <= 32
-
-    @cuda.jit(device=True, inline=True)
-    def page_of(block_table, b, j, n_pool):
-        """The pool page of block ``j`` of request ``b``; -1 when outside ``[0, P)``."""
-        page = block_table[b, j]
-        return page if 0 <= page < n_pool else int32(-1)
-
-    @cuda.jit(device=True, inline=True)
-    def item_page(block_table, b, j0, warp, i, n_items, n_pool):
-        """The page of the warp's item ``i`` (-1 past its items)."""
-        if i < n_items:
-            return page_of(block_table, b, j0 + warp + W * (i // MT), n_pool)
-        return int32(-1)
-
-    @cuda.jit(device=True, inline=True)
-    def load_tile(buf, k_idx_cache, page, mt, g, t):
-        """``buf`` <- the lane's words of m-tile ``mt`` of ``page`` (zeros for no page): chunk
-        ``u`` of row ``g + 8 h`` at ``8 u + 4 h``."""
-        for h in range(2):
-            row = (page * BK + 16 * mt + g + 8 * h) * DW + 4 * t
-            for u in range(U):
-                w0 = w1 = w2 = w3 = types.uint32(0)
-                if page >= 0:
-                    w0, w1, w2, w3 = load_u32x4(k_idx_cache, row + 16 * u)
-                buf[8 * u + 4 * h] = w0
-                buf[8 * u + 4 * h + 1] = w1
-                buf[8 * u + 4 * h + 2] = w2
-                buf[8 * u + 4 * h + 3] = w3
 
     @cuda.jit(device=True, inline=True)
     def item(buf, i, n_items, qb, cm, hs, hi, cnt, k_idx_cache, block_table, b, j0, warp,
@@ -283,7 +246,17 @@ def split_kernel(block_size: int, index_dim: int, lq: int, hkv: int, topk: int, 
         if lane < NQ:
             heap_n[warp * NQ + lane] = cnt
         cuda.syncthreads()
-        merge_heaps(heap_s, heap_i, heap_n, cand_s, cand_i, s, b, tid)
+        # column n: the other warps' heaps into warp 0's, sorted best first into the slot
+        for n in range(tid, NQ, 32 * W):
+            hs0 = heap_s[n * KM:(n + 1) * KM]
+            hi0 = heap_i[n * KM:(n + 1) * KM]
+            c0 = heap_n[n]
+            for w in range(1, W):
+                base = (w * NQ + n) * KM
+                for e in range(heap_n[w * NQ + n]):
+                    c0, _, _ = offer(hs0, hi0, c0, KM, hs0[0], hi0[0], heap_s[base + e],
+                                     heap_i[base + e])
+            store(hs0, hi0, c0, cand_s, cand_i, s, b, n)
 
     return kernel
 

@@ -13,7 +13,6 @@ def variants():
     from msa.cuda.decode import v2_split_attention as att
     from msa.cuda.decode import v2_split_index as idx
     from msa.cuda.decode import v3_register_index as reg
-    from msa.cuda.decode import v4_bulk_index as bulk
 
     i32, i64, f32, u16, u32 = types.int32, types.int64, types.float32, types.uint16, types.uint32
     w3, w4 = u32[:, :, ::1], u32[:, :, :, ::1]
@@ -27,9 +26,6 @@ def variants():
         yield f"index-split-paper-Lq{lq}-bf16", idx.split_kernel(128, 128, lq, 4, 16, True), index_sig
         yield (f"index-register-paper-Lq{lq}-bf16", reg.split_kernel(128, 128, lq, 4, 16, True),
                index_sig)
-        yield (f"index-bulk-paper-Lq{lq}-bf16",
-               bulk.split_kernel(128, 128, lq, 4, 16, True, bulk.WARPS, bulk.BUFFERS,
-                                 bulk.chunk_keys(128)), index_sig)
         for direct in (False, True):  # one CTA column a draft
             yield (f"attention-split-paper-Lq{lq}-bf16" + ("-direct" if direct else ""),
                    att.split_kernel(128, 128, 16, 16, True, direct, lq), att_sig)
@@ -42,9 +38,6 @@ def variants():
     # small shapes (the tests' sizes)
     yield "index-split-small-fp16", idx.split_kernel(16, 16, 2, 2, 4, False), index_sig
     yield "index-register-small-fp16", reg.split_kernel(16, 32, 2, 2, 4, False), index_sig
-    yield ("index-bulk-small-fp16", bulk.split_kernel(16, 32, 2, 2, 4, False, bulk.WARPS,
-                                                      bulk.BUFFERS, bulk.chunk_keys(16)),
-           index_sig)
     yield "attention-split-small-fp16-G1", att.split_kernel(16, 16, 1, 4, False, False, 3), att_sig
     yield "attention-split-small-fp16-G2-direct", att.split_kernel(16, 16, 2, 4, False, True, 2), att_sig
     yield "index-merge-small", idx.merge_kernel(16, 4), merge_sig
