@@ -5,10 +5,12 @@
         --configs "base;v2_split_attention.STAGES=2;_plan.CTAS_PER_SM=3"
 
 A config is ``module.NAME=value`` settings (modules of ``msa.cuda.decode``) and optionally
-``version=N`` (the rung ``plan`` takes) joined by ``,``; ``base`` is the code as it is. For each case and config: ``plan`` + one ``run`` (the outputs
-must equal the base config's bit for bit: these constants change the schedule, never the
-arithmetic of a row), then the step in a CUDA graph and each of its kernels alone (as
-``bench_decode``), median of ``--reps``. The settings are restored after each config.
+``version=N`` (the rung ``plan`` takes) joined by ``,``; ``base`` is the code as it is. For
+each case and config: ``plan`` + one ``run`` (the outputs must equal the first config's bit for
+bit: these constants change the schedule, never the arithmetic of a row), then the step in a
+CUDA graph and each of its kernels alone (as ``bench_decode``), median of ``--reps``. The
+settings are restored after each config. The latest run is ``benchmarks/results/
+decode_knobs.json``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main(argv=None):
     import torch
 
     from benchmarks.bench_decode import BK, TOPK, graph_of, kernel_times, make_case, timed
+    from benchmarks.common import write_json
     from msa.cuda import decode as gpu
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -82,8 +85,7 @@ def main(argv=None):
                     setattr(m, k, v)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_json(args.out, rows, cases=args.cases, configs=args.configs.split(";"))
 
 
 if __name__ == "__main__":

@@ -657,3 +657,18 @@ def test_wide_merge_equals_the_one_warp_merge(splits, topk):
         got[name] = out
     assert_exact(got["one warp"], want, name="one-warp merge")
     assert_exact(got["wide"], want, name="wide merge")
+
+
+def test_decode_knobs_parses_its_configs():
+    """benchmarks/dev/decode_knobs: a config names planner constants of the decode modules and
+    optionally the rung; ``base`` changes nothing."""
+    from benchmarks.dev.decode_knobs import parse_config
+    from msa.cuda.decode import _plan
+    from msa.cuda.decode import v2_split_attention as v2a
+
+    assert parse_config("base") == ([], None)
+    settings, version = parse_config("v2_split_attention.STAGES=2, _plan.CTAS_PER_SM=3,version=2")
+    assert version == 2
+    assert settings == [(v2a, "STAGES", 2), (_plan, "CTAS_PER_SM", 3)]
+    with pytest.raises(ModuleNotFoundError):
+        parse_config("no_such_module.X=1")

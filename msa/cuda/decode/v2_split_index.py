@@ -21,9 +21,10 @@ split's slot of ``cand_s, cand_i [S, B*Lq, Hkv, K-1]`` (padding ``(-inf, -1)``).
 
 ``merge_kernel``, one warp per (query, group) row: the paper's §4.1 selection over the ``S (K -
 1)`` candidates of the splits: lane ``l`` takes the lists of splits ``l, l + 32, ...`` into its
-own heap of ``K - 1`` (shared memory), each list from its best entry until one cannot enter the
-full heap (the lists are sorted, so the rest cannot either), sorts it best first, then ``K - 1`` rounds of a butterfly arg-max give every lane the warp's best and
-its owner pops it. The winners are exactly the global top ``K - 1`` (each is in its split's top
+own heap of ``K - 1`` (shared memory): the first list whole (it fits, and stored worst first it
+is a heap already), each further list from its best entry until one cannot enter the full heap
+(the lists are sorted, so the rest cannot either); it sorts the heap best first, then ``K - 1``
+rounds of a butterfly arg-max give every lane the warp's best and its owner pops it. The winners are exactly the global top ``K - 1`` (each is in its split's top
 ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
 then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
 Where a request has more than 32 splits (a lane would walk several lists, one after another),
