@@ -150,21 +150,37 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_pages_of_several_stages(stages, monkeypatch):
+def test_pages_of_several_stages(stages):
     # Bk = 32: two key stages a page in the simulator's rung 2 (64 keys a stage on a GPU: the
     # paper's Bk = 128 has two there), ragged lengths, Lq = 3; a split's four stages go round
-    # a ring of 2 or 3 buffers
-    from msa.cuda.decode import v2_split_attention as v2a
+    # a ring of 2 or 3 buffers (the plan's attention launch rebuilt with `stages`)
+    import dataclasses
 
-    monkeypatch.setattr(v2a, "STAGES", stages)
+    from msa.cuda.decode import v2_split_attention as v2a
+    from msa.cuda.decode._plan import Kernel
+
     p = paged_problem([31, 64, 65], 3, hq=4, hkv=2, bk=32, topk=3, dtype=np.float16, seed=11,
                       integer_index=True)
+    args = tuple(device(x) for x in (p.q, p.q_idx, *p.cache))
+    pl = gpu.plan(*args, 32, 3, version=2)
+    steps = []
+    for kernel, spec in pl.steps:
+        for direct in (False, True):
+            if kernel.dispatcher is v2a.split_kernel(32, 16, 2, 3, False, direct, 3,
+                                                     stages=v2a.stages_for(32, 16, 2)):
+                rebuilt = v2a.split_kernel(32, 16, 2, 3, False, direct, 3, stages=stages)
+                kernel = Kernel(rebuilt, kernel.grid, kernel.block,
+                                v2a.layout(32, 16, 2, stages)[-1])
+                steps.append("rebuilt")
+        steps.append((kernel, spec))
+    assert steps.count("rebuilt") == 1
+    pl = dataclasses.replace(pl, steps=[x for x in steps if x != "rebuilt"])
+    o, lse, I = gpu.run(pl, *args)
     w = widened(p)
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 32, 3)
-    o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 32, 3, version=2)
-    assert_exact(I, I_ref, name="block_indices")
-    check_attention(o, lse, p, I_ref, "float16", 2)
+    assert_exact(to_numpy(I), I_ref, name="block_indices")
+    check_attention(to_numpy(o), to_numpy(lse), p, I_ref, "float16", 2)
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])
