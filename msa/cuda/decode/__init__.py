@@ -40,7 +40,7 @@ v      file                        kernels
 2      ``v2_split_index.py``,      bf16/fp16, ``D``, ``Didx``, ``Bk`` multiples of 16 (``D <=
        ``v2_split_attention.py``   128``), ``K <= 64``. Index: the context of each request
                                    split over CTAs, each page of index keys loaded once
-                                   (``cp.async``, double-buffered) for all ``Lq x Hkv`` index
+                                   (``cp.async``, four stages) for all ``Lq x Hkv`` index
                                    queries, scored by ``mma.sync`` with the queries as the B
                                    operand, block maxima straight into a per-row heap
                                    (``_core.heap``); a merge kernel takes the splits' lists
@@ -48,9 +48,10 @@ v      file                        kernels
                                    the local block, pads with -1. Attention: Q-outer per
                                    (decode query, KV head, page split), a draft's own
                                    selection, its ``G`` query rows as the MMA rows, each
-                                   selected page loaded once (16-byte ``cp.async``), online
-                                   softmax in registers; splits combined by LSE in a second
-                                   kernel. H200, paper configuration, Lq = 1, CUDA graph:
+                                   selected page loaded once (16-byte ``cp.async``, a ring
+                                   of three stages), online softmax in registers; splits
+                                   combined by LSE in a second kernel. H200, paper
+                                   configuration, Lq = 1, CUDA graph:
                                    0.275 ms at B = 32 x 64K (3.4x SDPA decode), 0.161 ms at 8 x
                                    128K (3.0x). The default where rung 3 does not apply
 3      ``v3_register_index.py``    rung 2 with ``Didx`` a multiple of 32: the index kernel
