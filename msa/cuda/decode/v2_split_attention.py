@@ -107,7 +107,7 @@ def stages_for(block_size: int, head_dim: int, group: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bool,
-                 direct: bool, drafts: int = 1, _max_registers: int = 0, stages: int = 0):
+                 direct: bool, drafts: int = 1, stages: int = 0):
     """The split attention for (Bk, D, G, K, bf16 or fp16, one split writing the outputs, Lq
     queries a request; ``stages`` key stages, 0: ``stages_for``); arguments ``(q words [B*Lq,
     Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2], block_indices, block_table,
@@ -338,9 +338,7 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
                 if d == 0:
                     lse_part[s, t, h] = ls
 
-    jit = {"max_registers": _max_registers} if _max_registers and not SIMULATOR else {}
-
-    @kernel_jit(**jit)
+    @kernel_jit
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
                lse_part, o, lse):
         smem = dynamic_smem_u32()
