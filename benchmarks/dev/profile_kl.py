@@ -1,0 +1,70 @@
+"""GPU kernel times of one ``msa.cuda.kl.kl_loss_and_backward`` call beside one sparse attention
+forward on the same selection (torch.profiler, CUDA).
+
+    source .gpu/env.sh && python3 -m benchmarks.dev.profile_kl [N ...]
+
+``bench_kl``'s problem (paper configuration, bf16, one causal sequence of N tokens, the local
+block and 15 earlier blocks drawn uniformly; default 32K and 128K), the default kernels. Prints
+the wall time of each call and the per-kernel CUDA time tables, which split the KL into its
+passes (the student's LSE, the grad pass, ``dk_idx``, the CSR and schedule). With ``--ncu`` it
+runs each call once and nothing else, for ``ncu --profile-from-start off``
+(the calls are bracketed by ``cudaProfilerStart``/``Stop``). Public launchers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sizes", nargs="*", type=int, default=[32768, 131072])
+    p.add_argument("--ncu", action="store_true", help="one profiled call each, no tables")
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.bench_kl import BK, make_inputs, uniform_selection
+    from msa.cuda.attention import sparse_attention
+    from msa.cuda.kl import kl_loss_and_backward
+
+    for n in args.sizes:
+        x = make_inputs(n)
+        I = uniform_selection(n)
+
+        def attention():
+            return sparse_attention(x["q"], x["k"], x["v"], I, x["cu"], x["cu"], BK,
+                                    validate=False)
+
+        _, lse = attention()
+        lse = lse.float().contiguous()
+
+        def kl():
+            return kl_loss_and_backward(x["q"], x["k"], x["q_idx"], x["k_idx"], I, lse,
+                                        x["cu"], x["cu"], BK, validate=False)
+
+        for name, call in (("sparse_attention", attention), ("kl_loss_and_backward", kl)):
+            call()
+            torch.cuda.synchronize()
+            if args.ncu:
+                torch.cuda.cudart().cudaProfilerStart()
+                call()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+                continue
+            t = time.time()
+            call()
+            torch.cuda.synchronize()
+            wall = time.time() - t
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            print(f"===== n={n} {name}: one call, wall {wall * 1e3:.1f} ms", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                            max_name_column_width=60), flush=True)
+
+
+if __name__ == "__main__":
+    main()
