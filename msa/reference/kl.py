@@ -54,14 +54,16 @@ import numpy as np
 
 from .._batch import Batch
 from .._checks import (FLOAT_DTYPES, check_array, check_block_size, check_flag, check_gqa,
-                       check_lse, check_same_dtype, check_scale, cu_to_host)
+                       check_lse, check_positive_int, check_same_dtype, check_scale,
+                       cu_to_host)
 from ._mask import attend
 from .blocks import block_row_offsets, key_positions, max_blocks, visible_block_mask
 from .select import check_block_indices, nonempty_supports
 
-# Elements of one [n, G, Bk] teacher score tile: 4M floats bounds memory at any sequence length
-# (the warmup gives one key block thousands of queries) and keeps each matmul large.
-_TILE_ELEMENTS = 1 << 22
+# Elements of one [n, G, Bk] teacher score tile (the functions' ``tile_elements``): 4M floats
+# bounds memory at any sequence length (the warmup gives one key block thousands of queries) and
+# keeps each matmul large.
+TILE_ELEMENTS = 1 << 22
 
 
 def _compute_dtype(dt: np.dtype) -> np.dtype:
@@ -128,6 +130,7 @@ class _Problem:
     entry_k1: np.ndarray  # [E] one past its last key (clipped to the sequence)
     entry_kpos0: np.ndarray  # [E] position of the block's first key in its sequence
     segments: np.ndarray  # [S+1] entries [segments[i], segments[i+1]) share (r, key block)
+    tile_elements: int  # at most this many teacher scores [n, G, L] a tile (see _tiles)
 
 
 def _selected_entries(block_indices, batch_q, pos_q, cu_k, block_size, hkv):
@@ -162,9 +165,11 @@ def _selected_entries(block_indices, batch_q, pos_q, cu_k, block_size, hkv):
 
 def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=None,
                   cu_seqlens_q, cu_seqlens_k, block_size, scale=None, index_scale=None,
-                  teacher: bool, student: bool, validate: bool = True) -> _Problem:
+                  teacher: bool, student: bool, validate: bool = True,
+                  tile_elements: int = TILE_ELEMENTS) -> _Problem:
     """Validate the arguments of the public functions and sort the selected blocks."""
     validate = check_flag("validate", validate)
+    tile_elements = check_positive_int("tile_elements", tile_elements)
     arrays = {}
     if teacher:
         check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -223,11 +228,12 @@ def _check_inputs(*, q=None, k=None, q_idx=None, k_idx=None, block_indices, lse=
         lse=lse, block_indices=block_indices, batch_q=batch_q, pos_q=pos_q, cu_k=cu_k,
         block_size=block_size, tq=tq, tk=tk, hkv=hkv, group=group if teacher else 1, slots=slots,
         scale=scale, index_scale=index_scale, entry_t=t, entry_r=r, entry_s=s, entry_k0=k0,
-        entry_k1=k1, entry_kpos0=kpos0, segments=segments)
+        entry_k1=k1, entry_kpos0=kpos0, segments=segments, tile_elements=tile_elements)
 
 
 def _tiles(p: _Problem):
-    """Yield ``(t, r, s, k0, k1, hidden)`` per (group, key block) tile of at most ``_TILE_ELEMENTS``.
+    """Yield ``(t, r, s, k0, k1, hidden)`` per (group, key block) tile of at most
+    ``p.tile_elements`` teacher scores (at least one query a tile).
 
     ``t``/``s`` [n]: the queries that selected the block and the slot it has in their
     ``block_indices`` row; keys ``k0:k1`` (``L <= Bk`` of them) belong to group ``r``;
@@ -240,7 +246,7 @@ def _tiles(p: _Problem):
             continue
         r = int(p.entry_r[e0])
         kpos = int(p.entry_kpos0[e0]) + np.arange(k1 - k0)  # [L]
-        step = max(1, _TILE_ELEMENTS // (p.group * (k1 - k0)))
+        step = max(1, p.tile_elements // (p.group * (k1 - k0)))
         for c0 in range(e0, e1, step):
             c1 = min(c0 + step, e1)
             t = p.entry_t[c0:c1]  # [n]
@@ -301,7 +307,7 @@ def _log_teacher(p: _Problem, lse, t, r, k0, k1, hidden):
 
 
 def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size, *,
-            scale=None, index_scale=None, validate=True):
+            scale=None, index_scale=None, validate=True, tile_elements=TILE_ELEMENTS):
     """Paper eq 9-10: ``KL(sg(P) || P_idx)`` per query and group, and its mean ``L_KL``.
 
     Args:
@@ -326,6 +332,10 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
             them as msa's own outputs (the selection and LSE of this very batch), unchecked:
             a NaN in ``lse`` then makes its row's ``kl`` NaN, as data NaNs do, instead of an
             error (``msa_layer`` and ``msa.torch.MSAAttention`` pass their own).
+        tile_elements: keyword-only, this NumPy reference's only: the most teacher scores
+            (``n`` queries x ``G`` heads x ``Bk`` keys) one tile computes at once, default
+            ``TILE_ELEMENTS`` (4M); it bounds memory, and any value gives the same result up to
+            the rounding of the matrix products' shapes.
 
     Returns:
         ``(kl, loss)``: ``kl`` [Tq, Hkv] = ``KL(P_{t,r} || P^idx_{t,r})`` and ``loss`` = eq 10,
@@ -342,7 +352,7 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
                       scale=scale, index_scale=index_scale, teacher=True, student=True,
-                      validate=validate)
+                      validate=validate, tile_elements=tile_elements)
     lse_idx, lse = _normalisers(p)
     part = np.zeros((p.tq, p.hkv, p.slots), dtype=p.q.dtype)  # [Tq, Hkv, K] KL summed per block
     for t, r, s, k0, k1, hidden in _tiles(p):
@@ -360,11 +370,13 @@ def kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, 
 
 
 def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k, block_size,
-                *, scale=None, index_scale=None, grad_loss=1.0, validate=True):
+                *, scale=None, index_scale=None, grad_loss=1.0, validate=True,
+                tile_elements=TILE_ELEMENTS):
     """Paper eq 10-11 backward: ``(dq_idx, dk_idx)`` of ``grad_loss * L_KL``.
 
-    Arguments as :func:`kl_loss` (``validate`` too), plus the keyword-only ``grad_loss`` (a
-    finite real, the upstream gradient of the scalar loss, e.g. the KL coefficient ``lambda``).
+    Arguments as :func:`kl_loss` (``validate`` and ``tile_elements`` too), plus the keyword-only
+    ``grad_loss`` (a finite real, the upstream gradient of the scalar loss, e.g. the KL
+    coefficient ``lambda``).
 
     Returns:
         ``dq_idx`` [Tq, Hkv, Didx] and ``dk_idx`` [Tk, Didx], float64 for float64 input, float32
@@ -388,7 +400,7 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
     p = _check_inputs(q=q, k=k, q_idx=q_idx, k_idx=k_idx, block_indices=block_indices, lse=lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_size=block_size,
                       scale=scale, index_scale=index_scale, teacher=True, student=True,
-                      validate=validate)
+                      validate=validate, tile_elements=tile_elements)
     if isinstance(grad_loss, bool) or not isinstance(grad_loss, numbers.Real):
         raise TypeError(f"grad_loss must be a real number, got {type(grad_loss).__name__}")
     if not math.isfinite(float(grad_loss)):
@@ -414,15 +426,17 @@ def kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens
 
 def kl_loss_and_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
                          block_size, *, scale=None, index_scale=None, grad_loss=1.0,
-                         validate=True):
+                         validate=True, tile_elements=TILE_ELEMENTS):
     """Paper eq 9-11 in one call: ``(kl, loss, dq_idx, dk_idx)``, i.e. :func:`kl_loss` then
     :func:`kl_backward` on the same arguments (a training step needs both; the GPU version
     scores the teacher once for the two)."""
     kl, loss = kl_loss(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q, cu_seqlens_k,
-                       block_size, scale=scale, index_scale=index_scale, validate=validate)
+                       block_size, scale=scale, index_scale=index_scale, validate=validate,
+                       tile_elements=tile_elements)
     dq_idx, dk_idx = kl_backward(q, k, q_idx, k_idx, block_indices, lse, cu_seqlens_q,
                                  cu_seqlens_k, block_size, scale=scale, index_scale=index_scale,
-                                 grad_loss=grad_loss, validate=validate)
+                                 grad_loss=grad_loss, validate=validate,
+                                 tile_elements=tile_elements)
     return kl, loss, dq_idx, dk_idx
 
 

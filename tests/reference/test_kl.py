@@ -356,7 +356,7 @@ def test_future_blocks_add_nothing():
     np.testing.assert_array_equal(kl_loss(*args(p, I))[0], kl_loss(*args(p, with_future))[0])
 
 
-def test_tiling_does_not_change_the_result(monkeypatch):
+def test_tiling_does_not_change_the_result():
     """Splitting every (group, block) tile into one-query pieces gives the same result.
 
     Only the BLAS call shapes change (one [G, D] x [D, Bk] product per query instead of one per
@@ -365,8 +365,11 @@ def test_tiling_does_not_change_the_result(monkeypatch):
     p = make_problem((37, 21), (37, 5), num_q_heads=8, num_kv_heads=2, block_size=8, topk=3, seed=4)
     I = selection(p, "select", None)
     ref = kl_loss(*args(p, I)), kl_backward(*args(p, I))
-    monkeypatch.setattr(kl_module, "_TILE_ELEMENTS", 1)
-    tiled = kl_loss(*args(p, I)), kl_backward(*args(p, I))
+    tiled = kl_loss(*args(p, I), tile_elements=1), kl_backward(*args(p, I), tile_elements=1)
+    with pytest.raises(ValueError, match="tile_elements must be >= 1, got 0"):
+        kl_loss(*args(p, I), tile_elements=0)
+    with pytest.raises(TypeError, match="tile_elements must be an integer"):
+        kl_backward(*args(p, I), tile_elements=2.0)
     for a, b in zip(ref[0] + ref[1], tiled[0] + tiled[1]):
         np.testing.assert_allclose(a, b, rtol=0, atol=16 * EPS64 * np.abs(a).max())
         assert not np.array_equal(a, 0 * a)
