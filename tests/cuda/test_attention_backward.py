@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from msa.cuda import attention as gpu
 from msa.cuda._core.arrays import SIMULATOR
-from msa.cuda.attention._backward import _sparse_attention_backward, backward_version
+from msa.cuda.attention._backward import (_sparse_attention_backward, backward_version,
+                                          default_part_size)
 from msa.cuda.attention._plan import Spec
 from msa.reference import attention as ref
 from msa.reference.attention import _supports
@@ -265,6 +266,18 @@ def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
     with pytest.raises(ValueError, match="block_indices"):
         gpu.sparse_attention_backward(q, k, v, o, lse, o.copy(), I, p.cu_seqlens_q,
                                       p.cu_seqlens_k, 4)
+
+
+@pytest.mark.parametrize("entries,topk,bk,want", [
+    (8192 * 4 * 16, 16, 128, 512),  # the paper's 8K-query chunk (4 GiB of dQ partials): 1024 parts
+    (8192 * 4 * 16 + 1, 16, 128, 1024),  # just past it: rounded up to the next power of two
+    (1 << 30, 16, 128, 4096),  # capped at 2 K Bk, the forward's hot-row cut
+    (1 << 30, 2, 8, 256),  # ... unless that is below the least part, 256 entries
+    (1, 16, 128, 256), (0, 1, 1, 256),  # a tiny chunk: one part a row up to 256 entries
+])
+def test_default_part_size(entries, topk, bk, want):
+    """The backward's default part: ~1024 parts a chunk, a power of two in [256, 2 K Bk]."""
+    assert default_part_size(entries, topk, bk) == want
 
 
 @pytest.mark.parametrize("bad", ["o_shape", "do_dtype", "lse_dtype", "lse_shape", "I_shape",

@@ -60,6 +60,25 @@ def backward_version(spec, block_size) -> int:
     return 1 if _why_not_v2(spec, block_size)[0] else 2
 
 
+# The default part size: about PARTS parts over the heads of a query chunk (at least MIN_PART
+# entries a part, at most the forward's hot-row cut 2 K Bk), a power of two. A CSR row's length
+# varies 30-fold inside a causal chunk (old blocks are picked by most queries, the newest by
+# their own); with at most 2 K Bk entries a part, a 32K backward ran a few hundred CTAs of one
+# an SM, the longest 1024 tiles: the SMs were busy 61% of the kernel (ncu, H200).
+PARTS = 1024
+MIN_PART = 256
+
+
+def default_part_size(entries: int, topk: int, block_size: int) -> int:
+    """The backward's default ``part_size`` for a query chunk of ``entries`` CSR entries over
+    all KV heads (``Tq_chunk * Hkv * K``): ``entries / PARTS`` rounded up to a power of two,
+    clipped to ``[MIN_PART, 2 K Bk]``. A function of the shapes only (not of the device), so
+    the results are the same bits on every GPU."""
+    want = max(1, -(-entries // PARTS))
+    cap = min(2 * topk * block_size, INT32_MAX)
+    return max(MIN_PART, min(cap, 1 << (want - 1).bit_length()))
+
+
 def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
     """Cut the CSR rows into parts of at most ``part_size`` entries, without a host read:
     ``(part_ptr, per_head, num_split)``. One scan gives both the parts' offsets per head (rows
@@ -111,9 +130,11 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
             do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
         block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
         version: 1, 2 or ``None`` (2 where it applies, else 1).
-        part_size: most CSR entries (queries) one dK/dV CTA takes (default ``2*K*Bk``, the
-            forward's hot-row cut); a row with more is split, and its parts' sums are added in
-            a fixed order (so a different ``part_size`` may change the last bits).
+        part_size: most CSR entries (queries) one dK/dV CTA takes; a row with more is split,
+            and its parts' sums are added in a fixed order (so a different ``part_size`` may
+            change the last bits). Default: per query chunk, its ``Tq Hkv K`` entries over
+            ~1024 parts (``default_part_size``: a power of two in ``[256, 2*K*Bk]``), so that
+            the SMs share the work evenly; a function of the shapes, not of the GPU.
         max_partial_bytes: version 2's memory for one query chunk's dQ partials.
         validate: check ``block_indices`` and ``lse`` on host copies first, as the reference
             does (``lse`` finite wherever the support is non-empty: ``msa._checks.check_lse``);
@@ -150,9 +171,8 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     batch, scale, topk = selection_args(spec, block_indices, cu_seqlens_q, cu_seqlens_k,
                                         block_size, scale)
     bs = batch.block_size
-    # a row holds at most Tq < 2**31 queries: a larger default part is the same one
-    part_size = check_positive_int("part_size", min(2 * topk * bs, INT32_MAX)
-                                   if part_size is None else part_size, high=INT32_MAX)
+    if part_size is not None:  # else per query chunk (default_part_size)
+        part_size = check_positive_int("part_size", part_size, high=INT32_MAX)
     max_partial_bytes = check_positive_int(
         "max_partial_bytes", MAX_PARTIAL_BYTES if max_partial_bytes is None
         else max_partial_bytes)
@@ -212,6 +232,7 @@ def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, l
     row_ptr, q_indices, _ = launch_build_csr(batch, I, ctx)
     d_row_ptr = kernel_array(row_ptr)
     d_row_offsets = device_constant(batch.row_offsets.astype(np.int32))
+    part_size = part_size or default_part_size(spec.tq * hkv * topk, topk, bs)
     part_ptr, per_head, num_split = _cut_rows(ctx, d_row_ptr, hkv, batch.rows, part_size,
                                               spec.tq * topk)
     dk_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
@@ -248,7 +269,8 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
         if sub.rows:
             row_ptr, q_indices, slots = launch_build_csr(sub, I_c, ctx)
             d_row_ptr = kernel_array(row_ptr)
-            part_ptr, per_head, num_split = _cut_rows(ctx, d_row_ptr, hkv, sub.rows, part_size,
+            ps = part_size or default_part_size(tc * hkv * topk, topk, bs)
+            part_ptr, per_head, num_split = _cut_rows(ctx, d_row_ptr, hkv, sub.rows, ps,
                                                       tc * topk)
             dk_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
             dv_part = ctx.arg(ctx.empty((max(num_split, 1), bs * d), np.float32))
@@ -256,8 +278,8 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
             launch_smem(k_tc, hkv * per_head, 2 * bs, tc_smem, qw[t0:t1], kw[k_lo:k_hi],
                         vw[k_lo:k_hi], dow[t0:t1], lse_a[t0:t1], delta_a[t0:t1], d_row_ptr,
                         kernel_array(q_indices), kernel_array(slots), d_row_offsets, d_cu_q,
-                        d_cu_k, np.float32(scale), np.float32(scale * LOG2E), part_ptr,
-                        part_size, dk_c, dv_c, dk_part, dv_part, dq_part)
+                        d_cu_k, np.float32(scale), np.float32(scale * LOG2E), part_ptr, ps,
+                        dk_c, dv_c, dk_part, dv_part, dq_part)
             # rows of one part return at once
             k_sum[hkv * sub.rows, THREADS](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
                                            dk_c, dv_c)
