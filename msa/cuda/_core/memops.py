@@ -17,6 +17,9 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
 ``store_u32x4(a, flat, w0..w3)``    the four uint32 ``a.flat[flat:flat+4] = w0..w3`` in one
                                    128-bit ``st.global.v4.u32``; ``flat`` a multiple of 4 and
                                    ``a``'s data 16-byte aligned
+``store_f32x2(a, flat, x0, x1)``    the two float32 ``a.flat[flat:flat+2] = x0, x1`` of a
+                                   C-contiguous array in one 64-bit ``st.global.v2.f32``;
+                                   ``flat`` even and ``a``'s data 8-byte aligned
 ``cp_async16(dst, d, src, s, n)``  ``cp.async.cg.shared.global``: 16 bytes (four uint32) of the
                                    global ``src.flat[s:s+4]`` into the shared ``dst.flat[d:d+4]``
                                    without passing through registers; ``n`` (0 or 16) bytes are
@@ -111,6 +114,15 @@ if SIMULATOR:
         f[flat + 1] = w1
         f[flat + 2] = w2
         f[flat + 3] = w3
+
+    @cuda.jit(device=True)
+    def store_f32x2(a, flat, x0, x1):
+        """Simulator twin: two element stores, once ``flat`` is even."""
+        if flat % 2:
+            raise AssertionError(f"store_f32x2: element {flat} is not on an 8-byte boundary")
+        f = a.reshape(-1)
+        f[flat] = x0
+        f[flat + 1] = x1
 
     @cuda.jit(device=True)
     def cp_async16(dst, d, src, s, nbytes):
@@ -222,6 +234,32 @@ else:
                 w = context.cast(builder, args[2 + k], signature.args[2 + k], types.uint32)
                 vec = builder.insert_element(vec, w, ir.Constant(ir.IntType(32), k))
             builder.store(vec, gptr, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def store_f32x2(typingctx, a, flat, x0, x1):
+        """``a.flat[flat:flat+2] = x0, x1`` of a C-contiguous float32 array in one 64-bit
+        global store (``st.global.v2.f32``)."""
+        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
+                and isinstance(flat, types.Integer)
+                and all(isinstance(x, types.Float) for x in (x0, x1))):
+            return None
+        sig = types.void(a, flat, x0, x1)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            ptr = builder.gep(ary.data, [index])
+            vec_t = ir.VectorType(ir.FloatType(), 2)
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec_t)),
+                                         ir.PointerType(vec_t, addrspace=1))
+            vec = ir.Constant(vec_t, ir.Undefined)
+            for k in range(2):
+                x = context.cast(builder, args[2 + k], signature.args[2 + k], types.float32)
+                vec = builder.insert_element(vec, x, ir.Constant(ir.IntType(32), k))
+            builder.store(vec, gptr, align=8)
             return context.get_dummy_value()
 
         return sig, codegen

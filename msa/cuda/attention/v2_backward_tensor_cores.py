@@ -45,14 +45,14 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
 from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
-                            no_op)
+                            no_op, store_f32x2)
 from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
                          pack_bf16x2, pack_f16x2)
 from .._core.packed import LOG2E, last_le
@@ -111,6 +111,10 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     KB = Bk // 16  # k-steps of dQ (16 keys each)
     PAIRS = KR * (NO // 2)  # (m-tile, n-tile pair) units of dQ, spread over the warps
     ROUNDS = -(-PAIRS // NW)
+    # a warp's dQ units share their n-tile pair (so one K fragment a k-step) when the units
+    # of one round fill whole rows of pairs
+    SHARED_B = NW % (NO // 2) == 0
+    Q_REGS = 8 * ROUNDS
     S_REGS, F_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
@@ -309,38 +313,49 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     def dq_tile(smem, q_acc, dq_part, s_t, s_slot, s_lim, s_kbad, s_kcol, row0, r, warp, g4,
                 t4, ds_lane, t_lane):
         """dQ_tile = dS K into the rows' partial slots: units (m-tile, n-tile pair) dealt to
-        the warps, ROUNDS each; a unit past the last computes unit 0 again and stores
-        nothing. Where the block holds a non-finite K (``s_kbad[Bk]``, CTA-uniform) the K
-        fragments are cleaned (non-finite halves +0: a row's dS = 0 at a key it cannot see
-        then gives 0), and a row that sees a non-finite ``K[c, d]`` (``s_kcol[d]`` within its
-        limit) gets NaN in column d, the reference's ``dS K[c, d]`` there (0 * inf, or a
-        non-finite dS)."""
+        the warps, ROUNDS each, all of a warp's units at once (``q_acc``: 8 accumulators a
+        unit, so that 2 ROUNDS mma chains are in flight, and where the warp's units share their
+        n-tile pair, one K fragment load a k-step serves them all); a unit past the last
+        computes unit 0 again and stores nothing. Each unit sums its k-steps in order, so its
+        values do not depend on how the units interleave. Where the block holds a non-finite K
+        (``s_kbad[Bk]``, CTA-uniform) the K fragments are cleaned (non-finite halves +0: a
+        row's dS = 0 at a key it cannot see then gives 0), and a row that sees a non-finite
+        ``K[c, d]`` (``s_kcol[d]`` within its limit) gets NaN in column d, the reference's
+        ``dS K[c, d]`` there (0 * inf, or a non-finite dS)."""
         k_bad = s_kbad[Bk] != 0
+        for i in range(8 * ROUNDS):
+            q_acc[i] = float32(0.0)
+        for kb in range(KB):
+            b0 = b1 = b2 = b3 = uint32(0)
+            for rnd in range(ROUNDS):
+                _, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
+                a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
+                if rnd == 0 or not SHARED_B:
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, t_lane + 16 * kb * LD + 8 * n2)
+                    if k_bad:
+                        b0, _ = clean(b0)
+                        b1, _ = clean(b1)
+                        b2, _ = clean(b2)
+                        b3, _ = clean(b3)
+                u = 8 * rnd
+                x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, q_acc[u], q_acc[u + 1],
+                                     q_acc[u + 2], q_acc[u + 3])
+                q_acc[u] = x0
+                q_acc[u + 1] = x1
+                q_acc[u + 2] = x2
+                q_acc[u + 3] = x3
+                x0, x1, x2, x3 = mma(a0, a1, a2, a3, b2, b3, q_acc[u + 4], q_acc[u + 5],
+                                     q_acc[u + 6], q_acc[u + 7])
+                q_acc[u + 4] = x0
+                q_acc[u + 5] = x1
+                q_acc[u + 6] = x2
+                q_acc[u + 7] = x3
+        hq = dq_part.shape[2]
+        tq = dq_part.shape[1]
         for rnd in range(ROUNDS):
             real, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
-            for i in range(8):
-                q_acc[i] = float32(0.0)
-            for kb in range(KB):
-                a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
-                b0, b1, b2, b3 = ldmatrix_x4_trans(smem, t_lane + 16 * kb * LD + 8 * n2)
-                if k_bad:
-                    b0, _ = clean(b0)
-                    b1, _ = clean(b1)
-                    b2, _ = clean(b2)
-                    b3, _ = clean(b3)
-                x0, x1, x2, x3 = mma(a0, a1, a2, a3, b0, b1, q_acc[0], q_acc[1], q_acc[2],
-                                     q_acc[3])
-                q_acc[0] = x0
-                q_acc[1] = x1
-                q_acc[2] = x2
-                q_acc[3] = x3
-                x0, x1, x2, x3 = mma(a0, a1, a2, a3, b2, b3, q_acc[4], q_acc[5], q_acc[6],
-                                     q_acc[7])
-                q_acc[4] = x0
-                q_acc[5] = x1
-                q_acc[6] = x2
-                q_acc[7] = x3
             if real:
+                u = 8 * rnd
                 dcol = 16 * n2 + 2 * t4
                 for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
                     w = 16 * m + g4 + 8 * half
@@ -348,10 +363,10 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                     if t >= 0:
                         s = s_slot[row0 + w]
                         h = r * G + w % G
-                        x0 = q_acc[2 * half]
-                        x1 = q_acc[2 * half + 1]
-                        x8 = q_acc[4 + 2 * half]
-                        x9 = q_acc[5 + 2 * half]
+                        x0 = q_acc[u + 2 * half]
+                        x1 = q_acc[u + 2 * half + 1]
+                        x8 = q_acc[u + 4 + 2 * half]
+                        x9 = q_acc[u + 5 + 2 * half]
                         if k_bad:
                             lim = s_lim[row0 + w]
                             if lim >= s_kcol[dcol]:
@@ -362,10 +377,12 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                                 x8 = _NAN
                             if lim >= s_kcol[dcol + 9]:
                                 x9 = _NAN
-                        dq_part[s, t, h, dcol] = x0
-                        dq_part[s, t, h, dcol + 1] = x1
-                        dq_part[s, t, h, dcol + 8] = x8
-                        dq_part[s, t, h, dcol + 9] = x9
+                        # one row offset for the four stores, in unsigned arithmetic (t, s, h
+                        # are in range: the stage checked them), so no index wraps around
+                        at = ((uint64(s) * uint64(tq) + uint64(t)) * uint64(hq) + uint64(h)) \
+                            * uint64(D) + uint64(dcol)
+                        store_f32x2(dq_part, at, x0, x1)
+                        store_f32x2(dq_part, at + uint64(8), x8, x9)
 
     @cuda.jit(device=True, inline=True)
     def store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
@@ -415,7 +432,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         ds_frag = cuda.local.array(F_REGS, uint32)
         dk_acc = cuda.local.array(O_REGS, float32)
         dv_acc = cuda.local.array(O_REGS, float32)
-        q_acc = cuda.local.array(8, float32)
+        q_acc = cuda.local.array(Q_REGS, float32)  # the warp's dQ units (dq_tile)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
