@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from msa.cuda import attention as gpu
 from msa.cuda._core.arrays import SIMULATOR
+from msa.cuda._core.memops import store_f32x2
 from msa.cuda.attention._backward import (_sparse_attention_backward, backward_version,
                                           default_part_size)
 from msa.cuda.attention._plan import Spec
@@ -266,6 +267,30 @@ def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
     with pytest.raises(ValueError, match="block_indices"):
         gpu.sparse_attention_backward(q, k, v, o, lse, o.copy(), I, p.cu_seqlens_q,
                                       p.cu_seqlens_k, 4)
+
+
+@pytest.mark.parametrize("flat,ok", [(0, True), (22, True), (5, False)])
+def test_store_f32x2_writes_two_floats_of_a_4d_array(flat, ok):
+    """``store_f32x2`` (the dQ partials' stores) writes ``a.flat[flat:flat+2]`` of a C-contiguous
+    4-D array from an unsigned offset; the simulator refuses an odd offset, which the GPU's
+    ``st.global.v2`` would fault on."""
+    from numba import cuda, float32, uint64
+
+    @cuda.jit
+    def kernel(a, flat):
+        store_f32x2(a, uint64(flat), float32(1.5), float32(-2.0))
+
+    if not ok and not SIMULATOR:
+        pytest.skip("the GPU faults instead (misaligned address)")
+    a = np.zeros((2, 3, 2, 4), np.float32)
+    want = np.zeros(a.size, np.float32)
+    if ok:
+        kernel[1, 1](a, flat)
+        want[flat:flat + 2] = (1.5, -2.0)
+        np.testing.assert_array_equal(a.reshape(-1), want)
+    else:
+        with pytest.raises(AssertionError, match="8-byte boundary"):
+            kernel[1, 1](a, flat)
 
 
 @pytest.mark.parametrize("entries,topk,bk,want", [
