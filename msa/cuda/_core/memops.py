@@ -211,58 +211,48 @@ else:
     load_f32x4 = _vec4_load(types.float32, ir.FloatType())
     load_u32x4 = _vec4_load(types.uint32, ir.IntType(32))
 
-    @intrinsic
-    def store_u32x4(typingctx, a, flat, w0, w1, w2, w3):
-        """``a.flat[flat:flat+4] = w0..w3`` of a C-contiguous uint32 array in one 128-bit
-        global store (``st.global.v4.u32``)."""
-        words = (w0, w1, w2, w3)
-        if not (isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
-                and isinstance(flat, types.Integer)
-                and all(isinstance(w, types.Integer) for w in words)):
-            return None
-        sig = types.void(a, flat, w0, w1, w2, w3)
+    def _vector_store(ir_elem, align):
+        """The codegen of ``a.flat[flat:flat+n] = x0..`` (``n`` = the values passed) in one
+        ``n``-wide global store of ``ir_elem`` values, ``align`` bytes aligned."""
 
         def codegen(context, builder, signature, args):
             ary = context.make_array(signature.args[0])(context, builder, args[0])
             index = context.cast(builder, args[1], signature.args[1], types.intp)
             ptr = builder.gep(ary.data, [index])
-            vec_t = ir.VectorType(ir.IntType(32), 4)
+            n = len(args) - 2
+            vec_t = ir.VectorType(ir_elem, n)
             gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec_t)),
                                          ir.PointerType(vec_t, addrspace=1))
             vec = ir.Constant(vec_t, ir.Undefined)
-            for k in range(4):
-                w = context.cast(builder, args[2 + k], signature.args[2 + k], types.uint32)
-                vec = builder.insert_element(vec, w, ir.Constant(ir.IntType(32), k))
-            builder.store(vec, gptr, align=16)
+            for k in range(n):
+                x = context.cast(builder, args[2 + k], signature.args[2 + k],
+                                 signature.args[0].dtype)
+                vec = builder.insert_element(vec, x, ir.Constant(ir.IntType(32), k))
+            builder.store(vec, gptr, align=align)
             return context.get_dummy_value()
 
-        return sig, codegen
+        return codegen
+
+    def _c_array_of(a, dtype):
+        return isinstance(a, types.Array) and a.dtype == dtype and a.layout == "C"
+
+    @intrinsic
+    def store_u32x4(typingctx, a, flat, w0, w1, w2, w3):
+        """``a.flat[flat:flat+4] = w0..w3`` of a C-contiguous uint32 array in one 128-bit
+        global store (``st.global.v4.u32``)."""
+        if not (_c_array_of(a, types.uint32) and isinstance(flat, types.Integer)
+                and all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3))):
+            return None
+        return types.void(a, flat, w0, w1, w2, w3), _vector_store(ir.IntType(32), 16)
 
     @intrinsic
     def store_f32x2(typingctx, a, flat, x0, x1):
         """``a.flat[flat:flat+2] = x0, x1`` of a C-contiguous float32 array in one 64-bit
         global store (``st.global.v2.f32``)."""
-        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
-                and isinstance(flat, types.Integer)
+        if not (_c_array_of(a, types.float32) and isinstance(flat, types.Integer)
                 and all(isinstance(x, types.Float) for x in (x0, x1))):
             return None
-        sig = types.void(a, flat, x0, x1)
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            index = context.cast(builder, args[1], signature.args[1], types.intp)
-            ptr = builder.gep(ary.data, [index])
-            vec_t = ir.VectorType(ir.FloatType(), 2)
-            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(vec_t)),
-                                         ir.PointerType(vec_t, addrspace=1))
-            vec = ir.Constant(vec_t, ir.Undefined)
-            for k in range(2):
-                x = context.cast(builder, args[2 + k], signature.args[2 + k], types.float32)
-                vec = builder.insert_element(vec, x, ir.Constant(ir.IntType(32), k))
-            builder.store(vec, gptr, align=8)
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(a, flat, x0, x1), _vector_store(ir.FloatType(), 8)
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)
