@@ -36,6 +36,26 @@ def cuda_time_ms(fn, *, warmup: int = 2, reps: int = 7) -> float:
     return times[len(times) // 2]
 
 
+def kernel_table(fn, title: str, *, rows: int = 12, width: int = 60) -> None:
+    """Print the wall time of one warm ``fn()`` and torch.profiler's table of the CUDA kernels
+    of another call, most time first (``fn`` is called once more before, as a warm-up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    t = time.time()
+    fn()
+    torch.cuda.synchronize()
+    wall = time.time() - t
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"===== {title}: one call, wall {wall * 1e3:.1f} ms", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                    max_name_column_width=width), flush=True)
+
+
 def peak_memory_gib(fn) -> float:
     """Peak torch-allocated GPU memory of one ``fn()`` call, in GiB (CuPy/Numba pools not counted)."""
     import torch

@@ -12,14 +12,13 @@ the stage layout (426fbbf); public launchers only.
 from __future__ import annotations
 
 import sys
-import time
 
 
 def main(sizes):
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.bench_attention import BK, _qkv, make_selection
+    from benchmarks.common import kernel_table
     from msa.cuda.attention import sparse_attention, sparse_attention_backward
 
     for n in sizes:
@@ -32,18 +31,7 @@ def main(sizes):
         def call():
             return sparse_attention_backward(q, k, v, o, lse, do, I, cu, cu, BK, validate=False)
 
-        call()
-        torch.cuda.synchronize()
-        t = time.time()
-        call()
-        torch.cuda.synchronize()
-        wall = time.time() - t
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        print(f"===== n={n}: one call, wall {wall * 1e3:.1f} ms")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
-                                        max_name_column_width=50))
+        kernel_table(call, f"n={n}", rows=10, width=50)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ runs each call once and nothing else, for ``ncu --profile-from-start off``
 from __future__ import annotations
 
 import argparse
-import time
 
 
 def main(argv=None):
@@ -24,9 +23,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.bench_kl import BK, make_inputs, uniform_selection
+    from benchmarks.common import kernel_table
     from msa.cuda.attention import sparse_attention
     from msa.cuda.kl import kl_loss_and_backward
 
@@ -46,24 +45,15 @@ def main(argv=None):
                                         x["cu"], x["cu"], BK, validate=False)
 
         for name, call in (("sparse_attention", attention), ("kl_loss_and_backward", kl)):
-            call()
-            torch.cuda.synchronize()
-            if args.ncu:
+            if args.ncu:  # a warm-up (compiles), then the one profiled call
+                call()
+                torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStart()
                 call()
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStop()
                 continue
-            t = time.time()
-            call()
-            torch.cuda.synchronize()
-            wall = time.time() - t
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                call()
-                torch.cuda.synchronize()
-            print(f"===== n={n} {name}: one call, wall {wall * 1e3:.1f} ms", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
-                                            max_name_column_width=60), flush=True)
+            kernel_table(call, f"n={n} {name}")
 
 
 if __name__ == "__main__":
