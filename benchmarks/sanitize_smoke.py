@@ -37,6 +37,7 @@ KL_VERSIONS = (3,)
 # The groups ``--stages`` picks from (a racecheck of all of them at the paper's shapes does not
 # fit one 10-minute device call). A group that needs an earlier group's output takes the
 # reference's when that group is not run (the CSR and schedule of K1, for instance).
+CHUNK = 64  # the schedule's queries a work item (small: several items a row)
 STAGES = ("index", "csr", "attention", "backward", "kl", "layer", "hostile", "decode")
 
 
@@ -104,8 +105,7 @@ def main(argv=None) -> int:
         check_index(p, m_ref, idx_ref, report, bf, dev)
 
     row_ptr_ref, q_ind_ref, slots_ref = R.build_csr(idx_ref, cq, ck, bk)
-    chunk = 64
-    work_ref = R.build_schedule(row_ptr_ref, ck, bk, chunk)
+    work_ref = R.build_schedule(row_ptr_ref, ck, bk, CHUNK)
     if "csr" in stages:
         work, q_ind, slots = check_csr(p, idx_ref, work_ref, report, dev)
     else:
@@ -165,7 +165,7 @@ def check_csr(p, idx_ref, work_ref, report, dev):
     report("build_csr (v3, 2 row groups)", all(
         np.array_equal(g.cpu().numpy(), w) for g, w in zip(got_v3, R.build_csr(i_fix, cu600,
                                                                               cu600, 4))))
-    work, n = C.build_schedule(row_ptr, dev(ck), bk, 64, max_edges=idx_ref.size)
+    work, n = C.build_schedule(row_ptr, dev(ck), bk, CHUNK, max_edges=idx_ref.size)
     w = work.cpu().numpy()
     report("build_schedule", int(n.cpu().numpy()[0]) == len(work_ref)
            and np.array_equal(w[:len(work_ref)], work_ref))
