@@ -40,8 +40,10 @@ where the drafts select the same blocks (``bench_decode --shared-index-queries``
 0.073 at 8 x 128K; code at 0f02a23 (docs/performance.md, "Tried and dropped"). Two key stages
 against one page at a time: 0.073 against 0.076 ms at 32 x 64K, 0.174 against 0.180 at 128 x
 8K; three against two (and the pages read once a CTA), on an H100 (``benchmarks.dev.
-decode_knobs``, the kernel alone): 0.211 against 0.230 ms at 128 x 8K, 0.0234 against 0.0244
-at 8 x 128K, 0.066 against 0.064 at 32 x 64K, 0.383 against 0.386 at Lq = 8. More splits are
+decode_knobs``), the kernel alone: 0.211 against 0.230 ms at 128 x 8K, 0.0234 against 0.0244
+at 8 x 128K, 0.066 against 0.064 at 32 x 64K, 0.383 against 0.386 at Lq = 8; the whole step in
+a CUDA graph: 0.334 against 0.349 ms at 128 x 8K, 0.290 both at 32 x 64K, 0.639 against 0.640
+at Lq = 8 (at 8 x 128K 0.183 against 0.165, run-to-run noise of that case). More splits are
 slower (0.094 ms at 9, 0.129 at 16 against 0.076 at 5); a register cap of 168 changed nothing.
 """
 
