@@ -60,7 +60,7 @@ def why_not_tensor_cores(kind, warmup, block_size, head_dim, index_dim, group, *
 def tensor_core_tiles(block_size, head_dim, index_dim, group):
     """``(positions, rows, smem, smem_student)`` of v3's grad tile (``R = P G`` rows, as K1 v3)
     and student tile, or None if they do not fit shared memory."""
-    rows = max(v3.TILE_ROWS, group)
+    rows = min(max(v3.TILE_ROWS, group * v3.MIN_POSITIONS), 16 * _mma.MAX_WARPS)
     while True:  # fewer rows where the positions' buffers would not fit (G = 1: 32)
         positions = rows // group
         smem = v3.grad_layout(block_size, head_dim, index_dim, rows, positions)[2]

@@ -6,12 +6,13 @@ item loads the key block once and walks the item's queries in tiles. Three passe
 
 * ``LSE^idx`` (``kl_kernel_student``, ``msa.cuda.kl.v3_student``): the index branch's row
   normalisers, the slot states ``(m, l, 0, 0)`` merged in slot order.
-* the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of 64
-  rows of ``P`` positions x ``G`` heads, ``ldmatrix``), the heads' ``exp(S - LSE_h)`` summed by
+* the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of
+  ``P`` positions x ``G`` heads, at least 64 rows and 8 positions, ``ldmatrix``; the paper's
+  G = 16: 128 rows, 8 warps), the heads' ``exp(S - LSE_h)`` summed by
   a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term
   on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact
-  16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (110 KB at the paper's
-  sizes: two CTAs per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
+  16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the paper's
+  sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
   ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
   block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
@@ -48,7 +49,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from ..._checks import GQA_GROUP_SIZES
 from .._core import mma as _mma
@@ -57,7 +58,7 @@ from .._core.finite import (clean_bf16x2, clean_f16x2, is_nonfinite_bf16,
                             is_nonfinite_f16)
 from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_commit,
                             cp_async_wait_all, dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4,
-                            ldmatrix_x4_trans, no_op)
+                            ldmatrix_x4_trans, no_op, store_f32x2)
 from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, make_mma_pair,
                          mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LOG2E, check_entry, item_fields, load_entry
@@ -65,8 +66,12 @@ from ._state import FULL_MASK, NEG_INF, finite_or_zero
 from .._core.diskcache import kernel_jit
 
 MAX_BLOCK_SIZE = 256
-# grad tile rows R = P x G (64 as K1 v3's default; the simulator's smallest)
+# grad tile rows R = P x G: at least TILE_ROWS (the simulator's smallest) and MIN_POSITIONS
+# positions, since the student's scores and dq_idx pad the P positions to 16-row m-tiles. At
+# the paper's G = 16, 8 positions (128 rows, 8 warps) against 4: kl_loss_and_backward 20.6 /
+# 77.2 ms against 24.2 / 82.1 at 32K / 128K, bitwise the same (H100, benchmarks.dev.kl_tiles)
 TILE_ROWS = 16 if SIMULATOR else 64
+MIN_POSITIONS = 1 if SIMULATOR else 8
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
@@ -76,8 +81,7 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
     (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
     rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
-    while its dS and dq_idx run; at the paper's sizes the footprint stays under half an SM's,
-    two CTAs per SM), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
+    while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
     zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid + lo`` of each
     position's ``dS``, exact; rows past P zeros), the A operand of dq_idx. Floats: sX [Bk keys x
     LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
@@ -301,23 +305,28 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
                 c4, c5, c6, c7 = mma(a0, a1, a2, a3, b2, b3, c4, c5, c6, c7)
             if real:
+                # key c = c_lane + 8 nn + e is visible to position p where it is at most
+                # min(pos_q[p] - key_pos0, nk - 1); 32-bit limits relative to c_lane and one
+                # unsigned sX offset a row, so each store adds only a constant
                 pt = 16 * mt + g4
-                pb = pt + 8
-                for nn in range(2):
-                    for e in range(2):
-                        c = 16 * n2 + 8 * nn + 2 * t4 + e
-                        vt = (c0 if e == 0 else c1) if nn == 0 else (c4 if e == 0 else c5)
-                        vb = (c2 if e == 0 else c3) if nn == 0 else (c6 if e == 0 else c7)
-                        if pt < P:
-                            x = NEG_INF
-                            if c < nk and key_pos0 + c <= pos_q[buf, pt]:
-                                x = vt * index_scale
-                            sf[OFF_X + c * LDT + pt] = x
-                        if pb < P:
-                            x = NEG_INF
-                            if c < nk and key_pos0 + c <= pos_q[buf, pb]:
-                                x = vb * index_scale
-                            sf[OFF_X + c * LDT + pb] = x
+                c_lane = 16 * n2 + 2 * t4
+                for r8 in range(2):
+                    p = pt + 8 * r8
+                    if p < P:
+                        rel = int32(min(pos_q[buf, p] - key_pos0, nk - 1) - c_lane)
+                        at = uint32(OFF_X + c_lane * LDT + p)
+                        for nn in range(2):
+                            for e in range(2):
+                                if nn == 0:
+                                    v = (c0 if e == 0 else c1) if r8 == 0 else \
+                                        (c2 if e == 0 else c3)
+                                else:
+                                    v = (c4 if e == 0 else c5) if r8 == 0 else \
+                                        (c6 if e == 0 else c7)
+                                x = NEG_INF
+                                if int32(8 * nn + e) <= rel:
+                                    x = v * index_scale
+                                sf[at + uint32((8 * nn + e) * LDT)] = x
 
     @cuda.jit(device=True, inline=True)
     def teacher_probs(smem, s_acc, a_lane, k_lane, t4, pos_top, pos_bot, key_pos0, nk,
@@ -334,17 +343,18 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
                 n = 8 * n2
                 mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
-        lim_top = min(pos_top - key_pos0, nk - 1)
-        lim_bot = min(pos_bot - key_pos0, nk - 1)
+        # key 8 i + 2 t4 + e is visible up to min(pos - key_pos0, nk - 1): 32-bit limits
+        # relative to the lane's first key, against constants once unrolled; every exp2 runs
+        # (a hidden key's value, inf or NaN included, is then dropped by the select)
+        rel_top = int32(min(pos_top - key_pos0, nk - 1) - 2 * t4)
+        rel_bot = int32(min(pos_bot - key_pos0, nk - 1) - 2 * t4)
         for i in range(NS):
             for e in range(2):
-                c = 8 * i + 2 * t4 + e
-                v_top = float32(0.0)
-                v_bot = float32(0.0)
-                if c <= lim_top:
-                    v_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
-                if c <= lim_bot:
-                    v_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                c = int32(8 * i + e)
+                x_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
+                x_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                v_top = x_top if c <= rel_top else float32(0.0)
+                v_bot = x_bot if c <= rel_bot else float32(0.0)
                 if BOTH:  # G = 16: both row halves are heads of the same position
                     v_top += v_bot
                 s_acc[4 * i + e] = v_top
@@ -408,54 +418,66 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         kl_top = float32(0.0)
         kl_bot = float32(0.0)
         own = (u_own & LOW_MASK) == 0  # one lane of those holding the same sums
-        for j in range(LEN):
-            c = 8 * ((u_own >> RB) * LEN + j) + 2 * t4
-            for half in range(1 if BOTH else 2):
-                pp = p_top if half == 0 else p_bot
-                li = li_top if half == 0 else li_bot
-                lim = lim_top if half == 0 else lim_bot
-                t = t_top if half == 0 else t_bot
-                sl = s_top if half == 0 else s_bot
+        c_lane = 8 * (u_own >> RB) * LEN + 2 * t4  # this lane's first key; n-tile j adds 8 j
+        # unsigned offsets of the row halves' first elements in sX, sT, the planes and ds, so
+        # that each access adds only a constant (t, slot, h are in range: no wrap-around)
+        hkv = ds.shape[1]
+        topk = ds.shape[2]
+        for half in range(1 if BOTH else 2):
+            pp = p_top if half == 0 else p_bot
+            li = li_top if half == 0 else li_bot
+            lim = lim_top if half == 0 else lim_bot
+            t = t_top if half == 0 else t_bot
+            sl = s_top if half == 0 else s_bot
+            at_x = uint32(OFF_X + c_lane * LDT + pp)
+            at_t = uint32(OFF_T + c_lane * LDT + pp)
+            at_e = uint32(OFF_E + pp * LDE + c_lane // 2)
+            at_ds = uint64(0)
+            if t >= 0:
+                at_ds = ((uint64(t) * uint64(hkv) + uint64(h)) * uint64(topk)
+                         + uint64(sl)) * uint64(Bk) + uint64(c_lane)
+            kl_acc = float32(0.0)
+            for j in range(LEN):
                 ds0 = float32(0.0)
                 ds1 = float32(0.0)
                 for e in range(2):
                     if USE_ST:
-                        pj = sf[OFF_T + (c + e) * LDT + pp] * inv_g
+                        pj = sf[at_t + uint32((8 * j + e) * LDT)] * inv_g
                     else:
                         pj = s_acc[4 * j + 2 * half + e] * inv_g
-                    x = sf[OFF_X + (c + e) * LDT + pp]
+                    x = sf[at_x + uint32((8 * j + e) * LDT)]
                     dsv = float32(0.0)
                     klv = float32(0.0)
                     visible = x > NEG_INF
                     if c_bad < Bk and not visible:
-                        visible = c + e <= lim
+                        visible = c_lane + 8 * j + e <= lim
                     if own and visible:
                         if GRADS:
                             dsv = math.exp(x - li) - pj
                         if not (pj <= float32(0.0)):
                             klv = pj * (math.log(pj) - (x - li))
                     if own and GRADS and c_bad < Bk:
-                        sf[OFF_X + (c + e) * LDT + pp] = coef * dsv
+                        sf[at_x + uint32((8 * j + e) * LDT)] = coef * dsv
                     if e == 0:
                         ds0 = dsv
                     else:
                         ds1 = dsv
-                    if half == 0:
-                        kl_top += klv
-                    else:
-                        kl_bot += klv
+                    kl_acc += klv
                 if own and GRADS:
                     if t >= 0:
-                        ds[t, h, sl, c] = coef * ds0
-                        ds[t, h, sl, c + 1] = coef * ds1
+                        store_f32x2(ds, at_ds + uint64(8 * j), coef * ds0, coef * ds1)
                     # dS (keys c, c + 1) as hi + mid + lo 16-bit pairs, row pp of the planes
                     xa = ds0 * ds_up
                     xb = ds1 * ds_up
                     for plane in range(3):
                         word = pack(xa, xb)
-                        smem[OFF_E + plane * PLANE + pp * LDE + c // 2] = word
+                        smem[at_e + uint32(plane * PLANE + 4 * j)] = word
                         xa = xa - half_to_f32(word & uint32(0xFFFF))
                         xb = xb - half_to_f32(word >> uint32(16))
+            if half == 0:
+                kl_top = kl_acc
+            else:
+                kl_bot = kl_acc
         # over the lanes sharing a position: t4 (offsets 1, 2) and u_own (4 .. 2 GG)
         off = 1
         for _ in range(2 + STEPS):
@@ -523,11 +545,14 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                         if c_bad < Bk and c_bad <= min(pos_q[buf, p] - key_pos0, nk - 1):
                             t = -1  # written by dq_rows_seeing_bad_keys
                         if t >= 0:
-                            sl = pos_s[buf, p]
+                            # one unsigned row offset, two 64-bit stores (dims d, d + 1)
+                            at = ((uint64(pos_s[buf, p]) * uint64(dq_part.shape[1])
+                                   + uint64(t)) * uint64(dq_part.shape[2]) + uint64(h)) \
+                                * uint64(DI) + uint64(16 * n2 + 2 * t4)
                             for nn in range(2):
-                                d = 16 * n2 + 8 * nn + 2 * t4
-                                dq_part[sl, t, h, d] = acc[4 * nn + 2 * r8] * cqs
-                                dq_part[sl, t, h, d + 1] = acc[4 * nn + 2 * r8 + 1] * cqs
+                                store_f32x2(dq_part, at + uint64(8 * nn),
+                                            acc[4 * nn + 2 * r8] * cqs,
+                                            acc[4 * nn + 2 * r8 + 1] * cqs)
 
     @kernel_jit
     def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,

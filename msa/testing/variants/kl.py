@@ -89,6 +89,7 @@ def variants():
     for bf16, bk, d, di, g, p, aligned, modes in (
             (True, 128, 128, 128, 16, 4, True, (True, False)),
             (False, 128, 128, 128, 16, 4, True, (True, False)),
+            (True, 128, 128, 128, 16, 8, True, (True,)),
             (True, 128, 128, 128, 8, 8, True, (True,)),
             (True, 128, 128, 128, 4, 16, True, (True,)),
             (True, 128, 128, 128, 2, 32, True, (True,)),
