@@ -166,18 +166,24 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             s_lim[buf * R + w] = lim
             s_l2[buf * R + w] = l2
             s_dl[buf * R + w] = dl
+        # the copies in unsigned arithmetic (power-of-two divisions become shifts, indices
+        # need no negative-index checks; c0, r are in range, t is checked before use)
         for e in range(tid, R * PIECES, NT):
-            w = e // PIECES
-            piece = (e % PIECES) * 4
-            t = -1
-            if c0 + w // G < e1:
-                t = q_indices[r, c0 + w // G]
+            eu = uint32(e)
+            w = eu // uint32(PIECES)
+            piece = (eu % uint32(PIECES)) * uint32(4)
+            c = uint64(c0) + uint64(w // uint32(G))
+            t = int64(-1)
+            if c < uint64(e1):
+                t = int64(q_indices[uint64(r), c])
                 if t < q_lo or t >= q_hi:
                     t = -1
-            src = (((t if t >= 0 else 0) * hq + r * G + w % G) * DW) + piece
-            dst = buf * QB + w * LD + piece
-            copy16(smem, OFF_Q + dst, q, src, 16 if t >= 0 else 0)
-            copy16(smem, OFF_DO + dst, do, src, 16 if t >= 0 else 0)
+            ok = t >= 0
+            src = (uint64(t if ok else 0) * uint64(hq) + uint64(r * G) + uint64(w % uint32(G))) \
+                * uint64(DW) + uint64(piece)
+            dst = uint32(buf * QB) + w * uint32(LD) + piece
+            copy16(smem, uint32(OFF_Q) + dst, q, src, 16 if ok else 0)
+            copy16(smem, uint32(OFF_DO) + dst, do, src, 16 if ok else 0)
 
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
@@ -266,20 +272,27 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e). A key past a row's
         limit (its position, the block's end, no query) gives P = 0 and dS = 0 by selection
         (not 0 times a dP that a non-finite V or D makes NaN)."""
+        # unsigned table and sdSᵀ offsets (each access adds a constant, no negative-index
+        # checks) and 32-bit keys against the int32 limits
+        at_w = uint32(row0 + 2 * t4)
+        at_top = uint32(OFF_DS + key_top * LDS + t4)
+        at_bot = uint32(OFF_DS + key_bot * LDS + t4)
+        k_top = int32(key_top)
+        k_bot = int32(key_bot)
         for i in range(NS):
             for e in range(2):
-                w = 8 * i + 2 * t4 + e
-                lim = s_lim[row0 + w]
-                l2 = s_l2[row0 + w]
-                dl = s_dl[row0 + w]
+                w = at_w + uint32(8 * i + e)
+                lim = s_lim[w]
+                l2 = s_l2[w]
+                dl = s_dl[w]
                 p0 = float32(0.0)
                 p1 = float32(0.0)
                 d0 = float32(0.0)
                 d1 = float32(0.0)
-                if key_top <= lim:
+                if k_top <= lim:
                     p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
                     d0 = p0 * (dp_acc[4 * i + e] - dl)
-                if key_bot <= lim:
+                if k_bot <= lim:
                     p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
                     d1 = p1 * (dp_acc[4 * i + 2 + e] - dl)
                 s_acc[4 * i + e] = p0
@@ -291,8 +304,8 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
             ds_frag[2 * i + 1] = pack(dp_acc[4 * i + 2], dp_acc[4 * i + 3])
             # dSᵀ rows key_top / key_bot, the word of rows 8 i + 2 t4 and the next
-            smem[OFF_DS + key_top * LDS + 4 * i + t4] = ds_frag[2 * i]
-            smem[OFF_DS + key_bot * LDS + 4 * i + t4] = ds_frag[2 * i + 1]
+            smem[at_top + uint32(4 * i)] = ds_frag[2 * i]
+            smem[at_bot + uint32(4 * i)] = ds_frag[2 * i + 1]
 
     @cuda.jit(device=True, inline=True)
     def accumulate(smem, dk_acc, dv_acc, p_frag, ds_frag, qo, doo, t_lane):
