@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from .._core import mma as _mma
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             dynamic_smem_u32, ldmatrix_x4_trans, load_f32x4, no_op)
 from .._core.mma import bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, pack_bf16x2
 from ._state import kahan_add, sequence_of
+from .._core.arrays import SIMULATOR
 from .._core.diskcache import kernel_jit
 
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
@@ -75,21 +76,26 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
     copy16 = cp_async16 if use_async else copy16_plain3
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
+    # two CTAs an SM where registers would allow fewer (the paper's Bk = 128: 8 warps, 129
+    # registers uncapped, 128 capped; shared memory holds three)
+    regs = 65536 // (2 * NT) // 8 * 8
+    options = {} if SIMULATOR or regs >= 255 else {"max_registers": regs}
 
     @cuda.jit(device=True, inline=True)
     def entry(q_indices, slots, r, first, count, e, tq, topk):
-        """``(t, slot)`` of entry ``e`` of the row of group ``r``; ``t = -1`` past the row or
-        for an entry outside the chunk (never out of bounds, even for a foreign CSR)."""
-        t = -1
-        s = 0
+        """``(t, slot)`` of entry ``e`` (unsigned, as ``r`` and ``first``) of the row of group
+        ``r``; ``t = -1`` past the row or for an entry outside the chunk (never out of bounds,
+        even for a foreign CSR). Unsigned indices: no negative-index checks."""
+        t = int64(-1)
+        s = int64(0)
         if e < count:
-            t = int(q_indices[r, first + e])
-            s = int(slots[r, first + e])
+            t = int64(q_indices[r, first + e])
+            s = int64(slots[r, first + e])
             if t < 0 or t >= tq or s < 0 or s >= topk:
                 t = -1
         return t, s
 
-    @kernel_jit
+    @kernel_jit(**options)
     def _kl_kernel_keys_v3(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
                            index_scale, dk):
         smem = dynamic_smem_u32()
@@ -125,30 +131,38 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
             first = int(row_ptr[r, row])
             count = int(row_ptr[r, row + 1]) - first
             steps = (count + E - 1) // E
+            ru = uint64(r)
+            fu = uint64(first)
+            cu = uint64(count)
             for st in range(steps + 1):
                 # step st - 1 computes from buffer (st - 1) % 2 while step st is staged into
                 # st % 2: its index queries by cp.async, its dS rows into registers
                 buf = st % 2
                 if st < steps:
                     for i in range(tid, QP, NT):
-                        e = i // (DPC // 8)
-                        w = 4 * (i % (DPC // 8))
-                        t, _ = entry(q_indices, slots, r, first, count, st * E + e, tq, topk)
-                        copy16(smem, OFF_Q + buf * QB + e * LDQ + w, q_idx,
-                               ((t if t >= 0 else 0) * hkv + r) * DIW + d0 // 2 + w,
-                               16 if t >= 0 else 0)
+                        iu = uint32(i)
+                        e = iu // uint32(DPC // 8)
+                        w = uint32(4) * (iu % uint32(DPC // 8))
+                        t, _ = entry(q_indices, slots, ru, fu, cu, uint64(st * E) + uint64(e),
+                                     tq, topk)
+                        ok = t >= 0
+                        copy16(smem, uint32(OFF_Q + buf * QB) + e * uint32(LDQ) + w, q_idx,
+                               (uint64(t if ok else 0) * uint64(hkv) + ru) * uint64(DIW)
+                               + uint64(d0 // 2) + uint64(w), 16 if ok else 0)
                     commit()
                     for u in range(DSPT):
                         i = tid + u * NT
                         x0 = x1 = x2 = x3 = float32(0.0)
                         if i < DSP:
-                            e = i // (Bk // 4)
-                            c = 4 * (i % (Bk // 4))
-                            t, s = entry(q_indices, slots, r, first, count, st * E + e, tq,
-                                         topk)
+                            iu = uint32(i)
+                            e = iu // uint32(Bk // 4)
+                            c = uint32(4) * (iu % uint32(Bk // 4))
+                            t, s = entry(q_indices, slots, ru, fu, cu,
+                                         uint64(st * E) + uint64(e), tq, topk)
                             if t >= 0:
-                                x0, x1, x2, x3 = load_f32x4(ds, ((t * hkv + r) * topk + s) * Bk
-                                                            + c)
+                                x0, x1, x2, x3 = load_f32x4(
+                                    ds, ((uint64(t) * uint64(hkv) + ru) * uint64(topk)
+                                         + uint64(s)) * uint64(Bk) + uint64(c))
                         dsr[4 * u] = x0
                         dsr[4 * u + 1] = x1
                         dsr[4 * u + 2] = x2
@@ -182,14 +196,15 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
                     for u in range(DSPT):
                         i = tid + u * NT
                         if i < DSP:
-                            e = i // (Bk // 4)
-                            w = e * LDE + 2 * (i % (Bk // 4)) + buf * PLANE
+                            iu = uint32(i)
+                            w = (iu // uint32(Bk // 4)) * uint32(LDE) \
+                                + uint32(2) * (iu % uint32(Bk // 4)) + uint32(buf * PLANE)
                             for half in range(2):
                                 xa = dsr[4 * u + 2 * half]
                                 xb = dsr[4 * u + 2 * half + 1]
                                 for plane in range(3):
                                     word = pack_bf16x2(xa, xb)
-                                    smem[plane * 2 * PLANE + w + half] = word
+                                    smem[uint32(plane * 2 * PLANE + half) + w] = word
                                     xa = xa - bf16_to_f32(word & uint32(0xFFFF))
                                     xb = xb - bf16_to_f32(word >> uint32(16))
                 wait_all()
