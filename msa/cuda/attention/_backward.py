@@ -66,6 +66,8 @@ def backward_version(spec, block_size) -> int:
 # their own); with at most 2 K Bk entries a part, the first 8K-query chunk of a 32K backward ran
 # 384 CTAs of one an SM, the longest 1024 tiles: the SMs were busy 61% of that kernel (ncu, H200).
 # A model of the CTAs' dispatch over all four chunks: 1.20x the ideal time, 1.05x at 512 entries.
+# Measured with the dQ change (H200, benchmarks.dev.backward_parts, 32K / 128K ms): this default
+# (512 entries) 44.84 / 178.2, 4096 48.63 / 181.5, 1024 44.76 / 178.3, 256 46.22 / 183.2.
 PARTS = 1024
 MIN_PART = 256
 

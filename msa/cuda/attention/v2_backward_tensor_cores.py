@@ -36,8 +36,10 @@ which ``_backward_parts.dkdv_sum_kernel`` adds in part order. P and dS are round
 inputs' 16-bit type before their products, as in FlashAttention's backward. float16/bfloat16,
 D and Bk multiples of 16 up to 128 (dK, dV live in registers; a warp per 16 keys).
 
-Where it runs: the default where it applies. Verdict (H200, paper configuration): 8K 20.0 ms;
-128K 194.7 ms, 108.6 TFLOP/s, 39.5x the PyTorch backward and 6.75x dense SDPA's backward.
+Where it runs: the default where it applies. Verdict (H200, paper configuration, 385e9e9): 32K
+44.68 ms, 128K 178.2 ms (118.7 TFLOP/s), 1.03x / 1.04x fla-core's ``parallel_nsa_bwd`` and 1.89x /
+7.48x dense SDPA's backward; with the 32-bit mask and unsigned copies (65d251d, bitwise the same)
+on an H100: 44.71 and 167.7 ms, 1.03x / 1.13x fla-core.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ the ``dS`` buffer of the grad pass (``msa.cuda.kl.v3_tensor_cores``), in CSR ord
 the mma's products are those of fp32; each step's 32 entries (6 mma deep) are folded into a
 Kahan-compensated total, as v2 folds its runs. fp16 planes would underflow (``dS`` is ``coef``
 times a probability difference): fp16 inputs, and blocks over 128 keys, take v2's kernel.
-Measured on the H200 (95f9895, the paper configuration, 32K): 2.8 ms against v2's 22 ms.
+Measured on the H200 (95f9895, the paper configuration, 32K): 2.8 ms against v2's 22 ms. With
+the step's staging in unsigned arithmetic (65d251d, 128 registers, two CTAs an SM), on an H100:
+3.08 ms at 32K and 7.71 at 128K, against 2.82 and 11.5 before (torch.profiler,
+``benchmarks.dev.kl_tiles``).
 """
 
 from __future__ import annotations
