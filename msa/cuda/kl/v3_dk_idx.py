@@ -136,7 +136,7 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
             steps = (count + E - 1) // E
             ru = uint64(r)
             fu = uint64(first)
-            cu = uint64(count)
+            cu = uint64(max(count, 0))  # (a malformed row's negative count reads nothing)
             for st in range(steps + 1):
                 # step st - 1 computes from buffer (st - 1) % 2 while step st is staged into
                 # st % 2: its index queries by cp.async, its dS rows into registers

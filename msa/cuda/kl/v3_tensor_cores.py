@@ -82,10 +82,10 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
     (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
     rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
-    while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows past P are
-    zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid + lo`` of each
-    position's ``dS``, exact; rows past P zeros), the A operand of dq_idx. Floats: sX [Bk keys x
-    LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
+    while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows
+    past P are zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid +
+    lo`` of each position's ``dS``, exact; rows past P zeros), the A operand of dq_idx.
+    Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
     LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row half) pairs of it
     (the dS loop would index its registers at run time), each element written and read by the
     same lane."""
