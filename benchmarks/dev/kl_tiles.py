@@ -1,10 +1,13 @@
 """The KL's grad pass under several tile heights (rows = positions x G), in one process (GPU).
 
-    source .gpu/env.sh && python3 -m benchmarks.dev.kl_tiles --sizes 32768,131072 --rows 64,128
+    source .gpu/env.sh && python3 -m benchmarks.dev.kl_tiles --sizes 32768,131072 --rows 64,128 \
+        --min-positions 1
 
 ``bench_kl``'s problem (paper configuration, bf16, the local block and 15 earlier blocks drawn
 uniformly). For each height ``msa.cuda.kl.v3_tensor_cores.TILE_ROWS`` is set before the plan
-is made (a dev knob, not an API: ``tensor_core_tiles`` reads it per call). A tile's rows are
+is made (a dev knob, not an API: ``tensor_core_tiles`` reads it per call); the tile also keeps
+at least ``MIN_POSITIONS`` positions (8 by default: 128 rows at G = 16 whatever ``--rows``
+says), which ``--min-positions`` sets, 1 to compare 4 positions with 8. A tile's rows are
 independent in every ``mma`` and every sum runs in the same order whatever the height, so each
 config's ``kl, loss, dq_idx, dk_idx`` must equal the first config's **bitwise**; then
 ``kl_loss_and_backward`` is timed (median of ``--reps``, CUDA events) and, with ``--table``,
@@ -34,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="32768,131072")
     ap.add_argument("--rows", default="64,128", help="tile heights, the first the reference")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--min-positions", type=int, default=None,
+                    help="positions a tile at least (default: the module's)")
     ap.add_argument("--table", action="store_true", help="print the kernel table per config")
     ap.add_argument("--save", help="folder for the first config's outputs")
     ap.add_argument("--against", help="folder of --save files to compare with, bitwise")
@@ -41,6 +46,8 @@ def main(argv=None):
                                                   "kl_tiles.json"))
     args = ap.parse_args(argv)
     heights = [int(r) for r in args.rows.split(",")]
+    if args.min_positions is not None:
+        v3.MIN_POSITIONS = args.min_positions
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         x = make_inputs(n)
@@ -84,7 +91,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print_table(rows, ["case", "tile_rows", "ms", "bitwise_vs_first", "bitwise_vs_against",
                        "error"])
-    write_json(args.out, rows, config=dict(rows=args.rows, reps=args.reps))
+    write_json(args.out, rows, config=dict(rows=args.rows, reps=args.reps,
+                                           min_positions=v3.MIN_POSITIONS))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ MAX_BLOCK_SIZE = 256
 # grad tile rows R = P x G: at least TILE_ROWS (the simulator's smallest) and MIN_POSITIONS
 # positions, since the student's scores and dq_idx pad the P positions to 16-row m-tiles. At
 # the paper's G = 16, 8 positions (128 rows, 8 warps) against 4: kl_loss_and_backward 20.6 /
-# 77.2 ms against 24.2 / 82.1 at 32K / 128K, bitwise the same (H100, benchmarks.dev.kl_tiles)
+# 77.2 ms against 24.2 / 82.1 at 32K / 128K, bitwise the same (H100; benchmarks.dev.kl_tiles
+# --rows 64,128 --min-positions 1)
 TILE_ROWS = 16 if SIMULATOR else 64
 MIN_POSITIONS = 1 if SIMULATOR else 8
 
