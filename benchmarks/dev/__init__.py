@@ -1,4 +1,12 @@
-"""Profiling helpers kept for the next optimisation, not benchmarks: each prints where one call's
-time goes (torch.profiler, a host profile, or a launch for Nsight Compute). They call only public
-``msa.cuda`` launchers and ``benchmarks.bench_attention``'s input helpers, and were last run on
-an H200 before the stage layout (426fbbf); what they found is in docs/performance.md."""
+"""Development scripts kept for the next optimisation, not benchmarks (GPU unless said).
+
+- Where time goes: ``profile_index``, ``profile_kl``, ``profile_backward`` (torch.profiler
+  kernel tables, ``--ncu`` launches for Nsight Compute), ``idle_gaps``.
+- A/B of a knob in one process, each config gated against the first: ``backward_parts``
+  (``part_size``, ``max_partial_bytes``: public keywords), ``kl_tiles`` (the KL grad tile's
+  height: module constants, ``--save``/``--against`` for two trees' outputs bitwise),
+  ``decode_knobs``, ``decode_merge``, ``decode_page_order`` (the decode planner's constants).
+- Precision, NumPy only: ``partials_precision``, ``fp8_cache_precision``.
+
+What they found is in docs/performance.md, with the run that found it.
+"""
