@@ -322,6 +322,26 @@ def test_default_is_v2_where_the_tensor_core_tiles_do_not_fit():
     assert gpu._version(None, "bfloat16", False, 128, 128, 128, 16)[0] == 3
 
 
+@pytest.mark.parametrize("group, want", [(16, (8, 128)), (8, (8, 64)), (4, (16, 64)),
+                                         (2, (32, 64)), (1, (32, 32))])
+def test_v3_grad_tile_keeps_eight_positions(group, want):
+    """The GPU's grad tile (64 rows and 8 positions at least: the student's scores and dq_idx
+    pad positions to 16-row m-tiles) at the paper's sizes: 128 rows at G = 16, one CTA of 8
+    warps in 134400 bytes; 64 rows at G = 8, 4, 2; at G = 1 the 64 positions' buffers do not
+    fit, so 32."""
+    from msa.cuda._core.mma import DYNAMIC_SMEM_LIMIT
+    from msa.cuda.kl._plan import tensor_core_tiles
+
+    positions, rows, smem, _ = tensor_core_tiles(128, 128, 128, group, tile_rows=64,
+                                                 min_positions=8)
+    assert (positions, rows) == want and smem <= DYNAMIC_SMEM_LIMIT
+    if group == 16:
+        assert smem == 134400
+        # Bk = 256: 8 positions would not fit, so 4 (64 rows)
+        assert tensor_core_tiles(256, 128, 128, 16, tile_rows=64,
+                                 min_positions=8)[:2] == (4, 64)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("mode", ["random", "warmup"])
 def test_lse_computed_when_not_given(mode, version):

@@ -57,10 +57,15 @@ def why_not_tensor_cores(kind, warmup, block_size, head_dim, index_dim, group, *
     return None
 
 
-def tensor_core_tiles(block_size, head_dim, index_dim, group):
+def tensor_core_tiles(block_size, head_dim, index_dim, group, *, tile_rows=None,
+                      min_positions=None):
     """``(positions, rows, smem, smem_student)`` of v3's grad tile (``R = P G`` rows, as K1 v3)
-    and student tile, or None if they do not fit shared memory."""
-    rows = min(max(v3.TILE_ROWS, group * v3.MIN_POSITIONS), 16 * _mma.MAX_WARPS)
+    and student tile, or None if they do not fit shared memory: at least ``tile_rows`` rows and
+    ``min_positions`` positions (default ``v3.TILE_ROWS``, ``v3.MIN_POSITIONS``), at most 16
+    warps, halved while the tile does not fit."""
+    tile_rows = v3.TILE_ROWS if tile_rows is None else tile_rows
+    min_positions = v3.MIN_POSITIONS if min_positions is None else min_positions
+    rows = min(max(tile_rows, group * min_positions), 16 * _mma.MAX_WARPS)
     while True:  # fewer rows where the positions' buffers would not fit (G = 1: 32)
         positions = rows // group
         smem = v3.grad_layout(block_size, head_dim, index_dim, rows, positions)[2]
