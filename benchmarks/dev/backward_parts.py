@@ -37,7 +37,7 @@ def main(argv=None):
     import torch
 
     from benchmarks.bench_attention import BK, _qkv, make_selection
-    from benchmarks.common import cuda_time_ms, print_table, write_json
+    from benchmarks.common import cuda_time_ms, peak_memory_gib, print_table, write_json
     from msa.cuda.attention import sparse_attention, sparse_attention_backward
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -75,9 +75,7 @@ def main(argv=None):
                 row["error"] = "gate"
             else:
                 row["ms"] = cuda_time_ms(call, warmup=0, reps=args.reps)
-                torch.cuda.reset_peak_memory_stats()
-                call()
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+                row["peak_gib"] = peak_memory_gib(call)
             print(row, flush=True)
             rows.append(row)
             got = None

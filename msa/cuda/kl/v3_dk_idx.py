@@ -21,8 +21,8 @@ from .._core import mma as _mma
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             dynamic_smem_u32, ldmatrix_x4_trans, load_f32x4, no_op)
 from .._core.mma import bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, pack_bf16x2
-from ._state import kahan_add, sequence_of
 from .._core.arrays import SIMULATOR
+from ._state import kahan_add, sequence_of
 from .._core.diskcache import kernel_jit
 
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
