@@ -20,8 +20,8 @@ reading K and V through the block table, the decode merge over several warps a r
 selection with ``validate=False`` (ids past the sequence and at the int32 extremes, negative
 ids, repeats, -1 before an id) through the bf16 defaults of the forward, the backward and the
 KL: memory safe, and every undamaged query's results bitwise those of the clean selection.
-``--paper`` uses the paper's shapes (Hq 64, Hkv 4, D = Didx = 128, Bk 128, K 16) at N = 2048,
-so that the production specialisations of every kernel run under the sanitizer.
+``--paper`` uses the paper's shapes (Hq 64, Hkv 4, D = Didx = 128, Bk 128, K 16) at N = 2048
+(``--n``), so that the production specialisations of every kernel run under the sanitizer.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paper", action="store_true",
                     help="the paper's heads, dims, Bk and K at N = 2048 (one sequence)")
+    ap.add_argument("--n", type=int, default=2048,
+                    help="--paper's sequence length (racecheck's time grows with it; 512 still "
+                         "runs every production specialisation, with fewer blocks than K)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode steps (a sanitizer run of every stage takes minutes)")
     ap.add_argument("--stages", default=",".join(STAGES),
@@ -66,8 +69,10 @@ def main(argv=None) -> int:
     if args.decode_only:
         stages = {"decode"}
     paper = args.paper
+    if args.n < 1 or (args.n != 2048 and not args.paper):
+        ap.error(f"--n: a positive length that goes with --paper, got {args.n}")
     if paper:
-        p = make_problem((2048,), num_q_heads=64, num_kv_heads=4, head_dim=128, index_dim=128,
+        p = make_problem((args.n,), num_q_heads=64, num_kv_heads=4, head_dim=128, index_dim=128,
                          block_size=128, topk=16, dtype=np.float32, seed=1)
     else:
         p = make_problem((300, 131), (300, 100), num_q_heads=8, num_kv_heads=2, head_dim=64,
@@ -294,19 +299,28 @@ def hostile(p, idx_ref, do_ref, args, bf, dev):
         J[t, 0, :] = -1
         J[t, 0, :len(row)] = row
     others = torch.from_numpy(~np.isin(np.arange(p.q.shape[0]), rows)).cuda()
+
+    def run(sel, validate):
+        """Each query's own results: o, lse, dq (o and lse of the clean run), kl, dq_idx."""
+        o, lse = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(sel), cq, ck, bk,
+                                    validate=validate)
+        dq = C.sparse_attention_backward(bf(p.q), bf(p.k), bf(p.v), o1, l1, bf(do_ref), dev(sel),
+                                         cq, ck, bk, validate=validate)[0]
+        kl = _kl_backward(*args[:4], dev(sel), l1, cq, ck, bk, with_kl=True, validate=validate)
+        return {"o": o, "lse": lse, "dq": dq, "kl": kl[0], "dq_idx": kl[2]}
+
     o1, l1 = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(idx_ref), cq, ck, bk)
-    o2, l2 = C.sparse_attention(bf(p.q), bf(p.k), bf(p.v), dev(J), cq, ck, bk, validate=False)
-    good = torch.equal(o1[others], o2[others])
-    good &= torch.equal(l1[others], l2[others])
-    g1 = C.sparse_attention_backward(bf(p.q), bf(p.k), bf(p.v), o1, l1, bf(do_ref),
-                                     dev(idx_ref), cq, ck, bk)
-    g2 = C.sparse_attention_backward(bf(p.q), bf(p.k), bf(p.v), o1, l1, bf(do_ref), dev(J),
-                                     cq, ck, bk, validate=False)
-    good &= torch.equal(g1[0][others], g2[0][others])
-    kl1 = _kl_backward(*args[:4], dev(idx_ref), l1, cq, ck, bk, with_kl=True)
-    kl2 = _kl_backward(*args[:4], dev(J), l1, cq, ck, bk, with_kl=True, validate=False)
-    for what in (0, 2):  # each query's kl and dq_idx
-        good &= torch.equal(kl1[what][others], kl2[what][others])
+    clean = run(idx_ref, True)
+    good = True
+    # the clean selection twice (the kernels are deterministic), then the damaged one
+    for what, got in (("rerun", run(idx_ref, True)), ("damaged", run(J, False))):
+        for name, ref in clean.items():
+            differ = (ref[others] != got[name][others]).reshape(int(others.sum()), -1).any(1)
+            if differ.any():  # NaN != NaN: a NaN counts as a difference
+                good = False
+                where = torch.nonzero(others).flatten()[differ].tolist()
+                print(f"  {what}: {name} differs on {len(where)} undamaged queries, "
+                      f"e.g. {where[:8]}", flush=True)
     return good
 
 
