@@ -12,12 +12,16 @@ bitwise those of the clean selection.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import msa.reference as R
 from msa.cuda import attention, csr
+from msa.cuda.attention._backward import _sparse_attention_backward
 from msa.cuda.kl import _kl_backward
 from msa.problems import make_problem
 from msa.testing.backends import SIMULATOR, to_numpy
+from msa.testing.tolerance import assert_exact
+from tests.cuda.attention_cases import bf16_bits_to_f32, cast
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
@@ -82,3 +86,102 @@ def test_build_csr_stays_in_bounds():
     assert (np.diff(row_ptr.astype(np.int64), axis=1) >= 0).all()
     assert (row_ptr[:, 0] == 0).all() and (row_ptr[:, -1] <= J.shape[0] * J.shape[2]).all()
     assert q_indices.shape == slots.shape == (J.shape[1], J.shape[0] * J.shape[2])
+
+
+def damaged(I, nb):
+    """``I`` with one query of each DAMAGE (head 0) among its last ones, and those queries."""
+    J = I.copy()
+    rows = [I.shape[0] - 1 - 7 * i for i in range(len(DAMAGE))]
+    for t, row in zip(rows, DAMAGE.values()):
+        J[t, 0, :] = -1
+        J[t, 0, :len(row(nb))] = row(nb)
+    return J, rows
+
+
+def assert_rows_bitwise(name, got, want, rows):
+    """``got`` and ``want`` bit for bit on the queries not in ``rows`` (floats as integers)."""
+    got, want = np.asarray(to_numpy(got)), np.asarray(to_numpy(want))
+    keep = ~np.isin(np.arange(want.shape[0]), rows)
+    as_int = {2: np.uint16, 4: np.uint32}[want.dtype.itemsize]
+    assert_exact(got[keep].view(as_int), want[keep].view(as_int), name=name)
+
+
+def test_bf16_rungs_keep_the_damage_in_its_rows():
+    """The tensor-core rungs (bf16: K1 v3 here, v4 on a GPU with wgmma; backward v2; KL v3)
+    on one sequence of 3 blocks with K = 5 (every row has -1 padding): with a row of each
+    DAMAGE and ``validate=False``, every other query's o, lse, dq, kl and dq_idx are bitwise
+    those of the clean selection, and a rerun of the clean selection is bitwise the same. The
+    outputs start as NaN (``poisoned_outputs``), and the clean ones must be finite, so a value
+    read from a buffer no kernel wrote cannot pass as equal."""
+    p = make_problem((48,), num_q_heads=4, num_kv_heads=1, head_dim=16, index_dim=16,
+                     block_size=16, topk=5, dtype=np.float32, seed=1)
+    cq, ck, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    I = R.select_blocks(R.block_scores(p.q_idx, p.k_idx, cq, ck, bk), cq, ck, bk, p.topk)
+    J, rows = damaged(I, 3)
+    q, k, v, q_idx, k_idx, do = (cast(x, "bfloat16")[0] for x in (
+        p.q, p.k, p.v, p.q_idx, p.k_idx, np.random.default_rng(2).standard_normal(p.q.shape)))
+    o1, l1 = attention._sparse_attention(q, k, v, I, cq, ck, bk, bf16_bits=True)
+
+    def run(sel, validate):
+        o, lse = attention._sparse_attention(q, k, v, sel, cq, ck, bk, validate=validate,
+                                             bf16_bits=True)
+        dq = _sparse_attention_backward(q, k, v, o1, l1, do, sel, cq, ck, bk,
+                                        validate=validate, bf16_bits=True)[0]
+        kl = _kl_backward(q, k, q_idx, k_idx, sel, l1, cq, ck, bk, with_kl=True,
+                          validate=validate, bf16_bits=True)
+        return {"o": o, "lse": lse, "dq": dq, "kl": kl[0], "dq_idx": kl[2]}
+
+    clean = run(I, True)
+    for name, x in clean.items():
+        x = np.asarray(to_numpy(x))
+        assert np.isfinite(bf16_bits_to_f32(x) if name == "o" else x).all(), name
+    hurt = run(J, False)
+    for what, (got, damaged_rows) in {"rerun": (run(I, True), []),
+                                      "damaged": (hurt, rows)}.items():
+        for name, want in clean.items():
+            assert_rows_bitwise(f"{what} {name}", got[name], want, damaged_rows)
+    # and the damage did reach its own rows (the comparison above can see a difference)
+    assert not np.array_equal(np.asarray(to_numpy(hurt["lse"]))[rows],
+                              np.asarray(to_numpy(clean["lse"]))[rows])
+
+
+@pytest.mark.big
+def test_paper_shapes_keep_the_damage_in_their_rows():
+    """As above at the paper's heads, dims, Bk and K (Hq 64, Hkv 4, D = Didx = 128, Bk 128,
+    K 16) on 512 tokens, bf16 torch tensors through the public defaults: the GPU's own tiles
+    (K1 v4 where wgmma runs, the KL's 8-position grad tiles). ``benchmarks/sanitize_smoke.py
+    --paper --n 512 --stages hostile`` runs the same check under compute-sanitizer."""
+    torch = pytest.importorskip("torch")
+    import msa.cuda as C
+
+    p = make_problem((512,), num_q_heads=64, num_kv_heads=4, head_dim=128, index_dim=128,
+                     block_size=128, topk=16, dtype=np.float32, seed=1)
+    cq, ck, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    I = R.select_blocks(R.block_scores(p.q_idx, p.k_idx, cq, ck, bk), cq, ck, bk, p.topk)
+    J, rows = damaged(I, 4)
+    bf = lambda x: torch.tensor(x, dtype=torch.float32, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, k, v, q_idx, k_idx, do = (bf(x) for x in (
+        p.q, p.k, p.v, p.q_idx, p.k_idx, np.random.default_rng(2).standard_normal(p.q.shape)))
+    o1, l1 = C.sparse_attention(q, k, v, torch.tensor(I, device="cuda"), cq, ck, bk)
+
+    def run(sel, validate):
+        sel = torch.tensor(sel, device="cuda")
+        o, lse = C.sparse_attention(q, k, v, sel, cq, ck, bk, validate=validate)
+        dq = C.sparse_attention_backward(q, k, v, o1, l1, do, sel, cq, ck, bk,
+                                         validate=validate)[0]
+        kl = _kl_backward(q, k, q_idx, k_idx, sel, l1, cq, ck, bk, with_kl=True,
+                          validate=validate)
+        return {"o": o.view(torch.int16), "lse": lse, "dq": dq, "kl": kl[0], "dq_idx": kl[2]}
+
+    clean = run(I, True)
+    for name, x in clean.items():
+        assert (torch.isfinite(x) if x.dtype != torch.int16 else
+                torch.isfinite(x.view(torch.bfloat16))).all(), name
+    hurt = run(J, False)
+    for what, (got, damaged_rows) in {"rerun": (run(I, True), []),
+                                      "damaged": (hurt, rows)}.items():
+        for name, want in clean.items():
+            assert_rows_bitwise(f"{what} {name}", got[name], want, damaged_rows)
+    # and the damage did reach its own rows (the comparison above can see a difference)
+    assert not np.array_equal(np.asarray(to_numpy(hurt["lse"]))[rows],
+                              np.asarray(to_numpy(clean["lse"]))[rows])
