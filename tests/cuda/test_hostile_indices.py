@@ -106,6 +106,22 @@ def assert_rows_bitwise(name, got, want, rows):
     assert_exact(got[keep].view(as_int), want[keep].view(as_int), name=name)
 
 
+def assert_damage_stays_in_its_rows(run, I, J, rows):
+    """``run(selection, validate)`` gives each query's own outputs by name (o as bf16 bits): on
+    the clean ``I`` they are finite (they start as NaN: ``poisoned_outputs``), and a rerun and
+    the damaged ``J`` (``validate=False``) give every query outside ``rows`` the same bits; the
+    damage does change the LSE of its own rows, so the comparison can see a difference."""
+    clean = {name: np.asarray(to_numpy(x)) for name, x in run(I, True).items()}
+    for name, x in clean.items():
+        assert np.isfinite(bf16_bits_to_f32(x.view(np.uint16)) if name == "o" else x).all(), name
+    hurt = run(J, False)
+    for what, (got, damaged_rows) in {"rerun": (run(I, True), []),
+                                      "damaged": (hurt, rows)}.items():
+        for name, want in clean.items():
+            assert_rows_bitwise(f"{what} {name}", got[name], want, damaged_rows)
+    assert not np.array_equal(np.asarray(to_numpy(hurt["lse"]))[rows], clean["lse"][rows])
+
+
 def test_bf16_rungs_keep_the_damage_in_its_rows():
     """The tensor-core rungs (bf16: K1 v3 here, v4 on a GPU with wgmma; backward v2; KL v3)
     on one sequence of 3 blocks with K = 5 (every row has -1 padding): with a row of each
@@ -131,18 +147,7 @@ def test_bf16_rungs_keep_the_damage_in_its_rows():
                           validate=validate, bf16_bits=True)
         return {"o": o, "lse": lse, "dq": dq, "kl": kl[0], "dq_idx": kl[2]}
 
-    clean = run(I, True)
-    for name, x in clean.items():
-        x = np.asarray(to_numpy(x))
-        assert np.isfinite(bf16_bits_to_f32(x) if name == "o" else x).all(), name
-    hurt = run(J, False)
-    for what, (got, damaged_rows) in {"rerun": (run(I, True), []),
-                                      "damaged": (hurt, rows)}.items():
-        for name, want in clean.items():
-            assert_rows_bitwise(f"{what} {name}", got[name], want, damaged_rows)
-    # and the damage did reach its own rows (the comparison above can see a difference)
-    assert not np.array_equal(np.asarray(to_numpy(hurt["lse"]))[rows],
-                              np.asarray(to_numpy(clean["lse"]))[rows])
+    assert_damage_stays_in_its_rows(run, I, J, rows)
 
 
 @pytest.mark.big
@@ -159,8 +164,8 @@ def test_paper_shapes_keep_the_damage_in_their_rows():
     cq, ck, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
     I = R.select_blocks(R.block_scores(p.q_idx, p.k_idx, cq, ck, bk), cq, ck, bk, p.topk)
     J, rows = damaged(I, 4)
-    bf = lambda x: torch.tensor(x, dtype=torch.float32, device="cuda").to(torch.bfloat16)  # noqa: E731
-    q, k, v, q_idx, k_idx, do = (bf(x) for x in (
+    q, k, v, q_idx, k_idx, do = (
+        torch.tensor(x, dtype=torch.float32, device="cuda").to(torch.bfloat16) for x in (
         p.q, p.k, p.v, p.q_idx, p.k_idx, np.random.default_rng(2).standard_normal(p.q.shape)))
     o1, l1 = C.sparse_attention(q, k, v, torch.tensor(I, device="cuda"), cq, ck, bk)
 
@@ -173,15 +178,4 @@ def test_paper_shapes_keep_the_damage_in_their_rows():
                           validate=validate)
         return {"o": o.view(torch.int16), "lse": lse, "dq": dq, "kl": kl[0], "dq_idx": kl[2]}
 
-    clean = run(I, True)
-    for name, x in clean.items():
-        assert (torch.isfinite(x) if x.dtype != torch.int16 else
-                torch.isfinite(x.view(torch.bfloat16))).all(), name
-    hurt = run(J, False)
-    for what, (got, damaged_rows) in {"rerun": (run(I, True), []),
-                                      "damaged": (hurt, rows)}.items():
-        for name, want in clean.items():
-            assert_rows_bitwise(f"{what} {name}", got[name], want, damaged_rows)
-    # and the damage did reach its own rows (the comparison above can see a difference)
-    assert not np.array_equal(np.asarray(to_numpy(hurt["lse"]))[rows],
-                              np.asarray(to_numpy(clean["lse"]))[rows])
+    assert_damage_stays_in_its_rows(run, I, J, rows)
