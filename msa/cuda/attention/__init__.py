@@ -49,9 +49,9 @@ v    idea                                        default where           verdict
 1    CUDA cores, fp32: dQ Q-outer, dK/dV         fp32; 16-bit shapes v2  8K: 3218 ms, 0.36 TFLOP/s
      KV-outer per part of a CSR row              does not take
      (``v1_backward_cuda_cores``)
-2    one tensor-core kernel per part: S, dP,     16-bit, D and Bk        H200 (385e9e9): 128K 178.2
-     dV, dK and the tile's dQ; dQ shares summed  multiples of 16 up to   ms, 118.7 TFLOP/s, 1.04x
-     in slot order                               128                     fla-core, 7.48x dense
+2    one tensor-core kernel per part: S, dP,     16-bit, D and Bk        H200 (1d9bdca): 128K 159.6
+     dV, dK and the tile's dQ; dQ shares summed  multiples of 16 up to   ms, 132.5 TFLOP/s, 1.16x
+     in slot order                               128                     fla-core, 8.42x dense
      (``v2_backward_tensor_cores``)                                      SDPA's backward
 ===  ==========================================  ======================  ==========================
 

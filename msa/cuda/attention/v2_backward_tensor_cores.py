@@ -36,10 +36,9 @@ which ``_backward_parts.dkdv_sum_kernel`` adds in part order. P and dS are round
 inputs' 16-bit type before their products, as in FlashAttention's backward. float16/bfloat16,
 D and Bk multiples of 16 up to 128 (dK, dV live in registers; a warp per 16 keys).
 
-Where it runs: the default where it applies. Verdict (H200, paper configuration, 385e9e9): 32K
-44.68 ms, 128K 178.2 ms (118.7 TFLOP/s), 1.03x / 1.04x fla-core's ``parallel_nsa_bwd`` and 1.89x /
-7.48x dense SDPA's backward; with the 32-bit mask and unsigned copies (65d251d, bitwise the same)
-on an H100: 44.71 and 167.7 ms, 1.03x / 1.13x fla-core.
+Where it runs: the default where it applies. Verdict (H200, paper configuration, 1d9bdca): 32K
+42.34 ms, 128K 159.6 ms (132.5 TFLOP/s), 1.09x / 1.16x fla-core's ``parallel_nsa_bwd`` and 1.99x /
+8.42x dense SDPA's backward.
 """
 
 from __future__ import annotations

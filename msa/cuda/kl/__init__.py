@@ -71,11 +71,11 @@ v    idea (file)                 default where                         verdict
                                  selection passes 4 GiB; its
                                  dk_idx for v3 on fp16 or
                                  ``Bk > 128``
-3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H100 (65d251d): 20.31 ms
-     the work in registers; was  too (as every visible block           at 32K, 71.07 at 128K,
-     v4 (``v3_student``,         selected) (sm_80 and later:           1.62x / 1.57x the
+3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H200 (1d9bdca): 20.31 ms
+     the work in registers; was  too (as every visible block           at 32K, 72.09 at 128K,
+     v4 (``v3_student``,         selected) (sm_80 and later:           1.83x / 1.77x the
      ``v3_tensor_cores``,        ``mma.sync``, ``cp.async``)           attention forward; the
-     ``v3_dk_idx``)                                                    warmup not yet timed
+     ``v3_dk_idx``)                                                    warmup 6.87 s at 128K (H100)
 ===  ==========================  ====================================  ==========================
 
 The old v3 (KV-outer, the teacher's scores staged through 185 KB of shared memory; 92.9 ms at

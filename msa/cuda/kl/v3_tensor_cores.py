@@ -38,11 +38,11 @@ thousands of instructions in each of the item's tiles) and a few predicated inst
 
 Over v2: tensor cores, and every key block read once per work item instead of once per query.
 The default for fp16/bf16 with a selection, ``D``, ``Didx``, ``Bk`` multiples of 16,
-``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on an H100
-(65d251d, the paper configuration in bf16): ``kl_loss_and_backward`` 20.31 ms at 32K and 71.07
-ms at 128K, 1.62x and 1.57x the sparse attention forward of that run; this pass 13.3 and 54.0
-ms of it (torch.profiler). On the H200 at f4aaa47: 28.99 and 102.4 ms, 225x and 92x PyTorch
-(the deleted KV-outer rung that staged the teacher in shared memory: 92.9 and 324.4 ms).
+``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on the H200
+(1d9bdca, the paper configuration in bf16): ``kl_loss_and_backward`` 20.31 ms at 32K and 72.09
+ms at 128K, 1.83x and 1.77x the sparse attention forward of that run (on an H100 this pass is
+13.3 and 54.0 ms of the call, torch.profiler); the deleted KV-outer rung that staged the
+teacher in shared memory took 92.9 and 324.4 ms (f4aaa47).
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows
     past P are zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid +
     lo`` of each position's ``dS``, exact; rows past P zeros), the A operand of dq_idx.
-    Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's positions; sT [Bk x
-    LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row half) pairs of it
-    (the dS loop would index its registers at run time), each element written and read by the
-    same lane."""
+    Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's
+    positions; sT [Bk x LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row
+    half) pairs of it (the dS loop would index its registers at run time), each element written
+    and read by the same lane."""
     ld = head_dim // 2 + 4
     ldi = index_dim // 2 + 4
     lde = block_size // 2 + 4
