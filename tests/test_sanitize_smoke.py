@@ -12,6 +12,7 @@ from benchmarks import sanitize_smoke  # noqa: E402
     (["--n", "512"], "--n"),  # a length without --paper
     (["--paper", "--n", "0"], "--n"),
     (["--stages", "attention,nope"], "nope"),
+    (["--repeat", "0"], "--repeat"),
 ])
 def test_bad_arguments_stop_before_any_work(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
