@@ -21,7 +21,8 @@ agree).
   folds each group's Lq x G query rows into the query axis ``q [B, Hkv, Lq G, D]`` with the
   bottom-right causal mask (row of draft i sees the keys ``<= N - Lq + i``) as a boolean
   ``attn_mask`` (the exact attention of those rows; SDPA's memory-efficient kernel).
-* floors, at ``HBM_COPY_TBPS`` (the device-to-device copy measured on the H200, 4.26 TB/s):
+* floors, at this GPU's device-to-device copy rate, measured at the start of the run
+  (``benchmarks.common.copy_tbps``; 4.26 TB/s on the H200, ``hbm_copy_TBps`` in the JSON):
   msa reads the index keys once (``B N Didx 2`` bytes) and each selected page once per (request,
   KV head) (``sum_{b,r} |union_{i} I[b,i,r]| * 2 Bk D 2`` bytes, counted from the selection);
   dense reads K and V once (``B N Hkv D 2 * 2`` bytes). ``GBps`` = those bytes / time.
@@ -47,7 +48,7 @@ import traceback
 
 os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 
-from benchmarks.common import HBM_COPY_TBPS, cuda_time_ms, print_table, write_json  # noqa: E402
+from benchmarks.common import copy_tbps, cuda_time_ms, print_table, write_json  # noqa: E402
 
 HQ, HKV, D, BK, TOPK, D_IDX = 64, 4, 128, 128, 16, 128
 G = HQ // HKV
@@ -246,7 +247,7 @@ def bench_case(b, n, lq, args):
     index_bytes = b * n * D_IDX * 2
     page_bytes = pages * 2 * BK * D * 2
     row["pages_read"] = pages
-    row["floor_ms"] = (index_bytes + page_bytes) / (HBM_COPY_TBPS * 1e9)
+    row["floor_ms"] = (index_bytes + page_bytes) / (copy_tbps() * 1e9)
     row["msa_GBps"] = (index_bytes + page_bytes) / row["msa_ms"] / 1e6
     row["floor_ratio"] = row["msa_ms"] / row["floor_ms"]
     # dense
@@ -254,7 +255,7 @@ def bench_case(b, n, lq, args):
     fn = dense_decode_fn(step[0], k, v, lq)
     dense_bytes = b * n * HKV * D * 2 * 2
     row["dense_ms"] = timed(fn, args.reps)
-    row["dense_floor_ms"] = dense_bytes / (HBM_COPY_TBPS * 1e9)
+    row["dense_floor_ms"] = dense_bytes / (copy_tbps() * 1e9)
     row["dense_GBps"] = dense_bytes / row["dense_ms"] / 1e6
     row["speedup"] = row["dense_ms"] / row["msa_ms"]
     del graph
@@ -353,7 +354,7 @@ def main(argv=None):
         cases = [tuple(int(x) for x in c.split(":")) for c in args.chunked_prefill.split(",")]
         run_case = bench_chunk
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, Didx=D_IDX, dtype="bfloat16",
-                  hbm_copy_TBps=HBM_COPY_TBPS, args=vars(args))
+                  hbm_copy_TBps=copy_tbps(), args=vars(args))
     t_start = time.time()
     rows = []
     for b, n, lq in cases:

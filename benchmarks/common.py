@@ -8,6 +8,7 @@ measured in the same run, results as JSON under benchmarks/results/.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -15,6 +16,23 @@ import subprocess
 import time
 
 HBM_COPY_TBPS = 4.26  # H200 device-to-device copy measured on the lent machine (device README)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_tbps(nbytes: int = 2 << 30) -> float:
+    """This GPU's device-to-device copy rate in TB/s, ``2 nbytes`` (read + written) over the
+    median time of a ``nbytes`` torch copy, measured once per process: the rate an HBM floor
+    is computed at, so that floors are the card's own (``HBM_COPY_TBPS`` is the H200's)."""
+    import torch
+
+    def timed_copy():
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        return cuda_time_ms(lambda: dst.copy_(src), warmup=3, reps=9)
+
+    ms = timed_copy()
+    torch.cuda.empty_cache()  # the two buffers back to the GPU for the benchmark
+    return 2 * nbytes / (ms * 1e9)
 
 
 def cuda_time_ms(fn, *, warmup: int = 2, reps: int = 7) -> float:

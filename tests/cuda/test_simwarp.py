@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from numba import cuda, int32
+from numba import cuda, float32, int32
 
 from msa.cuda._core import simwarp as _simwarp
 from msa.cuda._core.warp import warp_inclusive_sum, warp_max, warp_min, warp_sort_desc, warp_sum
@@ -645,3 +645,45 @@ def test_a_barrier_releases_every_thread_before_any_runs_on(monkeypatch):
     partial = np.zeros(64, np.int32)
     _activemask_after_barriers[1, 64](partial, 6)
     np.testing.assert_array_equal(partial, np.zeros(64, np.int32))
+
+
+@cuda.jit
+def _read_unwritten_shared(out, ints):
+    """Each block reads shared memory it never writes (undefined on a GPU): a static float32
+    array, a static int32 array and the dynamic buffer, after the first block wrote them all."""
+    s = cuda.shared.array(4, float32)
+    n = cuda.shared.array(4, int32)
+    d = cuda.shared.array(0, float32)
+    b = cuda.blockIdx.x
+    i = cuda.threadIdx.x
+    cuda.syncthreads()
+    out[b, 0, i] = s[i]
+    out[b, 1, i] = d[i]
+    ints[b, i] = n[i]
+    cuda.syncthreads()
+    if b == 0:  # values a later block could pick up where the simulator carries them over
+        s[i] = 1.0
+        d[i] = 2.0
+        n[i] = 3
+
+
+@sim
+def test_poisoned_shared_memory_makes_unwritten_reads_visible():
+    """With ``poison_shared`` every block starts from 0xFF bytes, the first block and those after
+    one that wrote values alike; without it the simulator gives the dynamic buffer as zeros and
+    then carries the first block's values over to the next."""
+    before = _simwarp.settings()["poison_shared"]
+    try:
+        _simwarp.install(poison_shared=True)
+        out = np.zeros((2, 2, 4), np.float32)
+        ints = np.zeros((2, 4), np.int32)
+        _read_unwritten_shared[2, 4, 0, 16](out, ints)
+        assert np.isnan(out).all()
+        np.testing.assert_array_equal(ints, -1)
+        _simwarp.install(poison_shared=False)
+        _read_unwritten_shared[2, 4, 0, 16](out, ints)
+        np.testing.assert_array_equal(out[0, 1], 0.0)  # the dynamic buffer starts zeroed
+        np.testing.assert_array_equal(out[1], [[1.0] * 4, [2.0] * 4])  # carried over
+        np.testing.assert_array_equal(ints[1], 3)
+    finally:
+        _simwarp.install(poison_shared=before)

@@ -47,6 +47,14 @@ input: an ``inf`` key) would fail here and not on the GPU. While a kernel runs, 
 its module is ``IEEE_MATH``: ``math``'s functions, with the ones that raise answering as
 NumPy's float64 ufuncs do instead (``ieee_math``).
 
+Uninitialised shared memory: a GPU block starts with whatever the SM's previous block left in
+its shared memory; the simulator starts a launch's dynamic buffer from zeros (static arrays from
+``np.empty``) and carries one block's values over to the next, so a kernel that reads shared
+memory it never wrote can pass here by luck.
+``MSA_SIM_POISON_SHARED=1`` (or ``install(poison_shared=True)``) fills every block's shared
+memory with 0xFF bytes before it starts (NaN floats, -1 ints), so such a read shows up as NaN
+or a wrong index in the kernel's results.
+
 ``install()`` is idempotent and a no-op (returning False) outside the simulator. Kernels without
 warp operations are unaffected apart from a per-block bookkeeping step at thread start and exit,
 and every kernel gets the simulator's block loop with two mends (``_block_manager_run``): it
@@ -71,7 +79,9 @@ _POLL_S = 0.02  # how often a waiting lane re-checks for exits, syncthreads and 
 _settings = {
     "timeout": float(os.environ.get("MSA_SIMWARP_TIMEOUT", "60")),
     "strict": os.environ.get("MSA_SIMWARP_STRICT", "0") == "1",
+    "poison_shared": os.environ.get("MSA_SIM_POISON_SHARED", "0") == "1",
 }
+_POISON_BYTE = 0xFF  # every float a NaN (bf16, fp16, fp32, fp64), every int -1
 _install_lock = threading.Lock()
 _state_lock = threading.Lock()
 _installed = False
@@ -198,8 +208,10 @@ def _block_manager_run(self, grid_point, *args):
     GIL first saw siblings still "in syncthreads", so ``activemask()`` left them out and a
     full-mask operation took them for a deadlock (seen in CI on a loaded machine).
     """
-    from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernel import BlockThread, _get_kernel_context
 
+    if _settings["poison_shared"]:
+        _poison_shared(_get_kernel_context()._shared)
     threads = []
     for block_point in np.ndindex(*self._block_dim):
         def target():
@@ -702,14 +714,18 @@ def _swapping_math(original):
     return swapped
 
 
-def install(*, timeout: float | None = None, strict: bool | None = None) -> bool:
+def install(*, timeout: float | None = None, strict: bool | None = None,
+            poison_shared: bool | None = None) -> bool:
     """Add the warp operations to Numba's simulator; returns whether the simulator is in use.
 
     Idempotent. ``timeout`` (seconds a lane waits for the rest of its mask before raising
-    ``WarpDeadlockError``) and ``strict`` (raise instead of returning poison on a read of a lane
-    that does not take part) update the settings on every call when given.
+    ``WarpDeadlockError``), ``strict`` (raise instead of returning poison on a read of a lane
+    that does not take part) and ``poison_shared`` (every block starts with its shared memory
+    full of 0xFF bytes: NaN floats, -1 ints) update the settings on every call when given.
     """
     global _installed
+    if poison_shared is not None:
+        _settings["poison_shared"] = bool(poison_shared)
     if timeout is not None:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
@@ -770,6 +786,8 @@ def _locked_shared_array(original):
             res = self._allocations.get(caller)
             if res is None:
                 res = np.empty(shape, dtype)
+                if _settings["poison_shared"]:
+                    res.view(np.uint8)[...] = _POISON_BYTE
                 self._allocations[caller] = res
         return res
 
@@ -777,6 +795,17 @@ def _locked_shared_array(original):
     return array
 
 
+def _poison_shared(shared):
+    """Fill a launch's shared memory (the dynamic buffer and every static array allocated so
+    far) with ``_POISON_BYTE``: on the GPU a block starts with whatever the SM's last block
+    left there, while the simulator starts the dynamic buffer from zeros and then carries one
+    block's values over to the next, which can hide a read of memory the block never wrote."""
+    shared._dynshared.view(np.uint8)[...] = _POISON_BYTE
+    for arr in shared._allocations.values():
+        arr.view(np.uint8)[...] = _POISON_BYTE
+
+
 def settings() -> dict:
-    """A copy of the current settings: ``{'timeout': seconds, 'strict': bool}``."""
+    """A copy of the current settings: ``{'timeout': seconds, 'strict': bool,
+    'poison_shared': bool}``."""
     return dict(_settings)
