@@ -1,6 +1,8 @@
 """Shared test setup.
 
 * Hypothesis profiles: ``ci`` (default, fast) and ``thorough``; pick with MSA_HYPOTHESIS_PROFILE.
+* Under the simulator every block's shared memory starts as NaN bytes (``MSA_SIM_POISON_SHARED``,
+  ``msa.cuda._core.simwarp``); ``tests/cuda/conftest.py`` poisons launchers' outputs too.
 * Markers: ``gpu`` (needs a real GPU), ``big`` (production sizes, real GPU only) are skipped under
   ``NUMBA_ENABLE_CUDASIM=1`` or without a GPU; ``simulator`` (tests of the simulator add-on
   itself, e.g. its error messages) is skipped on a real GPU; ``sim_heavy`` (a case that takes
@@ -25,10 +27,16 @@ import os
 import re
 from collections import Counter
 
-import pytest
-from hypothesis import HealthCheck, settings
+# Every simulated block starts with its shared memory full of NaN bytes (before msa.cuda's
+# simulator add-on reads the setting): a kernel that reads shared memory its block never wrote
+# fails here, as it could on a GPU. MSA_SIM_POISON_SHARED=0 turns it off.
+os.environ.setdefault("MSA_SIM_POISON_SHARED", "1")
 
-from msa.testing.backends import BACKENDS, SIMULATOR, Backend, cuda_runnable, gpu_available
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from msa.testing.backends import (BACKENDS, SIMULATOR, Backend, cuda_runnable,  # noqa: E402
+                                  gpu_available)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True,
