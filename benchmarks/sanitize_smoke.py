@@ -6,6 +6,7 @@
     ... python3 -m benchmarks.sanitize_smoke --paper --n 512  # the same kernels, in minutes
     ... python3 -m benchmarks.sanitize_smoke --decode-only  # the decode steps alone
     ... python3 -m benchmarks.sanitize_smoke --stages backward,kl  # some stages (see STAGES)
+    python3 -m benchmarks.sanitize_smoke --paper --n 512 --repeat 8   # the stages 8 times a process
 
 Each stage's result is checked against msa.reference so a clean sanitizer run also means the
 kernels computed the right thing; the script prints one line a stage and exits non-zero on a
