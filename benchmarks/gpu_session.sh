@@ -68,7 +68,10 @@ if [[ $what == layer ]]; then
   status=${PIPESTATUS[0]}
 fi
 if [[ ${MSA_KEEP_FILES:-0} != 1 ]]; then
-  (cd "$OUT" && tar czf session.tar.gz --exclude session.tar.gz . && \
-    find . -maxdepth 1 -type f ! -name session.tar.gz -delete)
+  # Packed outside $OUT first: tar reading the folder it writes into warns that the folder
+  # changed and exits 1, which used to keep the loose files.
+  pack=$(mktemp /tmp/msa_session.XXXXXX.tar.gz)
+  tar czf "$pack" -C "$OUT" --exclude session.tar.gz . && mv "$pack" "$OUT/session.tar.gz" && \
+    find "$OUT" -maxdepth 1 -type f ! -name session.tar.gz -delete
 fi
 exit $status
