@@ -79,13 +79,42 @@ def test_forward_backward_and_kl_stay_in_bounds_and_in_their_rows():
         np.testing.assert_array_equal(to_numpy(kl1[what])[others], to_numpy(kl2[what])[others])
 
 
-def test_build_csr_stays_in_bounds():
+def expected_csr_rows(J, cu_q, cu_k, block_size):
+    """``{(h, row): [(t, s), ...]}`` of a hostile selection: each query once in the row of
+    every valid block it names (its first slot naming it), in query order; invalid ids (past
+    its sequence, negative) name no row."""
+    nb = -(-np.diff(cu_k) // block_size)
+    row0 = np.concatenate([[0], np.cumsum(nb)])
+    rows = {}
+    for b in range(len(nb)):
+        for t in range(cu_q[b], cu_q[b + 1]):
+            for h in range(J.shape[1]):
+                seen = set()
+                for s, j in enumerate(J[t, h]):
+                    if 0 <= j < nb[b] and j not in seen:
+                        seen.add(int(j))
+                        rows.setdefault((h, int(row0[b] + j)), []).append((t, s))
+    return rows, int(row0[-1])
+
+
+def test_build_csr_stays_in_bounds_and_lists_each_query_once():
+    # A repeated id used to be counted once per slot but written once per query: the row kept
+    # unwritten entries (stale memory on a GPU, read by K1 and the backward as edges of other
+    # queries). The poisoned outputs (the cuda conftest) make any entry no kernel wrote show.
     p, _, J, _ = problem()
     row_ptr, q_indices, slots = (to_numpy(x) for x in csr.build_csr(
         J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, validate=False))
     assert (np.diff(row_ptr.astype(np.int64), axis=1) >= 0).all()
     assert (row_ptr[:, 0] == 0).all() and (row_ptr[:, -1] <= J.shape[0] * J.shape[2]).all()
     assert q_indices.shape == slots.shape == (J.shape[1], J.shape[0] * J.shape[2])
+    want, num_rows = expected_csr_rows(J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
+    for h in range(J.shape[1]):
+        for r in range(num_rows):
+            lo, hi = row_ptr[h, r], row_ptr[h, r + 1]
+            got = list(zip(q_indices[h, lo:hi].tolist(), slots[h, lo:hi].tolist()))
+            assert got == want.get((h, r), []), (h, r)
+        tail = slice(row_ptr[h, -1], None)
+        assert (q_indices[h, tail] == -1).all() and (slots[h, tail] == -1).all()
 
 
 def damaged(I, nb):

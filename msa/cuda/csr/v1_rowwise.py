@@ -18,6 +18,7 @@ from __future__ import annotations
 from numba import cuda, int64
 
 from .._core.packed import edge_row, last_le
+from ._tiles import repeats_a_slot
 from .._core.diskcache import kernel_jit
 
 
@@ -34,7 +35,7 @@ def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
         tile = t // tile_queries
         for s in range(topk):
             r = edge_row(block_indices, cu_q, row_offsets, t, h, s)
-            if r >= 0:
+            if r >= 0 and not repeats_a_slot(block_indices, t, h, s, block_indices[t, h, s]):
                 cuda.atomic.add(tile_counts, (tile, h, r), 1)
         i += stride
 
@@ -60,6 +61,7 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, q_indices, slots):
                         q_indices[h, e] = t
                         slots[h, e] = s
                     e += 1
+                    break  # a repeated id: the query's first slot naming it is listed
 
 
 @kernel_jit

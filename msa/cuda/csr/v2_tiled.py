@@ -37,7 +37,7 @@ from __future__ import annotations
 from numba import cuda, int32, int64, uint32
 
 from .._core.packed import block_row
-from ._tiles import next_edge, tile_block, tile_row, tile_sequence
+from ._tiles import next_edge, repeats_a_slot, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
 
 HIST_WORDS = 11264  # uint32 words of the shared histogram, two 16-bit row counts each (44 KB)
@@ -76,10 +76,11 @@ def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
     x = tile_block(block_indices, t_begin, dq, s, nq, h)
     while dq < nq:
         t = t_begin + dq
+        s_now = s
         dq, s = next_edge(dq, s, step_q, step_s, topk)
         x_next = tile_block(block_indices, t_begin, dq, s, nq, h)
         r = tile_row(x, t, first, nblocks, cu_q, row_offsets)
-        if r >= 0:
+        if r >= 0 and not repeats_a_slot(block_indices, t, h, s_now, x):
             cuda.atomic.add(hist, r >> 1, uint32(1) << uint32((r & 1) * 16))
         x = x_next
     cuda.syncthreads()
@@ -168,6 +169,8 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_quer
         r = int64(-1)
         if t < t_end:
             r = block_row(j, cu_q, row_offsets, t)
+            if r >= 0 and repeats_a_slot(block_indices, t, h, s, j):
+                r = int64(-1)  # a repeated id: the query's first slot naming it is listed
         slot = 0
         if r >= 0:
             slot = table_insert(keys, buf, r, table_size)

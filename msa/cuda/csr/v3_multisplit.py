@@ -38,7 +38,7 @@ from __future__ import annotations
 from numba import cuda, int32, int64, uint32, uint64
 
 from .._core.warp import FULL_MASK, warp_sum
-from ._tiles import next_edge, tile_block, tile_row, tile_sequence
+from ._tiles import next_edge, repeats_a_slot, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
 
 GROUP_ROWS = 128  # rows per group (the packed slot << 7 | row % 128 relies on it)
@@ -179,6 +179,8 @@ def split_groups_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile
         dq, s = next_edge(dq, s, step_q, step_s, topk)
         x_next = tile_block(block_indices, t_begin, dq, s, nq, h)
         r = tile_row(x, t, first, nblocks, cu_q, row_offsets)
+        if r >= 0 and repeats_a_slot(block_indices, t, h, s_now, x):
+            r = int64(-1)  # a repeated id: the query's first slot naming it is listed
         key = int32(r >> 7) if r >= 0 and r < rows else int32(-1)
         pos = multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
