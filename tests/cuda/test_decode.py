@@ -55,11 +55,18 @@ def widened(p):
     return {n: f32(getattr(p, n)) for n in ("q", "q_idx", "k_cache", "v_cache", "k_idx_cache")}
 
 
-def check_attention(o, lse, p, I, kind, version):
+def check_attention(o, lse, p, I, kind, version, scale=None):
     """(o, lse) of the kernel against the float64 oracle of ``decode_attention`` on ``I``."""
     w = widened(p)
     oracle, baseline = oracle_and_baseline(ref.decode_attention, w["q"], w["k_cache"],
-                                           w["v_cache"], I, p.block_table, p.cache_seqlens, p.bk)
+                                           w["v_cache"], I, p.block_table, p.cache_seqlens, p.bk,
+                                           scale=scale)
+    check_against_oracle(o, lse, oracle, baseline, w["v_cache"], kind, version)
+
+
+def check_against_oracle(o, lse, oracle, baseline, v, kind, version):
+    """(o, lse) against ``oracle_and_baseline``'s pair for a function returning (o, lse, ...);
+    ``v`` the values the kernel read (the bound of rung 2's 16-bit P rounding)."""
     o_base = baseline[0]
     if kind == "float16":  # the output is rounded to q's dtype: so is the baseline
         o_base = o_base.astype(np.float16)
@@ -68,7 +75,7 @@ def check_attention(o, lse, p, I, kind, version):
     scale = float(np.abs(o_ref[finite]).max()) if finite.any() else 0.0
     # rung 2 rounds P to 16 bits before P V: |sum p_j d_j v_j| / l <= u max|v| (twice, as floor)
     u = U16[kind] if version >= 2 and kind in U16 else 0.0
-    vmax = float(np.nanmax(np.abs(w["v_cache"])))
+    vmax = float(np.nanmax(np.abs(v)))
     floor = max(4.0, 2 * u * vmax / (scale * np.finfo(np.float32).eps)) if scale and u else 4.0
     lse_factor = 2.0 if SIMULATOR else 4.0  # ex2.approx on the GPU: 2 ulp
     assert_close_to_oracle(to_numpy(lse), oracle[1], baseline[1], name="lse", factor=lse_factor)
@@ -87,6 +94,9 @@ def near_tie_equivalent(I, p, w, topk, factor=4.0):
     assert got.shape == want.shape and got.dtype == np.int32
     assert_exact(got == -1, want == -1, name="padding")
     assert_exact(got.max(axis=-1), want.max(axis=-1), name="local block")
+    for row in got.reshape(-1, got.shape[-1]):  # ids below the local block (checked): distinct
+        valid = row[row >= 0]
+        assert np.unique(valid).size == valid.size, f"a block selected twice: {row}"
     _, _, k_idx, cu_k = ref.gather_cache(None, None, w["k_idx_cache"], p.block_table,
                                          p.cache_seqlens)
     cu_q = np.arange(len(p.cache_seqlens) + 1) * p.lq
@@ -138,12 +148,7 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
     w = widened(p)
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 16, topk)
-    for version in versions_for(kind):
-        if version == 3:  # rung 3 adds an index kernel; its attention is rung 2's
-            I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table, p.cache_seqlens,
-                                         16, topk, version=3)
-            assert_exact(I, I_ref, name="block_indices v3")
-            continue
+    for version in versions_for(kind):  # rung 3: its own index kernel, rung 2's attention
         o, lse, I = gpu.decode_step(p.q, p.q_idx, *p.cache, 16, topk, version=version)
         assert_exact(I, I_ref, name=f"block_indices v{version}")
         check_attention(o, lse, p, I_ref, kind, version)
@@ -201,9 +206,7 @@ def test_attention_on_the_references_selection_with_gaussian_data():
     for version in (1, 2):
         o, lse = gpu.decode_attention(p.q, p.k_cache, p.v_cache, I, p.block_table,
                                       p.cache_seqlens, 16, version=version, scale=0.2)
-        wo, wl = ref.decode_attention(w["q"], w["k_cache"], w["v_cache"], I, p.block_table,
-                                      p.cache_seqlens, 16, scale=0.2)
-        assert np.abs(f32(o) - wo).max() < 3e-3 and np.abs(lse - wl).max() < 1e-5
+        check_attention(o, lse, p, I, "float16", version, scale=0.2)
 
 
 def test_attention_takes_selections_in_any_order_and_beyond_the_local_block():
@@ -239,6 +242,7 @@ def test_append_then_decode_equals_a_prefill_of_the_whole_sequence():
     full = Paged(**{**p.__dict__, **w})
     o_pre, lse_pre, I_pre = prefill_last_rows(full)
     assert_exact(I, I_pre, name="block_indices")
+    check_attention(o, lse, p, I_pre, "float16", 2)  # on the cache the appends built
     assert np.abs(f32(o) - o_pre).max() < 3e-3 and np.abs(lse - lse_pre).max() < 1e-5
 
 
@@ -252,10 +256,12 @@ def test_prefill_chunk_equals_the_reference():
     o, lse, I = gpu.prefill_chunk(q, q_idx, *p.cache, cu_q, 16, 3)
     w = {n: f32(x) for n, x in (("q", q), ("q_idx", q_idx), ("k_cache", p.k_cache),
                                 ("v_cache", p.v_cache), ("k_idx_cache", p.k_idx_cache))}
-    o2, lse2, I2 = ref.prefill_chunk(w["q"], w["q_idx"], w["k_cache"], w["v_cache"],
-                                     w["k_idx_cache"], p.block_table, p.cache_seqlens, cu_q, 16, 3)
-    assert_exact(to_numpy(I), I2, name="block_indices")
-    assert np.abs(f32(to_numpy(o)) - o2).max() < 3e-3 and np.abs(to_numpy(lse) - lse2).max() < 1e-5
+    oracle, baseline = oracle_and_baseline(ref.prefill_chunk, w["q"], w["q_idx"], w["k_cache"],
+                                           w["v_cache"], w["k_idx_cache"], p.block_table,
+                                           p.cache_seqlens, cu_q, 16, 3)
+    assert_exact(to_numpy(I), baseline[2], name="block_indices")
+    assert_exact(baseline[2], oracle[2], name="block_indices (float64)")
+    check_against_oracle(o, lse, oracle, baseline, w["v_cache"], "float16", 2)
 
 
 def test_gather_is_the_references():
@@ -428,15 +434,25 @@ def test_a_seen_non_finite_value_gives_what_the_reference_gives(lq, g):
 # -- plan and run -------------------------------------------------------------------------------
 
 def test_one_plan_runs_many_steps_as_the_cache_grows():
+    # The caches start with the two tokens still to come poisoned (NaN): each run must append
+    # its token into the right slot, then decode on it; the selection must be the reference's
+    # on the true cache, and o and LSE those of an eager decode_step on the caches run built.
     p = paged_problem([30, 46], 1, hq=4, hkv=2, bk=16, topk=3, dtype=np.float16, seed=8,
                       integer_index=True, max_pages=4)
     lens = p.cache_seqlens - 2  # two tokens to go
-    caches = [device(x.copy()) for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    host = [x.copy() for x in (p.k_cache, p.v_cache, p.k_idx_cache)]
+    to_come = [(b, pos) for b in range(2) for pos in range(lens[b], p.cache_seqlens[b])]
+    for b, pos in to_come:
+        page, slot = p.block_table[b, pos // 16], pos % 16
+        for x in host:
+            x[page, ..., slot, :] = np.nan
+    caches = [device(x) for x in host]
     table, lens_d = device(p.block_table), device(lens.copy())
     new = [device(np.ascontiguousarray(x[p.last])) for x in (p.k, p.v, p.k_idx)]
     new += [device(p.q), device(p.q_idx)]
     pl = gpu.plan(new[3], new[4], *caches, table, lens_d, 16, 3, k=new[0], v=new[1], k_idx=new[2])
     assert pl.version == 2 and pl.append
+    w = widened(p)
     for step in (1, 2):
         lens = lens + 1
         if SIMULATOR:
@@ -448,10 +464,22 @@ def test_one_plan_runs_many_steps_as_the_cache_grows():
             p.k, p.v, p.k_idx, p.q_full, p.q_idx_full))
         got = [to_numpy(x).copy() for x in gpu.run(pl, q_new, qi_new, *caches, table, lens_d,
                                                     k=k_new, v=v_new, k_idx=i_new)]
+        for b in range(2):  # the token appended where the true cache has it
+            pos = lens[b] - 1
+            page, slot = p.block_table[b, pos // 16], pos % 16
+            for got_cache, want_cache in zip(caches, (p.k_cache, p.v_cache, p.k_idx_cache)):
+                np.testing.assert_array_equal(to_numpy(got_cache)[page, ..., slot, :],
+                                              want_cache[page, ..., slot, :])
+        I_ref = ref.decode_block_indices(f32(p.q_idx_full[rows]), w["k_idx_cache"],
+                                         p.block_table, lens, 16, 3)
+        assert_exact(got[2], I_ref, name=f"block_indices, step {step}")
+        assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
         want = [to_numpy(x) for x in gpu.decode_step(q_new, qi_new, *caches, table, lens_d, 16, 3)]
-        assert_exact(got[2], want[2], name=f"step {step}")
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+        now = Paged(**{**p.__dict__, "q": np.ascontiguousarray(p.q_full[rows]),
+                       "cache_seqlens": lens})
+        check_attention(got[0], got[1], now, I_ref, "float16", 2)
 
 
 # -- inputs users get wrong ---------------------------------------------------------------------

@@ -7,7 +7,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import msa.reference as R  # noqa: E402
-from msa.reference import decode as ref  # noqa: E402
 from msa.torch import MSAAttention, PagedKVCache, decode_attention_step  # noqa: E402
 
 
@@ -51,21 +50,33 @@ def test_append_and_decode_equal_the_reference_on_the_gathered_cache():
     assert [c.seqlen(s) for s in slots] == [7, 10]
     gk, gv, gi, gcu = c.gather(slots)
     np.testing.assert_array_equal(gk.numpy(), k.numpy())
+    np.testing.assert_array_equal(gv.numpy(), v.numpy())
     np.testing.assert_array_equal(gi.numpy(), k_idx.numpy())
     assert gcu.tolist() == cu.tolist()
     # one decode step: two new tokens a request
     kn, vn = (torch.from_numpy(rng.standard_normal((4, 2, 8))) for _ in range(2))
-    c.append(slots, kn, vn, torch.from_numpy(rng.standard_normal((4, 8))))
+    kin = torch.from_numpy(rng.standard_normal((4, 8)))
+    c.append(slots, kn, vn, kin)
+    # the whole sequences, packed: each request's prompt, then its two new tokens
+    whole = [np.concatenate([x[cu[b]:cu[b + 1]], y[2 * b:2 * b + 2]]) for x, y in
+             ((k.numpy(), kn.numpy()), (v.numpy(), vn.numpy()), (k_idx.numpy(), kin.numpy()))
+             for b in range(2)]
+    kw, vw, iw = (np.concatenate(whole[2 * i:2 * i + 2]) for i in range(3))
+    cu_k = np.array([0, 9, 21])
+    for got, want in zip(c.gather(slots)[:3], (kw, vw, iw)):
+        np.testing.assert_array_equal(got.numpy(), want)
     q = torch.from_numpy(rng.standard_normal((4, 4, 8)))
     q_idx = torch.from_numpy(rng.standard_normal((4, 2, 8)))
     o, lse, idx = c.decode(slots, q, q_idx, 3)
-    table, seqlens = c.views(slots)
-    o2, lse2, idx2 = ref.decode_step(q.numpy(), q_idx.numpy(), c.k_cache.numpy(),
-                                     c.v_cache.numpy(), c.k_idx_cache.numpy(), table.numpy(),
-                                     seqlens.numpy(), 4, 3)
-    np.testing.assert_array_equal(idx.numpy(), idx2)
-    np.testing.assert_array_equal(o.numpy(), o2)
-    np.testing.assert_array_equal(lse.numpy(), lse2)
+    # against the prefill functions on those sequences (the queries their last two positions),
+    # not the paged reference the CPU path itself runs
+    cu_q = np.array([0, 2, 4])
+    M = R.block_scores(q_idx.numpy(), iw, cu_q, cu_k, 4)
+    I = R.select_blocks(M, cu_q, cu_k, topk=3, block_size=4)
+    o2, lse2 = R.sparse_attention(q.numpy(), kw, vw, I, cu_q, cu_k, 4)
+    np.testing.assert_array_equal(idx.numpy(), I)
+    np.testing.assert_allclose(o.numpy(), o2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse2, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -163,19 +174,24 @@ def test_prefill_with_ragged_chunks_equals_the_reference():
     c = small_cache()
     slots = [c.add_request(), c.add_request()]
     new = np.array([6, 11])  # new tokens a request, on top of 3 and 0 cached ones
-    c.append([slots[0]], *(torch.from_numpy(rng.standard_normal(s)) for s in
-                           ((3, 2, 8), (3, 2, 8), (3, 8))))
+    cached = [rng.standard_normal(s) for s in ((3, 2, 8), (3, 2, 8), (3, 8))]
+    c.append([slots[0]], *(torch.from_numpy(x) for x in cached))
     cu = np.concatenate([[0], np.cumsum(new)])
-    c.append(slots, *(torch.from_numpy(rng.standard_normal(s)) for s in
-                      ((17, 2, 8), (17, 2, 8), (17, 8))), cu_seqlens=cu)
+    chunk = [rng.standard_normal(s) for s in ((17, 2, 8), (17, 2, 8), (17, 8))]
+    c.append(slots, *(torch.from_numpy(x) for x in chunk), cu_seqlens=cu)
     q = torch.from_numpy(rng.standard_normal((17, 4, 8)))
     q_idx = torch.from_numpy(rng.standard_normal((17, 2, 8)))
     o, lse, idx = c.prefill(slots, q, q_idx, 2, cu_seqlens=cu)
-    table, seqlens = c.views(slots)
-    want = ref.prefill_chunk(q.numpy(), q_idx.numpy(), c.k_cache.numpy(), c.v_cache.numpy(),
-                             c.k_idx_cache.numpy(), table.numpy(), seqlens.numpy(), cu, 4, 2)
-    for got, w in zip((o, lse, idx), want):
-        np.testing.assert_array_equal(got.numpy(), w)
+    # against the prefill functions on the packed sequences (request 0: its 3 cached tokens,
+    # then 6 new; request 1: 11 new), not the paged reference the CPU path itself runs
+    kw, vw, iw = (np.concatenate([a, b]) for a, b in zip(cached, chunk))
+    cu_k = np.array([0, 9, 20])
+    M = R.block_scores(q_idx.numpy(), iw, cu, cu_k, 4)
+    I = R.select_blocks(M, cu, cu_k, topk=2, block_size=4)
+    o2, lse2 = R.sparse_attention(q.numpy(), kw, vw, I, cu, cu_k, 4)
+    np.testing.assert_array_equal(idx.numpy(), I)
+    np.testing.assert_allclose(o.numpy(), o2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse2, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="cu_seqlens"):
         c.prefill(slots, q, q_idx, 2, cu_seqlens=[0, 5, 16])
 
