@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck --report-api-errors no python3 -m benchmarks.sanitize_smoke
     compute-sanitizer --tool racecheck python3 -m benchmarks.sanitize_smoke
+    compute-sanitizer --tool initcheck python3 -m benchmarks.sanitize_smoke  # unwritten reads
     ... python3 -m benchmarks.sanitize_smoke --paper      # the paper's heads and dims at N = 2048
     ... python3 -m benchmarks.sanitize_smoke --paper --n 512  # the same kernels, in minutes
     ... python3 -m benchmarks.sanitize_smoke --decode-only  # the decode steps alone
