@@ -513,7 +513,7 @@ def test_reruns_are_bitwise_identical(version):
 def test_loss_and_backward_in_one_call(mode, version):
     """``kl_loss_and_backward`` = ``kl_loss`` then ``kl_backward``: the gradients and the loss
     bitwise (v1/v2 run the same kernels; v3's forward is its backward's passes without the
-    gradients), and the loss within the float rule of the reference."""
+    gradients), and those of the separate calls within the float rule of the reference."""
     if version >= 3:
         p, dtype = case_problem([11, 4], [27, 9], 4, 2, 16, 16, 16, 2, seed=9), "float16"
     else:
@@ -524,7 +524,8 @@ def test_loss_and_backward_in_one_call(mode, version):
     tail = (I, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size)
     kl, loss, dq, dk = (to_numpy(x) for x in gpu.kl_loss_and_backward(
         *kin, *tail, grad_loss=0.5, version=version))
-    kl1, loss1, dq1, dk1 = run_kernels(version, kin, I, lse, p, dtype, grad_loss=0.5)
+    # the separate calls, their kl, loss and gradients checked against the oracle
+    kl1, loss1, dq1, dk1 = check(p, I, version, dtype, grad_loss=0.5)
     np.testing.assert_array_equal(dq, dq1)
     np.testing.assert_array_equal(dk, dk1)
     np.testing.assert_array_equal(kl, kl1)
@@ -593,6 +594,8 @@ def test_gradient_through_the_kernels_end_to_end(version):
     kl, loss = gpu.kl_loss(*a, lse, *tail, version=version)
     (kl64, loss64), (kl32, loss32) = oracle_and_baseline(ref.kl_loss, *a, None, *tail)
     assert_close_to_oracle(to_numpy(kl), kl64, kl32, name="kl end to end")
+    assert_close_to_oracle(np.array(to_numpy(loss)), np.array(loss64), np.array(loss32),
+                           name="loss end to end", floor_ulps=floor_ulps_for(kl64, 1.0))
     assert (to_numpy(kl) >= -1e-6).all()  # Gibbs: KL >= 0 up to rounding
 
 
