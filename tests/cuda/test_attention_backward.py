@@ -396,16 +396,16 @@ def quiet():
         yield
 
 
-def poisoned_backward(p, I, kind, version, k_bad, v_bad, nan_o_query=None):
+def poisoned_backward(p, I, kind, version, k_bad, v_bad, nan_o_query=None, grads=False):
     """dq of the kernel on the clean inputs and on ``k_bad``, ``v_bad`` (float32 arrays, the
     kernel gets them in ``kind``), both given the clean forward's o and lse (the reference's, as
     the backward contract asks) and the same dO; ``nan_o_query``: the second run's o is NaN
     for that query. Also the reference's dq on the second run's values. Returns ``(dq1, dq2,
-    ref_dq2)``."""
+    ref_dq2)``, or with ``grads`` the three ``(dq, dk, dv)`` triples."""
     cu_q, cu_k, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
     (q, q32), (k, k32), (v, v32) = cast(p.q, kind), cast(p.k, kind), cast(p.v, kind)
     o_f, lse = ref.sparse_attention(q32, k32, v32, I, cu_q, cu_k, bk)
-    (o, o32), (do, do32) = cast(o_f, kind), cast(
+    (o, _), (do, do32) = cast(o_f, kind), cast(
         np.random.default_rng(5).standard_normal(o_f.shape), kind)
     with quiet():
         (k2, k2_32), (v2, v2_32) = cast(k_bad, kind), cast(v_bad, kind)
@@ -415,11 +415,19 @@ def poisoned_backward(p, I, kind, version, k_bad, v_bad, nan_o_query=None):
         o2, o2_32 = cast(o_bad, kind)
         bf16 = kind == "bfloat16"
         run = functools.partial(_sparse_attention_backward, bf16_bits=bf16, version=version)
-        dq1 = to_numpy(run(q, k, v, o, lse, do, I, cu_q, cu_k, bk)[0])
-        dq2 = to_numpy(run(q, k2, v2, o2, lse, do, I, cu_q, cu_k, bk)[0])
-        ref_dq2 = ref.sparse_attention_backward(q32, k2_32, v2_32, o2_32, lse, do32, I, cu_q,
-                                                cu_k, bk)[0]
-    return dq1, dq2, ref_dq2
+        g1 = [to_numpy(x) for x in run(q, k, v, o, lse, do, I, cu_q, cu_k, bk)]
+        g2 = [to_numpy(x) for x in run(q, k2, v2, o2, lse, do, I, cu_q, cu_k, bk)]
+        ref_g2 = ref.sparse_attention_backward(q32, k2_32, v2_32, o2_32, lse, do32, I, cu_q,
+                                               cu_k, bk)
+    return (g1, g2, ref_g2) if grads else (g1[0], g2[0], ref_g2[0])
+
+
+def assert_other_keys_unchanged(g1, g2, keys, what):
+    """dk and dv of every key in ``keys`` (bool [Tk]) bitwise those of the clean run: given o,
+    lse and dO, a key's own gradients read only its own scores and values."""
+    for name, a, b in (("dk", g1[1], g2[1]), ("dv", g1[2], g2[2])):
+        changed = keys & (bits(a) != bits(b)).reshape(len(keys), -1).any(-1)
+        assert not changed.any(), f"{name} of keys {np.flatnonzero(changed)[:5]} changed ({what})"
 
 
 def check_poisoned_key(p, I, kind, version, j, value):
@@ -428,12 +436,15 @@ def check_poisoned_key(p, I, kind, version, j, value):
     k_bad, v_bad = (np.array(x, np.float32) for x in (p.k, p.v))
     k_bad[j] = value
     v_bad[j] = value
-    dq1, dq2, ref_dq2 = poisoned_backward(p, I, kind, version, k_bad, v_bad)
-    blind = blind_rows(p, I, j)
+    g1, g2, ref_g2 = poisoned_backward(p, I, kind, version, k_bad, v_bad, grads=True)
+    (dq1, dq2, ref_dq2), blind = (g1[0], g2[0], ref_g2[0]), blind_rows(p, I, j)
     assert np.array_equal(bits(dq1)[blind], bits(dq2)[blind]), (
         f"dq of rows that cannot see key {j} = {value} changed: "
         f"{np.argwhere(blind & (bits(dq1) != bits(dq2)).any(-1))[:5].tolist()}")
     np.testing.assert_array_equal(np.isnan(dq2), np.isnan(ref_dq2))
+    assert_other_keys_unchanged(g1, g2, np.arange(p.k.shape[0]) != j, f"key {j} = {value}")
+    if blind.all():  # no row sees key j: its gradients are 0, whatever it holds
+        assert not g2[1][j].any() and not g2[2][j].any()
 
 
 def later_in_a_local_block(p):
@@ -472,7 +483,7 @@ def masking_cases(shape_strategy):
 def test_backward_v1_dq_ignores_keys_it_cannot_see(case):
     """Version 1 (float32): a poisoned key (NaN, ±inf, 1e30 in K and V) moves no bit of the dq
     of a row that cannot see it (a later position in its local block, an unselected block,
-    another sequence)."""
+    another sequence), nor of any other key's dk and dv."""
     check_poisoned_key(*case[:2], "float32", 1, *case[2:])
 
 
@@ -522,8 +533,14 @@ def test_backward_nan_delta_stays_in_its_query(kind, version):
     """A NaN in one query's o makes its D = rowsum(dO O) NaN: the dq of every other query is
     bitwise unchanged (D enters dS of its own rows only, and dS is 0 by selection elsewhere)."""
     p, I = problem([20], [20], 4, 2, 16, 16, 2, seed=6)
-    dq1, dq2, _ = poisoned_backward(p, I, kind, version, np.array(p.k, np.float32),
-                                    np.array(p.v, np.float32), nan_o_query=7)
+    g1, g2, _ = poisoned_backward(p, I, kind, version, np.array(p.k, np.float32),
+                                  np.array(p.v, np.float32), nan_o_query=7, grads=True)
+    dq1, dq2 = g1[0], g2[0]
     others = np.arange(dq1.shape[0]) != 7
     assert np.array_equal(bits(dq1)[others], bits(dq2)[others])
     assert np.isnan(dq2[7]).all()
+    # dV = P^T dO reads no D: every key's unchanged; dK only of the keys query 7 cannot see
+    np.testing.assert_array_equal(bits(g1[2]), bits(g2[2]))
+    blind_to_7 = np.array([blind_rows(p, I, j)[7].all() for j in range(p.k.shape[0])])
+    assert blind_to_7.any() and not blind_to_7.all()
+    assert_other_keys_unchanged(g1, g2, blind_to_7, "a NaN o of query 7")
