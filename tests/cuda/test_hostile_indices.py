@@ -209,6 +209,42 @@ def test_bf16_rungs_keep_the_damage_in_its_rows():
     assert_damage_stays_in_its_rows(run, I, J, rows)
 
 
+def test_a_repeated_id_counts_as_minus_one(fresh_ints):
+    """``validate=False``, the bf16 tensor-core rungs (K1 v3, backward v2, KL v3): queries
+    repeating a block id give every output, their own and the keys' (o, lse, dq, dk, dv, kl,
+    dq_idx, dk_idx), bitwise what the selection with the repeats replaced by -1 gives. The CSR
+    lists a repeat once and the slot sums skip it, so nothing reads a slot no kernel wrote,
+    whatever fresh memory holds (``fresh_ints``; floats start as NaN)."""
+    p = make_problem((48,), num_q_heads=4, num_kv_heads=1, head_dim=16, index_dim=16,
+                     block_size=16, topk=5, dtype=np.float32, seed=1)
+    cq, ck, bk = p.cu_seqlens_q, p.cu_seqlens_k, p.block_size
+    I = R.select_blocks(R.block_scores(p.q_idx, p.k_idx, cq, ck, bk), cq, ck, bk, p.topk)
+    rep, once = I.copy(), I.copy()
+    for t, row in ((47, [2, 0, 2, 1, 2]), (40, [0, 0, -1, -1, -1]), (20, [1, 1, 1, 0, 1])):
+        rep[t, 0] = row
+        once[t, 0] = [j if j not in row[:s] else -1 for s, j in enumerate(row)]
+    assert (once != rep).any()
+    q, k, v, q_idx, k_idx, do = (cast(x, "bfloat16")[0] for x in (
+        p.q, p.k, p.v, p.q_idx, p.k_idx, np.random.default_rng(2).standard_normal(p.q.shape)))
+    o1, l1 = attention._sparse_attention(q, k, v, I, cq, ck, bk, bf16_bits=True)
+
+    def run(sel):
+        o, lse = attention._sparse_attention(q, k, v, sel, cq, ck, bk, validate=False,
+                                             bf16_bits=True)
+        dq, dk, dv = _sparse_attention_backward(q, k, v, o1, l1, do, sel, cq, ck, bk,
+                                                validate=False, bf16_bits=True)
+        kl, _, dq_idx, dk_idx = _kl_backward(q, k, q_idx, k_idx, sel, l1, cq, ck, bk,
+                                             with_kl=True, validate=False, bf16_bits=True)
+        out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "kl": kl, "dq_idx": dq_idx,
+               "dk_idx": dk_idx}
+        return {name: np.asarray(to_numpy(x)) for name, x in out.items()}
+
+    got, want = run(rep), run(once)
+    for name, w in want.items():
+        assert np.isfinite(bf16_bits_to_f32(w.view(np.uint16)) if name == "o" else w).all(), name
+        assert_rows_bitwise(name, got[name], w, [])
+
+
 @pytest.mark.big
 def test_paper_shapes_keep_the_damage_in_their_rows():
     """As above at the paper's heads, dims, Bk and K (Hq 64, Hkv 4, D = Didx = 128, Bk 128,

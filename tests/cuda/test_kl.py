@@ -544,18 +544,21 @@ def test_loss_and_backward_refuses_bad_input():
         gpu.kl_loss_and_backward(**bad(), grad_loss="1")
 
 
+@pytest.mark.parametrize("mode", ["random", "future"])
 @pytest.mark.parametrize("version", VERSIONS)
-def test_query_chunks_of_the_ds_buffer(version):
+def test_query_chunks_of_the_ds_buffer(version, mode):
     """Buffers for 5 queries at a time (many chunks, each with its own CSR, chunks cutting
     sequences) give the same result within the float rule; ``kl`` and ``dq_idx`` do not depend
-    on the chunking at all (only ``dk_idx`` adds the chunks' contributions in turn)."""
+    on the chunking at all (only ``dk_idx`` adds the chunks' contributions in turn). ``future``
+    also selects blocks past a chunk's cut of its last sequence: no CSR entry there, so the
+    slot sums must not read those slots (v3 did, with the whole batch's offsets)."""
     if version >= 3:  # dS, dq_idx partials and states: (Bk + Didx + 5) floats per slot
         p, dtype = case_problem([9, 1, 6], [20, 7, 6], 4, 2, 16, 16, 16, 2, seed=6), "float16"
         per_query = 2 * 2 * (16 + 16 + 5) * 4
     else:
         p, dtype = case_problem([9, 1, 6], [14, 7, 6], 4, 2, 8, 8, 4, 3, seed=6), "float32"
         per_query = 2 * 3 * 4 * 4
-    I = selection(p, "random")
+    I = selection(p, mode)
     chunked = check(p, I, version, dtype, max_ds_bytes=5 * per_query)
     vals, kin = rounded(p, dtype)
     whole = run_kernels(version, kin, I, main_lse(vals, I, p), p, dtype)

@@ -55,6 +55,23 @@ def block_row(j, cu_q, row_offsets, t):
 
 
 @cuda.jit(device=True)
+def repeats_a_slot(block_indices, t, h, s, x):
+    """Whether query ``t`` names block id ``x`` in a slot before ``s`` too (head ``h``).
+
+    A selection with a repeated id is invalid (``validate=True`` rejects it). With
+    ``validate=False`` a repeat counts as -1: the CSR's counts and scatters list the query once
+    per block, at the first slot naming it (so they agree on each row's length: no entry of a
+    row is left unwritten, for its readers to take stale memory for another query's edge, and
+    no row holds more queries than its sequence has), and the slot sums that follow the CSR
+    (the backward's dq, the KL's slot states) skip the later slots, which no kernel wrote.
+    ``K - 1`` loads at most, of the row of ``I`` the caller has just read."""
+    for s2 in range(s):
+        if block_indices[uint64(t), uint64(h), uint64(s2)] == x:
+            return True
+    return False
+
+
+@cuda.jit(device=True)
 def edge_row(block_indices, cu_q, row_offsets, t, h, s):
     """CSR row of edge ``(t, h, s)`` (see ``block_row``)."""
     return block_row(block_indices[t, h, s], cu_q, row_offsets, t)

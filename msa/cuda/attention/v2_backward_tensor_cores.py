@@ -56,7 +56,7 @@ from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async
                             no_op, store_f32x2)
 from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
                          pack_bf16x2, pack_f16x2)
-from .._core.packed import LOG2E, last_le
+from .._core.packed import LOG2E, last_le, repeats_a_slot
 from ._backward_parts import bwd_part, split_slot
 from .._core.diskcache import kernel_jit
 
@@ -529,7 +529,8 @@ DQ_SUM_SLOTS = 4  # slots whose loads a thread has in flight at once
 @functools.lru_cache(maxsize=None)
 def dq_sum_kernel(head_dim: int, group: int):
     """``dq[t, h, :] = scale * sum_s dq_part[s, t, h, :]`` over the slots ``s`` that are CSR
-    entries (``_core.packed.block_row``: the slots the tensor-core kernel wrote), in slot order.
+    entries (``_core.packed.block_row``, a repeated id's first slot only: the slots the
+    tensor-core kernel wrote), in slot order.
 
     A thread per four dims of a (t, h) row (``D % 4 == 0``; launch ``T Hq D / 4`` threads):
     the row's sequence is found once, then the slots go by in groups of ``DQ_SUM_SLOTS``, each
@@ -568,6 +569,8 @@ def dq_sum_kernel(head_dim: int, group: int):
                 s = s0 + u
                 j = int64(I[t, h // G, s]) if s < topk else int64(-1)
                 ok[u] = 1 if j >= 0 and j < nblocks else 0
+                if ok[u] and repeats_a_slot(I, t, h // G, s, j):
+                    ok[u] = 0  # a repeated id (validate=False): only its first slot was written
                 if ok[u]:
                     w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
                     vals[4 * u] = w0

@@ -45,7 +45,7 @@ about as slow as the reference), raising ``ValueError``. Below them nothing is c
 ``validate=False`` skips the selection check for speed; the kernels then still never read or
 write out of bounds: entries that are not a block of the query's own sequence are skipped, every
 write is clamped to ``[0, Tq*K)``, and a block id a query repeats is listed once, at the first
-slot naming it (``_tiles.repeats_a_slot``), so that every entry of a row is written (no stale
+slot naming it (``_core.packed.repeats_a_slot``), so that every entry of a row is written (no stale
 memory read as another query's edge) and no row holds more queries than its sequence has. The
 CSR of such a selection is still not the reference's (it rejects it); the kernels that read it
 keep the damage in the rows of the queries that made it (tests/cuda/test_hostile_indices.py).

@@ -51,22 +51,6 @@ def tile_row(x, t, first, nblocks, cu_q, row_offsets):
 
 
 @cuda.jit(device=True)
-def repeats_a_slot(block_indices, t, h, s, x):
-    """Whether query ``t`` names block id ``x`` in a slot before ``s`` too (head ``h``).
-
-    A selection with a repeated id is invalid (``validate=True`` rejects it); with
-    ``validate=False`` every count and scatter lists the query once per block, at the first
-    slot naming it, so that they agree on each row's length (no entry of a row is left
-    unwritten, for the consumers to read stale memory as some other query's edge) and no row
-    holds more queries than its sequence has (the schedule's capacity). ``K - 1`` loads at
-    most, of the row of ``I`` the caller has just read."""
-    for s2 in range(s):
-        if block_indices[uint64(t), uint64(h), uint64(s2)] == x:
-            return True
-    return False
-
-
-@cuda.jit(device=True)
 def next_edge(dq, s, step_q, step_s, topk):
     """``(dq, s)`` advanced by ``step_q * topk + step_s`` edges (``step_s < topk``): a walk over
     a tile's edges in (query, slot) order without a division per edge."""

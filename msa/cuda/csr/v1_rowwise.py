@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from numba import cuda, int64
 
-from .._core.packed import edge_row, last_le
-from ._tiles import repeats_a_slot
+from .._core.packed import edge_row, last_le, repeats_a_slot
 from .._core.diskcache import kernel_jit
 
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from numba import cuda, int32, int64, uint32
 
-from .._core.packed import block_row
-from ._tiles import next_edge, repeats_a_slot, tile_block, tile_row, tile_sequence
+from .._core.packed import block_row, repeats_a_slot
+from ._tiles import next_edge, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
 
 HIST_WORDS = 11264  # uint32 words of the shared histogram, two 16-bit row counts each (44 KB)

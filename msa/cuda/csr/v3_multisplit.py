@@ -37,8 +37,9 @@ from __future__ import annotations
 
 from numba import cuda, int32, int64, uint32, uint64
 
+from .._core.packed import repeats_a_slot
 from .._core.warp import FULL_MASK, warp_sum
-from ._tiles import next_edge, repeats_a_slot, tile_block, tile_row, tile_sequence
+from ._tiles import next_edge, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
 
 GROUP_ROWS = 128  # rows per group (the packed slot << 7 | row % 128 relies on it)

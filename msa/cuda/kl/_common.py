@@ -101,7 +101,12 @@ def kl_kernel_full_selection(cu_q, cu_k, block_size, I):
 @kernel_jit
 def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
     """v3: merge the per-slot states of (query t0 + i, group r) in slot order; ``out[t, r]`` =
-    KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk."""
+    KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk.
+
+    ``cu_q``, ``cu_k``: the chunk's offsets (``Batch.chunks``; its last sequence ends at its
+    last query's position), those its CSR was built on: a block past them is no CSR entry,
+    and its slot no kernel wrote, whatever the whole batch's offsets allow (this kernel and
+    the two below)."""
     hkv = out.shape[1]
     i = cuda.grid(1)
     if i >= part.shape[2] * hkv:
@@ -109,7 +114,7 @@ def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
     tl = i // hkv
     r = i % hkv
     t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, t)
+    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
     nblocks = (lk + block_size - 1) // block_size
     m = NEG_INF
     l = float32(0.0)
@@ -137,7 +142,7 @@ def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
     r = (i // di) % hkv
     d = i % di
     t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, t)
+    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
     nblocks = (lk + block_size - 1) // block_size
     acc = float32(0.0)
     for s in range(I.shape[2]):
@@ -157,7 +162,7 @@ def kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
     tl = i // hkv
     r = i % hkv
     t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, t)
+    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
     nblocks = (lk + block_size - 1) // block_size
     acc = float32(0.0)
     for s in range(I.shape[2]):

@@ -293,21 +293,22 @@ class Plan:
                     np.float32(self.scale * LOG2E), np.float32(self.index_scale), coef, part,
                     ds, dq_part)
 
-    def combine_states(self, part, t0, want_kl, out):
+    # The slot sums below take the chunk's offsets ``d_cu`` (``schedule``), those of its CSR.
+    def combine_states(self, part, t0, d_cu, want_kl, out):
         n = int(part.shape[2]) * self.hkv
         kl_kernel_combine_states[_blocks(n, THREADS), THREADS](
-            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, want_kl, out)
+            part, self.I, *d_cu, self.block_size, t0, want_kl, out)
 
-    def combine_kl(self, part, t0, kl):
+    def combine_kl(self, part, t0, d_cu, kl):
         """``kl[t, r] = sum_s part[0, s, t, r]`` over the chunk's queries (the KL terms)."""
         n = int(part.shape[2]) * self.hkv
         kl_kernel_combine_kl[_blocks(n, THREADS), THREADS](
-            part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, kl)
+            part, self.I, *d_cu, self.block_size, t0, kl)
 
-    def combine_dq(self, dq_part, t0, dq):
+    def combine_dq(self, dq_part, t0, d_cu, dq):
         n = int(dq_part.shape[1]) * self.hkv * self.d_idx
         kl_kernel_combine_dq[_blocks(n, THREADS), THREADS](
-            dq_part, self.I, self.d_cu_q, self.d_cu_k, self.block_size, t0, dq)
+            dq_part, self.I, *d_cu, self.block_size, t0, dq)
 
     def forward_tensor_cores(self, lse, kl):
         """v3 forward, per query chunk: ``LSE^idx`` (the backward's student pass and slot
@@ -326,10 +327,10 @@ class Plan:
             part = part_buf[:4 * self.topk * tc * self.hkv].reshape(4, self.topk, tc, self.hkv)
             work, _, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
             self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
-            self.combine_states(part, t0, False, lse_idx)
+            self.combine_states(part, t0, d_cu, False, lse_idx)
             self.launch_grad(False, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                              lse_idx, zero, part, dummy4, dummy4)
-            self.combine_kl(part, t0, kl)
+            self.combine_kl(part, t0, d_cu, kl)
 
     def backward_tensor_cores(self, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
         """v3 backward, per query chunk: the student's LSE (index scores only, slots merged),
@@ -352,12 +353,12 @@ class Plan:
                 self.topk, tc, self.hkv, self.d_idx)
             work, row_ptr, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
             self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
-            self.combine_states(part, t0, False, lse_idx)
+            self.combine_states(part, t0, d_cu, False, lse_idx)
             self.launch_grad(True, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                              lse_idx, coef, part, ds, dq_part)
-            self.combine_dq(dq_part, t0, dq)
+            self.combine_dq(dq_part, t0, d_cu, dq)
             if kl is not None:
-                self.combine_kl(part, t0, kl)
+                self.combine_kl(part, t0, d_cu, kl)
             if sub.rows == 0:
                 continue
             d_rows = _row_offsets(sub)
