@@ -137,6 +137,10 @@ def test_sparse_attention_and_its_backward(name, case):
     assert_same_bits(o1, o2, blind, "o")
     assert_same_bits(l1, l2, blind, "lse")
     assert_same_bits(g1[0], g2[0], blind, "dq")
+    # given o, lse and dO, a key's own dk and dv read only its own scores and values
+    others = np.arange(p.k.shape[0]) != j
+    assert_same_bits(g1[1], g2[1], others, "dk of another key")
+    assert_same_bits(g1[2], g2[2], others, "dv of another key")
 
 
 @pytest.mark.parametrize("name", NUMPY_BACKENDS)
