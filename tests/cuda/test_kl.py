@@ -739,13 +739,15 @@ def kernel_input(x, dtype):
 
 
 def kl_and_dq(version, p, I, lse, k, k_idx, dtype):
-    """``(kl, dq_idx)`` of ``kl_loss_and_backward`` on ``p`` with ``k``, ``k_idx`` replaced."""
+    """``(kl, dq_idx, dk_idx)`` of ``kl_loss_and_backward`` on ``p`` with ``k``, ``k_idx``
+    replaced."""
     kin = tuple(kernel_input(x, dtype) for x in (p.q, k, p.q_idx, k_idx))
     with np.errstate(all="ignore"):
-        kl, _, dq, _ = gpu._kl_backward(*kin, I, lse, p.cu_seqlens_q, p.cu_seqlens_k,
-                                        p.block_size, version=version, bf16_bits=dtype == "bf16",
-                                        with_kl=True, validate=False)
-    return to_numpy(kl), to_numpy(dq)
+        kl, _, dq, dk = gpu._kl_backward(*kin, I, lse, p.cu_seqlens_q, p.cu_seqlens_k,
+                                         p.block_size, version=version,
+                                         bf16_bits=dtype == "bf16", with_kl=True,
+                                         validate=False)
+    return to_numpy(kl), to_numpy(dq), to_numpy(dk)
 
 
 @st.composite
@@ -784,10 +786,17 @@ def test_invisible_keys_leave_kl_and_dq_idx_bitwise_unchanged(case):
         return
     vals, _ = rounded(p, dtype)
     lse = main_lse(vals, I, p)
-    kl1, dq1 = kl_and_dq(version, p, I, lse, p.k, p.k_idx, dtype)
-    kl2, dq2 = kl_and_dq(version, p, I, lse, poisoned(p.k, j, value), poisoned(p.k_idx, j, value),
-                         dtype)
+    kl1, dq1, dk1 = kl_and_dq(version, p, I, lse, p.k, p.k_idx, dtype)
+    kl2, dq2, dk2 = kl_and_dq(version, p, I, lse, poisoned(p.k, j, value),
+                              poisoned(p.k_idx, j, value), dtype)
     blind = ~sees_key(p, I, j)  # [Tq, Hkv]
+    # dk_idx of a key sums the dS of the rows that see it: unchanged if none of them sees j
+    apart = np.array([i != j and not (sees_key(p, I, i) & ~blind).any()
+                      for i in range(p.k.shape[0])])
+    assert np.isfinite(dk1).all()
+    assert np.array_equal(bits(dk1)[apart], bits(dk2)[apart]), (
+        f"v{version} {dtype}: dk_idx of keys "
+        f"{np.flatnonzero(apart & (bits(dk1) != bits(dk2)).reshape(len(apart), -1).any(-1))[:5]}")
     assert np.isfinite(kl1).all() and np.isfinite(dq1).all()
     assert np.array_equal(bits(kl1)[blind], bits(kl2)[blind]), (
         f"v{version} {dtype}: kl of rows {np.argwhere(blind & (bits(kl1) != bits(kl2)))[:5]}")
