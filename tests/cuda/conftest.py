@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(config, items):
 
 # MSA_TEST_INT_FILL=v: fresh integer buffers start as v instead of their minimum. A small v
 # looks like a valid index (as recycled memory may on a GPU), so a kernel that reads an entry
-# no kernel wrote and takes it for a query, slot or block shows up (e.g. 0 or 1).
-INT_FILL = os.environ.get("MSA_TEST_INT_FILL")
+# no kernel wrote and takes it for a query, slot or block shows up (e.g. 0 or 1). Read at each
+# allocation, so that a test can set it too (monkeypatch.setenv).
+INT_FILL = "MSA_TEST_INT_FILL"
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +52,12 @@ def poisoned_outputs(monkeypatch):
         if fill is None and int(np.prod(shape)):
             poison(out)
             ints = not isinstance(dtype, str) and np.dtype(dtype).kind in "iu"
-            if INT_FILL is not None and ints:
+            value = os.environ.get(INT_FILL)
+            if value is not None and ints:
                 if type(out).__module__.split(".")[0] == "torch":
-                    out.fill_(int(INT_FILL))
+                    out.fill_(int(value))
                 else:
-                    fill_array(out, np.dtype(dtype).type(int(INT_FILL)))
+                    fill_array(out, np.dtype(dtype).type(int(value)))
         return out
 
     monkeypatch.setattr(ArrayContext, "empty", poisoned)

@@ -61,27 +61,12 @@ def problem():
 @pytest.fixture(params=["poison", "stale"])
 def fresh_ints(request, monkeypatch):
     """What a fresh integer buffer holds: the cuda conftest's poison (the dtype's minimum,
-    which every consumer rejects), or ``stale``: 1, a valid-looking (query 1, slot 1) edge, as
-    a buffer the caching allocator hands back after an earlier CSR may hold on a GPU. An entry
-    that no kernel writes and a kernel reads then moves query 1's results (the CSR's repeated
-    ids did, before 9216d1a)."""
+    which every consumer rejects), or ``stale`` (``MSA_TEST_INT_FILL=1``): 1, a valid-looking
+    (query 1, slot 1) edge, as a buffer the caching allocator hands back after an earlier CSR
+    may hold on a GPU. An entry that no kernel writes and a kernel reads then moves query 1's
+    results (the CSR's repeated ids did, before 9216d1a)."""
     if request.param == "stale":
-        from msa.cuda._core.arrays import ArrayContext
-        from msa.cuda._core.arrays import fill as fill_array
-
-        empty = ArrayContext.empty
-
-        def stale(self, shape, dtype, fill=None):
-            out = empty(self, shape, dtype, fill)
-            ints = not isinstance(dtype, str) and np.dtype(dtype).kind in "iu"
-            if fill is None and ints and int(np.prod(shape)):
-                if type(out).__module__.split(".")[0] == "torch":
-                    out.fill_(1)
-                else:
-                    fill_array(out, np.dtype(dtype).type(1))
-            return out
-
-        monkeypatch.setattr(ArrayContext, "empty", stale)
+        monkeypatch.setenv("MSA_TEST_INT_FILL", "1")  # read by the cuda conftest's poison
     return request.param
 
 

@@ -38,6 +38,18 @@ def test_pages_are_allocated_grown_and_freed():
         c.add_request()
 
 
+def assert_equals_the_prefill(got, q, q_idx, k, v, k_idx, cu_q, cu_k, topk):
+    """A cache step's ``(o, lse, idx)`` against the prefill functions on the packed sequences
+    (the queries their last ``Lq`` positions), not the paged reference the CPU path runs."""
+    M = R.block_scores(q_idx.numpy(), k_idx, cu_q, cu_k, 4)
+    I = R.select_blocks(M, cu_q, cu_k, topk=topk, block_size=4)
+    o2, lse2 = R.sparse_attention(q.numpy(), k, v, I, cu_q, cu_k, 4)
+    o, lse, idx = got
+    np.testing.assert_array_equal(idx.numpy(), I)
+    np.testing.assert_allclose(o.numpy(), o2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse2, rtol=1e-12, atol=1e-12)
+
+
 def test_append_and_decode_equal_the_reference_on_the_gathered_cache():
     rng = np.random.default_rng(0)
     c = small_cache()
@@ -67,16 +79,8 @@ def test_append_and_decode_equal_the_reference_on_the_gathered_cache():
         np.testing.assert_array_equal(got.numpy(), want)
     q = torch.from_numpy(rng.standard_normal((4, 4, 8)))
     q_idx = torch.from_numpy(rng.standard_normal((4, 2, 8)))
-    o, lse, idx = c.decode(slots, q, q_idx, 3)
-    # against the prefill functions on those sequences (the queries their last two positions),
-    # not the paged reference the CPU path itself runs
-    cu_q = np.array([0, 2, 4])
-    M = R.block_scores(q_idx.numpy(), iw, cu_q, cu_k, 4)
-    I = R.select_blocks(M, cu_q, cu_k, topk=3, block_size=4)
-    o2, lse2 = R.sparse_attention(q.numpy(), kw, vw, I, cu_q, cu_k, 4)
-    np.testing.assert_array_equal(idx.numpy(), I)
-    np.testing.assert_allclose(o.numpy(), o2, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse.numpy(), lse2, rtol=1e-12, atol=1e-12)
+    assert_equals_the_prefill(c.decode(slots, q, q_idx, 3), q, q_idx, kw, vw, iw,
+                              np.array([0, 2, 4]), cu_k, 3)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -181,17 +185,10 @@ def test_prefill_with_ragged_chunks_equals_the_reference():
     c.append(slots, *(torch.from_numpy(x) for x in chunk), cu_seqlens=cu)
     q = torch.from_numpy(rng.standard_normal((17, 4, 8)))
     q_idx = torch.from_numpy(rng.standard_normal((17, 2, 8)))
-    o, lse, idx = c.prefill(slots, q, q_idx, 2, cu_seqlens=cu)
-    # against the prefill functions on the packed sequences (request 0: its 3 cached tokens,
-    # then 6 new; request 1: 11 new), not the paged reference the CPU path itself runs
+    # the packed sequences: request 0 its 3 cached tokens, then 6 new; request 1 11 new
     kw, vw, iw = (np.concatenate([a, b]) for a, b in zip(cached, chunk))
-    cu_k = np.array([0, 9, 20])
-    M = R.block_scores(q_idx.numpy(), iw, cu, cu_k, 4)
-    I = R.select_blocks(M, cu, cu_k, topk=2, block_size=4)
-    o2, lse2 = R.sparse_attention(q.numpy(), kw, vw, I, cu, cu_k, 4)
-    np.testing.assert_array_equal(idx.numpy(), I)
-    np.testing.assert_allclose(o.numpy(), o2, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse.numpy(), lse2, rtol=1e-12, atol=1e-12)
+    assert_equals_the_prefill(c.prefill(slots, q, q_idx, 2, cu_seqlens=cu), q, q_idx, kw, vw,
+                              iw, cu, np.array([0, 9, 20]), 2)
     with pytest.raises(ValueError, match="cu_seqlens"):
         c.prefill(slots, q, q_idx, 2, cu_seqlens=[0, 5, 16])
 

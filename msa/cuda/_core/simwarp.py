@@ -47,13 +47,10 @@ input: an ``inf`` key) would fail here and not on the GPU. While a kernel runs, 
 its module is ``IEEE_MATH``: ``math``'s functions, with the ones that raise answering as
 NumPy's float64 ufuncs do instead (``ieee_math``).
 
-Uninitialised shared memory: a GPU block starts with whatever the SM's previous block left in
-its shared memory; the simulator starts a launch's dynamic buffer from zeros (static arrays from
-``np.empty``) and carries one block's values over to the next, so a kernel that reads shared
-memory it never wrote can pass here by luck.
-``MSA_SIM_POISON_SHARED=1`` (or ``install(poison_shared=True)``) fills every block's shared
-memory with 0xFF bytes before it starts (NaN floats, -1 ints), so such a read shows up as NaN
-or a wrong index in the kernel's results.
+Uninitialised shared memory: a GPU block finds what the SM's last block left there, the
+simulator zeros (then the previous block's values). ``MSA_SIM_POISON_SHARED=1`` (or
+``install(poison_shared=True)``) starts every block's shared memory as 0xFF bytes (NaN floats,
+-1 ints), so that a read of shared memory the block never wrote shows in its results.
 
 ``install()`` is idempotent and a no-op (returning False) outside the simulator. Kernels without
 warp operations are unaffected apart from a per-block bookkeeping step at thread start and exit,
@@ -210,8 +207,10 @@ def _block_manager_run(self, grid_point, *args):
     """
     from numba.cuda.simulator.kernel import BlockThread, _get_kernel_context
 
-    if _settings["poison_shared"]:
-        _poison_shared(_get_kernel_context()._shared)
+    if _settings["poison_shared"]:  # the block's shared memory so far (dynamic, static) as poison
+        shared = _get_kernel_context()._shared
+        for arr in (shared._dynshared, *shared._allocations.values()):
+            arr.view(np.uint8)[...] = _POISON_BYTE
     threads = []
     for block_point in np.ndindex(*self._block_dim):
         def target():
@@ -720,8 +719,8 @@ def install(*, timeout: float | None = None, strict: bool | None = None,
 
     Idempotent. ``timeout`` (seconds a lane waits for the rest of its mask before raising
     ``WarpDeadlockError``), ``strict`` (raise instead of returning poison on a read of a lane
-    that does not take part) and ``poison_shared`` (every block starts with its shared memory
-    full of 0xFF bytes: NaN floats, -1 ints) update the settings on every call when given.
+    that does not take part) and ``poison_shared`` (module docstring) update the settings on
+    every call when given.
     """
     global _installed
     if poison_shared is not None:
@@ -795,17 +794,6 @@ def _locked_shared_array(original):
     return array
 
 
-def _poison_shared(shared):
-    """Fill a launch's shared memory (the dynamic buffer and every static array allocated so
-    far) with ``_POISON_BYTE``: on the GPU a block starts with whatever the SM's last block
-    left there, while the simulator starts the dynamic buffer from zeros and then carries one
-    block's values over to the next, which can hide a read of memory the block never wrote."""
-    shared._dynshared.view(np.uint8)[...] = _POISON_BYTE
-    for arr in shared._allocations.values():
-        arr.view(np.uint8)[...] = _POISON_BYTE
-
-
 def settings() -> dict:
-    """A copy of the current settings: ``{'timeout': seconds, 'strict': bool,
-    'poison_shared': bool}``."""
+    """A copy of the current settings: ``timeout`` (s), ``strict``, ``poison_shared``."""
     return dict(_settings)
