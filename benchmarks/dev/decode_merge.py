@@ -25,7 +25,8 @@ def main(argv=None):
     from benchmarks.common import cuda_time_ms
     from msa.cuda import decode as gpu
     from msa.cuda.decode import v2_split_index as v2i
-    from msa.cuda.decode._plan import Kernel, arg, stream_handle
+    from msa.cuda._core.streams import stream_handle
+    from msa.cuda.decode._plan import Kernel, arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="1:131072,1:1048576,8:131072,32:65536")

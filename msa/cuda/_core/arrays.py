@@ -11,8 +11,9 @@ copy each way) NumPy arrays, and returns arrays of the caller's library::
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) everything is NumPy and no copy is made
 (except of a strided or read-only NumPy input: see ``ArrayContext.input``).
-Imported arrays are not synchronised (``sync=False``): msa launches on the legacy default stream,
-which orders its kernels after the caller's work on the same stream (torch's and CuPy's default).
+Imported arrays are not synchronised (``sync=False``): an ``ArrayContext`` makes the caller's
+current stream the launch stream (``streams``), which orders msa's kernels after the caller's
+work on it.
 bf16 tensors are passed to kernels as their uint16 bit patterns (Numba has no bf16 arrays);
 ``is_bf16`` tells a launcher which it got.
 """
@@ -27,6 +28,7 @@ from numba import cuda
 
 from ..._checks import dtype_of, unsupported
 from .diskcache import kernel_jit
+from .streams import set_launch_stream, stream
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 INT32_MAX = np.iinfo(np.int32).max
@@ -147,6 +149,8 @@ class ArrayContext:
                 elif a.device != self._torch_device:
                     raise ValueError(f"{name} is on {a.device} and {first} on "
                                      f"{self._torch_device}: pass tensors of one device")
+        if not SIMULATOR:
+            set_launch_stream(self.lib)
 
     # -- inputs -------------------------------------------------------------------------------
     def input(self, name: str, x):
@@ -159,7 +163,7 @@ class ArrayContext:
             # argument back after a launch, so a read-only one is copied there.
             x = np.ascontiguousarray(x)
             if not SIMULATOR:
-                return cuda.to_device(x)
+                return cuda.to_device(x, stream=stream())
             return x if x.flags.writeable else x.copy()
         if self.lib == "torch":
             if not x.is_contiguous():
@@ -251,7 +255,7 @@ def fill(out, value):
         n = int(np.prod(out.shape))
         if n:
             flat = out.reshape(n)
-            _fill_kernel[(n + 255) // 256, 256](flat, flat.dtype.type(value))
+            _fill_kernel[(n + 255) // 256, 256, stream()](flat, flat.dtype.type(value))
     return out
 
 
@@ -281,7 +285,10 @@ def device_constant(host):
 
 @functools.lru_cache(maxsize=256)
 def _cached_constant(data: bytes, dtype: str, shape: tuple, device_id: int):
-    return cuda.to_device(np.frombuffer(data, dtype=dtype).reshape(shape))
+    # Kernels on any stream read it later: the copy must have landed, not only been queued.
+    out = cuda.to_device(np.frombuffer(data, dtype=dtype).reshape(shape), stream=stream())
+    cuda.synchronize()
+    return out
 
 
 def device_offsets(batch):

@@ -5,6 +5,8 @@ per-launch typing (arguments are ``Dev`` arrays and Python ints); ``launch_smem`
 dynamic shared memory above 48 KB; ``upload_ints`` puts small host metadata (offsets) on the
 device once per content; ``kernel_array`` turns an index array another msa launcher returned into
 a kernel argument. In the simulator every one of them is the plain launch or the NumPy array.
+
+Every launch goes on the launch stream of ``streams`` (the caller's current stream).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from numba import cuda
 
 from .arrays import SIMULATOR, device_constant
 from .mma import DEVICE_SMEM_LIMIT, STATIC_RESERVE, STATIC_SMEM_LIMIT
+from .streams import core_stream, launch_handle, stream
 
 THREADS = 128 if SIMULATOR else 256  # 1-D grid-stride kernels
 MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
@@ -176,15 +179,16 @@ def launch(kernel, grid, block, *args):
         try:
             cu_kernel = entry.function()
             if cu_kernel is not None:
-                _core_launch(_default_stream(), _launch_config(grid, block), cu_kernel, *params)
+                _core_launch(core_stream(launch_handle()), _launch_config(grid, block), cu_kernel,
+                             *params)
                 return
-            entry.compiled.launch(args, *_dims(grid, block), _default_stream(), 0)
+            entry.compiled.launch(args, *_dims(grid, block), core_stream(launch_handle()), 0)
             return
         except (TypeError, AttributeError, ImportError):
             # A Numba or cuda.core whose internals differ: this fails before anything is
             # queued; from now on use the dispatcher.
             FAST_LAUNCH.clear()
-    kernel[grid, block](*args)
+    kernel[grid, block, stream()](*args)
 
 
 FAST_LAUNCH = [True]  # emptied if Numba's or cuda.core's internals are not the expected ones
@@ -234,20 +238,6 @@ def _launch_config(grid, block):
     return config
 
 
-_STREAM = []
-
-
-def _default_stream():
-    """The legacy default stream (handle 0) as the ``cuda.core`` stream object that the compiled
-    kernel's ``launch`` wants (what Numba's dispatcher passes: ``driver._to_core_stream(0)``)."""
-    if not _STREAM:
-        from numba.cuda.cudadrv import driver
-
-        _STREAM.append(driver._to_core_stream(0))
-    return _STREAM[0]
-
-
-
 def grid_size(n: int) -> int:
     return max(1, min(MAX_GRID, -(-n // THREADS)))
 
@@ -273,12 +263,12 @@ def _cached_upload(data: bytes, device_id: int):
 def kernel_array(x):
     """A kernel argument for an index array made by another msa.cuda launcher.
 
-    Those launchers ran on the default stream, as the next kernel will: no stream sync needed.
+    Those launchers ran on the launch stream, as the next kernel will: no stream sync needed.
     """
     if SIMULATOR or hasattr(x, "copy_to_host"):
         return x
     if isinstance(x, np.ndarray):
-        return cuda.to_device(x)
+        return cuda.to_device(x, stream=stream())
     return cuda.as_cuda_array(x, sync=False)
 
 
@@ -306,7 +296,7 @@ def launch_smem(kernel, grid, block, smem_bytes, *args):
     # dynamic part alone is under 48 KB can still need the raised limit; only a launch whose
     # static reserve cannot push it over skips the attribute call.
     if SIMULATOR or smem_bytes + STATIC_RESERVE <= STATIC_SMEM_LIMIT:
-        kernel[grid, block, 0, smem_bytes](*args)
+        kernel[grid, block, stream(), smem_bytes](*args)
         return
     spec = _specialized(kernel, args)
     compiled = next(iter(spec.overloads.values()))
@@ -318,7 +308,7 @@ def launch_smem(kernel, grid, block, smem_bytes, *args):
     if _raised.get(key, (0,))[0] < smem_bytes:
         _set_max_dynamic_smem(cufunc, smem_bytes)
         _raised[key] = (smem_bytes, cufunc)
-    spec[grid, block, 0, smem_bytes](*args)
+    spec[grid, block, stream(), smem_bytes](*args)
 
 
 def _set_max_dynamic_smem(cufunc, smem_bytes):

@@ -44,6 +44,7 @@ from numba import cuda, int32, int64
 
 from .arrays import INT32_MAX, SIMULATOR
 from .launch import THREADS, dev, karg, launch
+from .streams import launch_handle, stream
 from .diskcache import kernel_jit
 
 _SCAN_ITEMS = 4  # counts per thread in the block scans
@@ -53,7 +54,8 @@ _EPOCH_LIMIT = 1 << 29  # epochs stay below this, so a status word stays positiv
 
 
 class _LookbackState:
-    """Status words of the look-back scans, kept between calls (one buffer per device).
+    """Status words of the look-back scans, kept between calls (one buffer per device and
+    launch stream: scans queued on two streams may run at once).
 
     Each launch gets a new epoch, and a block's status counts only with the current epoch, so
     the buffer never needs clearing between launches.
@@ -66,7 +68,7 @@ class _LookbackState:
     def get(self, size):
         """``(status, epoch)``: a zeroed-once int64 buffer of at least ``size`` words."""
         epoch = next(self.epochs)
-        key = 0 if SIMULATOR else cuda.get_current_device().id
+        key = 0 if SIMULATOR else (cuda.get_current_device().id, launch_handle())
         buf = self.buffers.get(key)
         if buf is None or buf[1] < size or epoch >= _EPOCH_LIMIT:
             if epoch >= _EPOCH_LIMIT:
@@ -75,7 +77,7 @@ class _LookbackState:
                 self.buffers.clear()  # every device's words would see old epochs come round
             n = max(size, 4096, 2 * (buf[1] if buf is not None else 0))
             zeros = np.zeros(n, np.int64)
-            arr = zeros if SIMULATOR else cuda.to_device(zeros)
+            arr = zeros if SIMULATOR else cuda.to_device(zeros, stream=stream())
             buf = self.buffers[key] = (dev(arr), n)
         return buf[0], epoch
 

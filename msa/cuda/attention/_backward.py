@@ -20,6 +20,7 @@ from .._core.arrays import INT32_MAX, ArrayContext, device_constant, device_offs
 from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
+from .._core.streams import stream
 from ..csr import exclusive_prefix_sum, launch_build_csr
 from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
 from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
@@ -91,7 +92,7 @@ def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
     past its last part exit at once), and its split rows (``c > part_size`` each) fewer than
     ``2 * entries / part_size`` parts, and at most ``entries``."""
     parts = ctx.empty((2 * hkv, rows), np.int32)
-    parts_kernel[-(-(hkv * rows) // THREADS), THREADS](row_ptr, part_size, ctx.arg(parts))
+    parts_kernel[-(-(hkv * rows) // THREADS), THREADS, stream()](row_ptr, part_size, ctx.arg(parts))
     part_ptr = exclusive_prefix_sum(parts, validate=False)
     per_head = rows + entries // part_size
     num_split = hkv * min(entries, 2 * (entries // part_size))
@@ -211,7 +212,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     delta = ctx.empty((tq, hq), np.float32)
     arrays = (ctx.input("lse", lse), ctx.arg(delta), ctx.arg(dq), ctx.arg(dk), ctx.arg(dv))
     # D = rowsum(dO O), a warp per row
-    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS](oa, doa, arrays[1])
+    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS, stream()](oa, doa, arrays[1])
     if version == 1:
         _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)
     else:
@@ -227,7 +228,7 @@ def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, l
     qa, ka, va = (element_view(ctx, name, x, spec.bf16)
                   for name, x in (("q", q), ("k", k), ("v", v)))
     d_cu_q, d_cu_k = device_offsets(batch)
-    v1.dq_kernel(bs, d, spec.g, spec.bf16, nt)[spec.tq * hkv, nt](
+    v1.dq_kernel(bs, d, spec.g, spec.bf16, nt)[spec.tq * hkv, nt, stream()](
         qa, ka, va, doa, lse_a, delta_a, kernel_array(I), d_cu_q, d_cu_k, np.float32(scale),
         dq_a)
     if batch.rows == 0:
@@ -244,7 +245,7 @@ def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, l
                 va, doa, lse_a, delta_a, d_row_ptr, kernel_array(q_indices), d_row_offsets,
                 d_cu_q, d_cu_k, np.float32(scale), part_ptr, part_size, dk_a, dv_a, dk_part,
                 dv_part)
-    dkdv_sum_kernel(bs, d, THREADS)[hkv * batch.rows, THREADS](
+    dkdv_sum_kernel(bs, d, THREADS)[hkv * batch.rows, THREADS, stream()](
         part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
 
 
@@ -284,9 +285,9 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
                         d_cu_k, np.float32(scale), np.float32(scale * LOG2E), part_ptr, ps,
                         dk_c, dv_c, dk_part, dv_part, dq_part)
             # rows of one part return at once
-            k_sum[hkv * sub.rows, THREADS](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
+            k_sum[hkv * sub.rows, THREADS, stream()](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
                                            dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
-        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS](kernel_array(I_c), d_cu_q,
+        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS, stream()](kernel_array(I_c), d_cu_q,
                                                          d_row_offsets, dq_part,
                                                          np.float32(scale), dq_a[t0:t1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from numba import cuda
 
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 from .._core.launch import THREADS, grid_size
 
 ROW = 1  # the work item's column that carries the page (``WORK_COLUMNS[1]``, "row")
@@ -40,4 +41,4 @@ def launch_pages(work, block_table) -> None:
     the chunk's sequences (kernel arrays, on the device)."""
     n = int(work.shape[0])
     if n:
-        pages_kernel[grid_size(n), THREADS](work, block_table)
+        pages_kernel[grid_size(n), THREADS, stream()](work, block_table)

@@ -21,6 +21,7 @@ from numba import cuda, float32
 from .._core.arrays import SIMULATOR
 from .._core.mma import bf16_to_f32, f32_to_bf16
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 
 # Lanes per (query, head) and rows per CTA. The simulator runs every thread as a Python thread,
 # so it gets fewer, wider lanes (the kernel is the same; only the constants change).
@@ -108,4 +109,4 @@ def launch_v1(o_part, lse_part, out, lse_out, *, head_dim, bf16_part, bf16_out):
     kernel = combine_kernel_v1(int(head_dim), LANES, ROWS_PER_CTA, bool(bf16_part),
                                bool(bf16_out))
     grid = -(-rows // ROWS_PER_CTA)
-    kernel[grid, LANES * ROWS_PER_CTA](o_part, lse_part, out, lse_out)
+    kernel[grid, LANES * ROWS_PER_CTA, stream()](o_part, lse_part, out, lse_out)

@@ -34,6 +34,7 @@ from .._core.memops import data_address, is_aligned16, load_f32x4, load_u32x4
 from .._core.mma import bf16_to_f32, pack_bf16x2, pack_f16x2
 from .._core.warp import FULL_MASK, warp_max, warp_sum
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 
 _NEG_INF = float32(-math.inf)
 _POS_INF = float32(math.inf)
@@ -252,4 +253,4 @@ def launch_v2(o_part, lse_part, out, lse_out, *, head_dim, bf16_part, out_code):
                                slots_per_batch(head_dim, bf16_part))
     o_vec = o_part.view(np.uint32) if bf16_part else o_part
     out_vec = out if out_code == "f32" else out.view(np.uint32)
-    kernel[-(-rows // WARPS), 32 * WARPS](o_vec, lse_part, out_vec, lse_out)
+    kernel[-(-rows // WARPS), 32 * WARPS, stream()](o_vec, lse_part, out_vec, lse_out)

@@ -86,13 +86,14 @@ from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .._core.memops import is_aligned16
+from .._core.streams import stream_handle
 from ..attention import sparse_attention
 from ..select import select_blocks_fused
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
 from . import v3_register_index as v3i
-from ._plan import Kernel, arg, grid_1d, stream_handle
+from ._plan import Kernel, arg, grid_1d
 
 VERSIONS = (1, 2, 3)
 MAX_QUERIES = 8  # Lq: new queries per request (MTP drafts)

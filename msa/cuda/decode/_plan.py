@@ -25,6 +25,7 @@ from numba import cuda
 
 from ..._checks import dtype_of
 from .._core.arrays import SIMULATOR, is_bf16, library_of, require_gpu
+from .._core.streams import core_stream
 
 if not SIMULATOR:
     from numba.cuda import types as _nbtypes
@@ -101,40 +102,6 @@ def arg(x, view=None):
     return Arg(x, ptr, shape, dtype_of(x))
 
 
-# -- streams ------------------------------------------------------------------------------------
-
-def stream_handle(stream, lib: str) -> int:
-    """The CUDA stream handle to launch on: ``stream`` (a handle, or a torch, CuPy or Numba
-    stream) or, for None, the caller's current stream (torch, CuPy; 0 otherwise)."""
-    if stream is None:
-        if lib == "torch":
-            import torch
-
-            return int(torch.cuda.current_stream().cuda_stream)
-        if lib == "cupy":
-            import cupy
-
-            return int(cupy.cuda.get_current_stream().ptr)
-        return 0
-    if isinstance(stream, int):
-        return stream
-    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
-        if hasattr(stream, attr):
-            return int(getattr(stream, attr))
-    handle = getattr(stream, "handle", None)  # a Numba stream
-    if handle is not None:
-        return int(getattr(handle, "value", handle) or 0)
-    raise TypeError(f"stream must be a stream handle (int), a torch, CuPy or Numba stream, or "
-                    f"None, got {type(stream).__name__}")
-
-
-@functools.lru_cache(maxsize=64)
-def _core_stream(handle: int):
-    from numba.cuda.cudadrv.driver import ExperimentalStream
-
-    return ExperimentalStream.from_handle(handle)
-
-
 # -- launches -----------------------------------------------------------------------------------
 
 def _scalar(v):
@@ -204,7 +171,7 @@ class Kernel:
                 params.extend(a.params)
             else:
                 params.append(_scalar(a)[1])
-        core_launch(_core_stream(stream), self._config, self._function, *params)
+        core_launch(core_stream(stream), self._config, self._function, *params)
 
 
 def _raise_smem_limit(cufunc, nbytes):

@@ -13,6 +13,7 @@ from .._core.arrays import SIMULATOR, ArrayContext, device_constant, device_offs
 from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
+from .._core.streams import stream
 from ..csr import launch_build_csr
 from ..schedule import launch_rows, launch_schedule
 from . import v1_thread_rows as v1
@@ -139,7 +140,7 @@ class Plan:
         I = self.ctx.arg(self.ctx.empty((self.tq, self.hkv, nb), np.int32))
         n = self.tq * nb
         if n:
-            kl_kernel_full_selection[_blocks(n, THREADS), THREADS](
+            kl_kernel_full_selection[_blocks(n, THREADS), THREADS, stream()](
                 self.d_cu_q, self.d_cu_k, self.block_size, I)
         return I
 
@@ -152,14 +153,14 @@ class Plan:
         n = self.tq * self.hq
         if n:
             kernel = kl_kernel_teacher_lse(self.kind, self.group, self.d)
-            kernel[_blocks(n, THREADS), THREADS](
+            kernel[_blocks(n, THREADS), THREADS, stream()](
                 self.q, self.k, self.I, self.d_cu_q, self.d_cu_k, self.block_size, self.warmup,
                 np.float32(self.scale), lse)
         return lse
 
     def mean_into(self, kl, loss):
         """eq 10: ``loss[0] = mean(kl)`` over the ``Tq Hkv`` elements (one CTA, fixed order)."""
-        kl_kernel_mean(MEAN_THREADS)[1, MEAN_THREADS](kl.reshape(self.tq * self.hkv), loss)
+        kl_kernel_mean(MEAN_THREADS)[1, MEAN_THREADS, stream()](kl.reshape(self.tq * self.hkv), loss)
 
     def chunks(self, bytes_per_query: int, budget: int):
         """``Batch.chunks`` of at most ``budget`` bytes of per-query buffers each."""
@@ -174,11 +175,11 @@ class Plan:
         n = self.tq * self.hkv
         if self.version == 1:
             kernel = v1.kl_kernel_thread_rows(self.kind, self.group, self.d, self.d_idx)
-            kernel[_blocks(n, THREADS), THREADS](*args)
+            kernel[_blocks(n, THREADS), THREADS, stream()](*args)
         else:
             kernel = v2.kl_kernel_cta_rows(self.kind, self.group, self.d, self.d_idx,
                                            ROW_THREADS)
-            kernel[n, ROW_THREADS](*args)
+            kernel[n, ROW_THREADS, stream()](*args)
 
     def launch_rows_grad(self, lse, coef, t0, count, store_ds, lse_idx, dq, ds):
         """Pass 1 of the backward for queries ``[t0, t0 + count)``."""
@@ -188,11 +189,11 @@ class Plan:
         n = count * self.hkv
         if self.version == 1:
             kernel = v1.kl_kernel_thread_rows_grad(self.kind, self.group, self.d, self.d_idx)
-            kernel[_blocks(n, THREADS), THREADS](*args)
+            kernel[_blocks(n, THREADS), THREADS, stream()](*args)
         else:
             kernel = v2.kl_kernel_cta_rows_grad(self.kind, self.group, self.d, self.d_idx,
                                                 ROW_THREADS)
-            kernel[n, ROW_THREADS](*args)
+            kernel[n, ROW_THREADS, stream()](*args)
 
     def launch_keys(self, lse, lse_idx, row_ptr, q_indices, slots, ds, cu_q, cu_k, row_offsets,
                     num_rows, coef, q_idx, k_idx, dk):
@@ -205,7 +206,7 @@ class Plan:
             n = int(dk.shape[0])
             kernel = v1.kl_kernel_thread_keys(self.kind, self.group, self.d, self.d_idx,
                                               self.warmup)
-            kernel[_blocks(n, THREADS), THREADS](*args)
+            kernel[_blocks(n, THREADS), THREADS, stream()](*args)
         else:
             entries = v2.KEY_ENTRIES
             if self.warmup:
@@ -296,18 +297,18 @@ class Plan:
     # The slot sums below take the chunk's offsets ``d_cu`` (``schedule``), those of its CSR.
     def combine_states(self, part, t0, d_cu, want_kl, out):
         n = int(part.shape[2]) * self.hkv
-        kl_kernel_combine_states[_blocks(n, THREADS), THREADS](
+        kl_kernel_combine_states[_blocks(n, THREADS), THREADS, stream()](
             part, self.I, *d_cu, self.block_size, t0, want_kl, out)
 
     def combine_kl(self, part, t0, d_cu, kl):
         """``kl[t, r] = sum_s part[0, s, t, r]`` over the chunk's queries (the KL terms)."""
         n = int(part.shape[2]) * self.hkv
-        kl_kernel_combine_kl[_blocks(n, THREADS), THREADS](
+        kl_kernel_combine_kl[_blocks(n, THREADS), THREADS, stream()](
             part, self.I, *d_cu, self.block_size, t0, kl)
 
     def combine_dq(self, dq_part, t0, d_cu, dq):
         n = int(dq_part.shape[1]) * self.hkv * self.d_idx
-        kl_kernel_combine_dq[_blocks(n, THREADS), THREADS](
+        kl_kernel_combine_dq[_blocks(n, THREADS), THREADS, stream()](
             dq_part, self.I, *d_cu, self.block_size, t0, dq)
 
     def forward_tensor_cores(self, lse, kl):

@@ -17,6 +17,7 @@ from numba import cuda, float32, float64, int32
 from .._core.heap import better, sort_ids_ascending, write_selection
 from .._core.packed import query_position
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 
 THREADS = 128
 
@@ -73,4 +74,4 @@ def launch(M, cu_q, cu_k, t0, topk, block_size, out, cap, wide):
     """The v1 kernel over the rows of ``M`` [Hkv, c, NB] (queries t0 .. t0 + c - 1)."""
     rows = int(M.shape[0]) * int(M.shape[1])
     grid = (rows + THREADS - 1) // THREADS
-    select_kernel(cap, wide)[grid, THREADS](M, cu_q, cu_k, t0, topk, block_size, out)
+    select_kernel(cap, wide)[grid, THREADS, stream()](M, cu_q, cu_k, t0, topk, block_size, out)

@@ -20,6 +20,7 @@ from numba import cuda, float32, float64, int32
 from .._core.heap import NO_BLOCK, heap_sort_best_first, offer, warp_merge
 from .._core.packed import query_position
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 
 WARPS_PER_CTA = 4
 
@@ -87,4 +88,4 @@ def launch(M, cu_q, cu_k, t0, topk, block_size, out, cap, wide):
     """The v2 kernel over the rows of ``M`` [Hkv, c, NB] (queries t0 .. t0 + c - 1)."""
     rows = int(M.shape[0]) * int(M.shape[1])
     grid = (rows + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-    select_kernel(cap, wide)[grid, 32 * WARPS_PER_CTA](M, cu_q, cu_k, t0, topk, block_size, out)
+    select_kernel(cap, wide)[grid, 32 * WARPS_PER_CTA, stream()](M, cu_q, cu_k, t0, topk, block_size, out)

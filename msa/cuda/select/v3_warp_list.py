@@ -30,6 +30,7 @@ from .._core.memops import is_aligned16, load_f32x4
 from .._core.packed import query_position
 from .._core.warp import warp_sort_desc
 from .._core.diskcache import kernel_jit
+from .._core.streams import stream
 
 FULL_MASK = 0xFFFFFFFF
 WARPS_PER_CTA = 4
@@ -306,4 +307,4 @@ def launch(M, cu_q, cu_k, t0, topk, block_size, out, wide):
     vec = np.dtype(M.dtype) == np.float32 and int(M.shape[2]) % 4 == 0 and is_aligned16(M)
     grid = (rows + WARPS_PER_CTA - 1) // WARPS_PER_CTA
     kernel = select_kernel(topk - 1 > 32, wide, vec)
-    kernel[grid, 32 * WARPS_PER_CTA](M, cu_q, cu_k, t0, topk, block_size, out)
+    kernel[grid, 32 * WARPS_PER_CTA, stream()](M, cu_q, cu_k, t0, topk, block_size, out)

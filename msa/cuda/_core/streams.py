@@ -1,0 +1,77 @@
+"""The launch stream: the CUDA stream every msa.cuda kernel of a call goes on.
+
+Each public entry sets it from its inputs (``ArrayContext``): torch's current stream for torch
+tensors, CuPy's for CuPy arrays, the legacy default stream (0) for NumPy and Numba arrays, and 0
+under the simulator. A caller inside ``with torch.cuda.stream(s):`` thus gets msa's kernels
+ordered after the work that made its inputs and before the work that reads its outputs, as
+torch's own ops are, and a capture of ``s`` in a CUDA graph records them. ``launch`` and
+``launch_smem`` read it; a bracket launch passes it to Numba: ``kernel[grid, block, stream()]``.
+It is a ``ContextVar``: each thread keeps its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+from numba import cuda
+
+_HANDLE = contextvars.ContextVar("msa_launch_stream", default=0)
+
+
+def stream_handle(stream, lib: str) -> int:
+    """The CUDA stream handle to launch on: ``stream`` (a handle, or a torch, CuPy or Numba
+    stream) or, for None, the caller's current stream (torch, CuPy; 0 otherwise)."""
+    if stream is None:
+        if lib == "torch":
+            import torch
+
+            return int(torch.cuda.current_stream().cuda_stream)
+        if lib == "cupy":
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+        return 0
+    if isinstance(stream, bool):
+        raise TypeError("stream must be a stream handle (int), a torch, CuPy or Numba stream, "
+                        "or None, got bool")
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    handle = getattr(stream, "handle", None)  # a Numba stream
+    if handle is not None:
+        return int(getattr(handle, "value", handle) or 0)
+    raise TypeError(f"stream must be a stream handle (int), a torch, CuPy or Numba stream, or "
+                    f"None, got {type(stream).__name__}")
+
+
+def set_launch_stream(lib: str) -> None:
+    """Make the caller's current stream of ``lib`` the launch stream (module docstring); the
+    public entries call it once, through ``ArrayContext``."""
+    _HANDLE.set(stream_handle(None, lib))
+
+
+def launch_handle() -> int:
+    """The launch stream's handle (0: the legacy default stream)."""
+    return _HANDLE.get()
+
+
+def stream():
+    """The launch stream as Numba's dispatcher takes it: ``kernel[grid, block, stream()]``."""
+    handle = _HANDLE.get()
+    return 0 if handle == 0 else _numba_stream(handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _numba_stream(handle: int):
+    return cuda.external_stream(handle)
+
+
+@functools.lru_cache(maxsize=64)
+def core_stream(handle: int):
+    """The ``cuda.core`` stream object of a handle, which a compiled kernel's launch wants."""
+    from numba.cuda.cudadrv.driver import ExperimentalStream
+
+    return ExperimentalStream.from_handle(handle)
