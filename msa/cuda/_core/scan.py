@@ -26,11 +26,10 @@ earlier CTAs' words, adding totals until it meets an inclusive prefix (flag 2), 
 its own inclusive prefix. ``(b, s)`` is not the CTA's ``blockIdx`` but a ticket it draws when it
 starts (an atomic counter, as CUB does), so every CTA it waits for has already started: it
 cannot deadlock whatever order the hardware starts CTAs in. Status words ``epoch << 34 | flag
-<< 32 | sum`` live in one int64 buffer per device kept between calls; each launch has a new
-epoch and ignores older words, so the buffer is zeroed once, never per call. The buffer assumes
-its launches do not overlap: msa launches on the legacy default stream, which serialises them;
-launching these kernels from several streams at once, or replaying them in a captured CUDA
-graph (which would reuse an epoch), is not supported. The sums are of non-negative counts
+<< 32 | sum`` live in one int64 buffer per device and launch stream (``streams``) kept between
+calls; each launch has a new epoch and ignores older words, so the buffer is zeroed once, never
+per call. Launches on one stream run one after the other, so they never share words; replaying
+them in a captured CUDA graph (which would reuse an epoch) is not supported. The sums are of non-negative counts
 below 2**31 (the CSR launcher checked ``Tq*K``), so the 32-bit field cannot overflow; the
 result does not depend on timing: integer sums of fixed groups.
 """

@@ -80,7 +80,7 @@ def launch_build_csr(batch, block_indices, ctx):
 
     Returns:
         ``(row_ptr, q_indices, slots)``: ``ctx.empty`` arrays int32 [Hkv, rows+1], [Hkv, Tq*K],
-        [Hkv, Tq*K] (``ctx.output`` them for a caller). Launched on the default stream, no host
+        [Hkv, Tq*K] (``ctx.output`` them for a caller). Launched on the launch stream, no host
         round trip.
     """
     return build(batch, block_indices, ctx)
