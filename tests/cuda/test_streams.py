@@ -8,8 +8,13 @@ the inputs before they are written, and the outputs differ from the ones compute
 default stream.
 """
 
+import ast
+import pathlib
+
 import numpy as np
 import pytest
+
+import msa
 
 from msa.cuda._core.arrays import SIMULATOR, ArrayContext
 from msa.cuda._core.streams import launch_handle, stream, stream_handle
@@ -43,6 +48,23 @@ def test_stream_handle_reads_every_librarys_stream():
         stream_handle(True, "torch")
     with pytest.raises(TypeError, match="stream must be"):
         stream_handle("0", "torch")
+
+
+def test_every_bracket_launch_names_its_stream():
+    """``kernel[grid, block](...)`` goes on the legacy default stream whatever the launch stream
+    is: every launch written with brackets in msa passes a stream, ``stream()`` (or the decode
+    plan's handle)."""
+    root = pathlib.Path(msa.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                config = node.func.slice
+                if isinstance(config, ast.Tuple) and len(config.elts) == 2:
+                    missing.append(f"{path.relative_to(root)}:{node.lineno}: "
+                                   f"{ast.get_source_segment(text, node.func)}")
+    assert not missing, "launches without a stream:\n" + "\n".join(missing)
 
 
 def test_numpy_inputs_launch_on_the_default_stream():

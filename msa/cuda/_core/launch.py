@@ -157,7 +157,7 @@ def launch(kernel, grid, block, *args):
     pack, without its context lookups and per-argument type dispatch).
     """
     if SIMULATOR:
-        kernel[grid, block](*args)
+        kernel[grid, block, stream()](*args)
         return
     params = []
     types = []

@@ -50,6 +50,7 @@ import numpy as np
 
 from .._core.arrays import POISON, device_constant
 from .._core.heap import heap_capacity
+from .._core.streams import stream
 from . import v1_cuda_cores, v2_tensor_cores, v3_pipelined
 from ._plan import POOLS, VERSIONS, IndexPlan, tiles
 
@@ -90,9 +91,9 @@ def _launch_tc(p, t0, t1, cap, M, topk, out):
         return
     kernel = _TC_KERNELS[p.version](p.d_idx, p.block_size, p.warps, p.kind == "bfloat16",
                                     p.mean, cap)
-    kernel[tile_rows.shape[0], 32 * p.warps](p.q, p.k, p.cu_q, p.cu_k,
-                                            device_constant(tile_rows), t0, p.nb, p.scale, M,
-                                            topk, out)
+    kernel[tile_rows.shape[0], 32 * p.warps, stream()](p.q, p.k, p.cu_q, p.cu_k,
+                                                      device_constant(tile_rows), t0, p.nb,
+                                                      p.scale, M, topk, out)
 
 
 def _block_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, *, scale=None,

@@ -160,7 +160,8 @@ class Plan:
 
     def mean_into(self, kl, loss):
         """eq 10: ``loss[0] = mean(kl)`` over the ``Tq Hkv`` elements (one CTA, fixed order)."""
-        kl_kernel_mean(MEAN_THREADS)[1, MEAN_THREADS, stream()](kl.reshape(self.tq * self.hkv), loss)
+        kl_kernel_mean(MEAN_THREADS)[1, MEAN_THREADS, stream()](kl.reshape(self.tq * self.hkv),
+                                                                loss)
 
     def chunks(self, bytes_per_query: int, budget: int):
         """``Batch.chunks`` of at most ``budget`` bytes of per-query buffers each."""
@@ -214,7 +215,7 @@ class Plan:
                                      v2.KEY_STAGE_FLOATS // (self.group * self.d)))
             kernel = v2.kl_kernel_cta_keys(self.kind, self.group, self.d, self.d_idx,
                                            self.block_size, entries, self.warmup)
-            kernel[num_rows, v2.key_tiles(self.block_size, self.d_idx)[2]](*args)
+            kernel[num_rows, v2.key_tiles(self.block_size, self.d_idx)[2], stream()](*args)
 
     def backward_rows(self, lse, coef, lse_idx, dq, dk, max_ds_bytes):
         """v1/v2 backward: pass 1 per (query, group), pass 2 per key (the warmup, whole) or
