@@ -21,7 +21,7 @@ from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
 from .._core.streams import stream
-from ..csr import exclusive_prefix_sum, launch_build_csr
+from ..csr import exclusive_prefix_sum, launch_build_csr, launch_slot_mask, mask_words
 from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
 from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
 from ._plan import MAX_PARTIAL_BYTES, Spec, element_view, selection_args
@@ -262,6 +262,8 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
     k_dq_sum = v2.dq_sum_kernel(d, spec.g)
     q_chunk = max(1, min(spec.tq, max_partial_bytes // (topk * hq * d * 4)))
     dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * d,), np.float32))
+    words = mask_words(topk)
+    mask_buf = ctx.arg(ctx.empty((q_chunk * hkv * words,), np.int32))
     # Every chunk's offsets go to the device before the first launch (a host-to-device copy
     # inside the loop would wait for the previous chunk's kernels); no host read after that.
     chunks = [(t0, t1, k_lo, k_hi, sub, device_constant(sub.row_offsets.astype(np.int32)),
@@ -288,6 +290,7 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
             k_sum[hkv * sub.rows, THREADS, stream()](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
                                            dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
-        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS, stream()](kernel_array(I_c), d_cu_q,
-                                                         d_row_offsets, dq_part,
-                                                         np.float32(scale), dq_a[t0:t1])
+        mask = mask_buf[:tc * hkv * words].reshape(tc, hkv, words)
+        launch_slot_mask(kernel_array(I_c), d_cu_q, d_cu_k, bs, mask)
+        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS, stream()](
+            mask, dq_part, np.float32(scale), dq_a[t0:t1])

@@ -56,7 +56,8 @@ from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async
                             no_op, store_f32x2)
 from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
                          pack_bf16x2, pack_f16x2)
-from .._core.packed import LOG2E, last_le, repeats_a_slot
+from .._core.packed import LOG2E
+from ..csr import is_entry
 from ._backward_parts import bwd_part, split_slot
 from .._core.diskcache import kernel_jit
 
@@ -529,21 +530,20 @@ DQ_SUM_SLOTS = 4  # slots whose loads a thread has in flight at once
 @functools.lru_cache(maxsize=None)
 def dq_sum_kernel(head_dim: int, group: int):
     """``dq[t, h, :] = scale * sum_s dq_part[s, t, h, :]`` over the slots ``s`` that are CSR
-    entries (``_core.packed.block_row``, a repeated id's first slot only: the slots the
-    tensor-core kernel wrote), in slot order.
+    entries (bits of ``slot_mask`` [Tq, Hkv, words], ``msa.cuda.csr.launch_slot_mask``: the
+    slots the tensor-core kernel wrote), in slot order.
 
     A thread per four dims of a (t, h) row (``D % 4 == 0``; launch ``T Hq D / 4`` threads):
-    the row's sequence is found once, then the slots go by in groups of ``DQ_SUM_SLOTS``, each
-    group's 16-byte loads issued before any of them is added, so that several are in flight
-    (one at a time, the kernel ran at ~60% of the copy bandwidth). The additions keep slot
-    order: the sum is bitwise the same."""
+    the slots go by in groups of ``DQ_SUM_SLOTS``, each group's 16-byte loads issued before any
+    of them is added, so that several are in flight (one at a time, the kernel ran at ~60% of
+    the copy bandwidth). The additions keep slot order: the sum is bitwise the same."""
 
     D, G, U = head_dim, group, DQ_SUM_SLOTS
     NV = D // 4
     UV = 4 * U  # local array sizes must be plain constants on the GPU
 
     @kernel_jit
-    def _attention_bwd_kernel_dq_sum(I, cu_q, row_offsets, dq_part, scale, dq):
+    def _attention_bwd_kernel_dq_sum(slot_mask, dq_part, scale, dq):
         vals = cuda.local.array(UV, float32)
         ok = cuda.local.array(U, int32)
         i = cuda.grid(1)
@@ -555,8 +555,6 @@ def dq_sum_kernel(head_dim: int, group: int):
         v = i % NV
         t = row // hq
         h = row % hq
-        b = last_le(cu_q, t)
-        nblocks = int64(row_offsets[b + 1]) - int64(row_offsets[b])
         topk = dq_part.shape[0]
         stride = int64(tq) * hq * D  # elements from one slot to the next
         at = int64(row) * D + 4 * v
@@ -567,10 +565,7 @@ def dq_sum_kernel(head_dim: int, group: int):
         for s0 in range(0, topk, U):
             for u in range(U):
                 s = s0 + u
-                j = int64(I[t, h // G, s]) if s < topk else int64(-1)
-                ok[u] = 1 if j >= 0 and j < nblocks else 0
-                if ok[u] and repeats_a_slot(I, t, h // G, s, j):
-                    ok[u] = 0  # a repeated id (validate=False): only its first slot was written
+                ok[u] = 1 if s < topk and is_entry(slot_mask, t, h // G, s) else 0
                 if ok[u]:
                     w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
                     vals[4 * u] = w0

@@ -49,6 +49,9 @@ slot naming it (``_core.packed.repeats_a_slot``), so that every entry of a row i
 memory read as another query's edge) and no row holds more queries than its sequence has. The
 CSR of such a selection is still not the reference's (it rejects it); the kernels that read it
 keep the damage in the rows of the queries that made it (tests/cuda/test_hostile_indices.py).
+
+``launch_slot_mask`` (``_slot_mask``) marks which slots are entries, one bit a slot, for the
+stages whose slot sums follow the CSR (the backward's ``dq``, the KL's).
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ from .._core.arrays import INT32_MAX, ArrayContext, index_dtype
 from .._core.launch import karg, kinput
 from .._core.scan import launch_scan
 from ._plan import MAX_TOPK, Plan, build
+from ._slot_mask import is_entry, launch_slot_mask, mask_words
 
 __all__ = ["MAX_TOPK", "build_csr", "csr_histogram", "csr_scatter", "exclusive_prefix_sum",
-           "launch_build_csr"]
+           "launch_build_csr", "launch_slot_mask", "mask_words", "is_entry"]
 
 
 def launch_build_csr(batch, block_indices, ctx):

@@ -10,7 +10,8 @@ import math
 
 from numba import cuda, float32
 
-from ._state import NEG_INF, block_range, loader, merge, query_row, slot_valid, student_lse
+from ..csr import is_entry
+from ._state import NEG_INF, block_range, loader, merge, query_row, student_lse
 from .._core.diskcache import kernel_jit
 
 @functools.lru_cache(maxsize=None)
@@ -99,39 +100,36 @@ def kl_kernel_full_selection(cu_q, cu_k, block_size, I):
 
 
 @kernel_jit
-def kl_kernel_combine_states(part, I, cu_q, cu_k, block_size, t0, want_kl, out):
+def kl_kernel_combine_states(part, mask, t0, want_kl, out):
     """v3: merge the per-slot states of (query t0 + i, group r) in slot order; ``out[t, r]`` =
     KL (``want_kl``) or the student's LSE. One thread per (query, group) of the chunk.
 
-    ``cu_q``, ``cu_k``: the chunk's offsets (``Batch.chunks``; its last sequence ends at its
-    last query's position), those its CSR was built on: a block past them is no CSR entry,
-    and its slot no kernel wrote, whatever the whole batch's offsets allow (this kernel and
-    the two below)."""
+    ``mask``: the chunk's slot mask (``msa.cuda.csr.launch_slot_mask`` on its rows of ``I``
+    and its offsets, those its CSR was built on): a slot that is no CSR entry (a block past
+    the chunk's cut of its sequence, a repeat) no kernel wrote, whatever the whole batch's
+    offsets allow (this kernel and the two below)."""
     hkv = out.shape[1]
     i = cuda.grid(1)
     if i >= part.shape[2] * hkv:
         return
     tl = i // hkv
     r = i % hkv
-    t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
-    nblocks = (lk + block_size - 1) // block_size
     m = NEG_INF
     l = float32(0.0)
     c = float32(0.0)
     k = float32(0.0)
-    for s in range(I.shape[2]):
-        if slot_valid(I, t, r, s, nblocks):
+    for s in range(part.shape[1]):
+        if is_entry(mask, tl, r, s):
             m, l, c, k = merge(m, l, c, k, part[0, s, tl, r], part[1, s, tl, r],
                                 part[2, s, tl, r], part[3, s, tl, r])
     if want_kl:
-        out[t, r] = k
+        out[t0 + tl, r] = k
     else:
-        out[t, r] = student_lse(m, l)
+        out[t0 + tl, r] = student_lse(m, l)
 
 
 @kernel_jit
-def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
+def kl_kernel_combine_dq(dq_part, mask, t0, dq):
     """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per element."""
     hkv = dq.shape[1]
     di = dq.shape[2]
@@ -141,18 +139,15 @@ def kl_kernel_combine_dq(dq_part, I, cu_q, cu_k, block_size, t0, dq):
     tl = i // (hkv * di)
     r = (i // di) % hkv
     d = i % di
-    t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
-    nblocks = (lk + block_size - 1) // block_size
     acc = float32(0.0)
-    for s in range(I.shape[2]):
-        if slot_valid(I, t, r, s, nblocks):
+    for s in range(dq_part.shape[0]):
+        if is_entry(mask, tl, r, s):
             acc += dq_part[s, tl, r, d]
-    dq[t, r, d] = acc
+    dq[t0 + tl, r, d] = acc
 
 
 @kernel_jit
-def kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
+def kl_kernel_combine_kl(part, mask, t0, kl):
     """v3 ``kl_loss_and_backward``: ``kl[t, r] = sum_s part[0, s, t, r]`` (the grad mode's
     per-slot KL terms) in slot order, one thread per (query, group) of the chunk."""
     hkv = kl.shape[1]
@@ -161,11 +156,8 @@ def kl_kernel_combine_kl(part, I, cu_q, cu_k, block_size, t0, kl):
         return
     tl = i // hkv
     r = i % hkv
-    t = t0 + tl
-    _, _, lk = query_row(cu_q, cu_k, tl)  # the chunk's offsets: its CSR's blocks
-    nblocks = (lk + block_size - 1) // block_size
     acc = float32(0.0)
-    for s in range(I.shape[2]):
-        if slot_valid(I, t, r, s, nblocks):
+    for s in range(part.shape[1]):
+        if is_entry(mask, tl, r, s):
             acc += part[0, s, tl, r]
-    kl[t, r] = acc
+    kl[t0 + tl, r] = acc

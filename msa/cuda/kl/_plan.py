@@ -14,7 +14,7 @@ from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
 from .._core.streams import stream
-from ..csr import launch_build_csr
+from ..csr import launch_build_csr, launch_slot_mask, mask_words
 from ..schedule import launch_rows, launch_schedule
 from . import v1_thread_rows as v1
 from . import v2_cta_rows as v2
@@ -130,6 +130,7 @@ class Plan:
         self.lse = self.ctx.input("lse", lse)
         self.d_cu_q, self.d_cu_k = device_offsets(batch)
         self.cut_topk = self.topk
+        self._mask_buf = None  # v3's slot masks, one chunk's at a time (``slot_mask``)
         if self.warmup and version == 3:
             self.I = self._full_selection()
             self.warmup, self.topk, self.cut_topk = False, int(self.I.shape[2]), WARMUP_CUT_TOPK
@@ -295,22 +296,31 @@ class Plan:
                     np.float32(self.scale * LOG2E), np.float32(self.index_scale), coef, part,
                     ds, dq_part)
 
-    # The slot sums below take the chunk's offsets ``d_cu`` (``schedule``), those of its CSR.
-    def combine_states(self, part, t0, d_cu, want_kl, out):
+    # The slot sums below add the slots that are CSR entries of the chunk (``slot_mask``).
+    def slot_mask(self, t0, t1, d_cu):
+        """The slot mask of queries ``[t0, t1)`` on the chunk's offsets ``d_cu`` (``schedule``:
+        those its CSR was built on), in a buffer reused across chunks."""
+        words = mask_words(self.topk)
+        if self._mask_buf is None:
+            self._mask_buf = self.ctx.arg(self.ctx.empty(((t1 - t0) * self.hkv * words,),
+                                                         np.int32))
+        mask = self._mask_buf[:(t1 - t0) * self.hkv * words].reshape(t1 - t0, self.hkv, words)
+        launch_slot_mask(self.I[t0:t1], *d_cu, self.block_size, mask)
+        return mask
+
+    def combine_states(self, part, t0, mask, want_kl, out):
         n = int(part.shape[2]) * self.hkv
         kl_kernel_combine_states[_blocks(n, THREADS), THREADS, stream()](
-            part, self.I, *d_cu, self.block_size, t0, want_kl, out)
+            part, mask, t0, want_kl, out)
 
-    def combine_kl(self, part, t0, d_cu, kl):
+    def combine_kl(self, part, t0, mask, kl):
         """``kl[t, r] = sum_s part[0, s, t, r]`` over the chunk's queries (the KL terms)."""
         n = int(part.shape[2]) * self.hkv
-        kl_kernel_combine_kl[_blocks(n, THREADS), THREADS, stream()](
-            part, self.I, *d_cu, self.block_size, t0, kl)
+        kl_kernel_combine_kl[_blocks(n, THREADS), THREADS, stream()](part, mask, t0, kl)
 
-    def combine_dq(self, dq_part, t0, d_cu, dq):
+    def combine_dq(self, dq_part, t0, mask, dq):
         n = int(dq_part.shape[1]) * self.hkv * self.d_idx
-        kl_kernel_combine_dq[_blocks(n, THREADS), THREADS, stream()](
-            dq_part, self.I, *d_cu, self.block_size, t0, dq)
+        kl_kernel_combine_dq[_blocks(n, THREADS), THREADS, stream()](dq_part, mask, t0, dq)
 
     def forward_tensor_cores(self, lse, kl):
         """v3 forward, per query chunk: ``LSE^idx`` (the backward's student pass and slot
@@ -328,11 +338,12 @@ class Plan:
                 part_buf = ctx.arg(ctx.empty((4 * self.topk * tc * self.hkv,), np.float32))
             part = part_buf[:4 * self.topk * tc * self.hkv].reshape(4, self.topk, tc, self.hkv)
             work, _, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
+            mask = self.slot_mask(t0, t1, d_cu)
             self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
-            self.combine_states(part, t0, d_cu, False, lse_idx)
+            self.combine_states(part, t0, mask, False, lse_idx)
             self.launch_grad(False, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                              lse_idx, zero, part, dummy4, dummy4)
-            self.combine_kl(part, t0, d_cu, kl)
+            self.combine_kl(part, t0, mask, kl)
 
     def backward_tensor_cores(self, lse, coef, lse_idx, dq, dk, max_ds_bytes, kl=None):
         """v3 backward, per query chunk: the student's LSE (index scores only, slots merged),
@@ -354,13 +365,14 @@ class Plan:
             dq_part = bufs[2][:self.topk * tc * self.hkv * self.d_idx].reshape(
                 self.topk, tc, self.hkv, self.d_idx)
             work, row_ptr, q_indices, slots, d_cu = self.schedule(t0, t1, sub)
+            mask = self.slot_mask(t0, t1, d_cu)
             self.launch_student(work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, part)
-            self.combine_states(part, t0, d_cu, False, lse_idx)
+            self.combine_states(part, t0, mask, False, lse_idx)
             self.launch_grad(True, work, q_indices, slots, d_cu, t0, t1, k_lo, k_hi, lse,
                              lse_idx, coef, part, ds, dq_part)
-            self.combine_dq(dq_part, t0, d_cu, dq)
+            self.combine_dq(dq_part, t0, mask, dq)
             if kl is not None:
-                self.combine_kl(part, t0, d_cu, kl)
+                self.combine_kl(part, t0, mask, kl)
             if sub.rows == 0:
                 continue
             d_rows = _row_offsets(sub)

@@ -23,7 +23,6 @@ import math
 from numba import cuda, float32
 
 from .._core.mma import bf16_to_f32
-from .._core.packed import repeats_a_slot
 
 NEG_INF = float32(-math.inf)
 INF = float32(math.inf)
@@ -87,15 +86,6 @@ def block_range(I, t, r, s, warmup, block_size, pos):
     if blk < 0 or kk0 > pos:
         return 0, 0
     return kk0, min(kk0 + block_size, pos + 1)
-
-
-@cuda.jit(device=True)
-def slot_valid(I, t, r, s, nblocks):
-    """Slot ``s`` of (t, r) holds a block of the query's sequence, ``nblocks`` of them in the
-    chunk the CSR was built on, that no earlier slot repeats (``validate=False``): so the CSR
-    has its entry and the tensor-core passes wrote its partial."""
-    blk = int(I[t, r, s])
-    return 0 <= blk < nblocks and not repeats_a_slot(I, t, r, s, blk)
 
 
 @cuda.jit(device=True)

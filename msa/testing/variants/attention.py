@@ -100,7 +100,7 @@ def variants():
                 f32, i32[:, ::1], i64, f3, f3, f2, f2, f32[:, :, :, ::1]))
     for d, g in ((128, 16), (32, 2)):
         yield (f"bwd.v2.dq_sum.d{d}.g{g}", v2_backward_tensor_cores.dq_sum_kernel(d, g),
-               (i32[:, :, ::1], cu, cu, f32[:, :, :, ::1], f32, f3))
+               (i32[:, :, ::1], f32[:, :, :, ::1], f32, f3))
 
     # K1 on K/V in pages (``sparse_attention(..., block_table=...)``; the caches viewed as
     # [P*Hkv*Bk, 1, D], arrays of the packed variants' types), and the kernel that writes each

@@ -39,3 +39,7 @@ def variants():
     yield "scan_v2_block_sums", scan._scan_kernel_block_sums, (i64_2, i64_2, i32_2, i32_1)
     yield "scan_v2_add_back", scan._scan_kernel_add_back, (i32_2, i64_2, i32_2)
     yield "scan_v3_lookback", scan._scan_kernel_lookback, (i32_3, i64, i64_1, i64, i32_2)
+    # the slot mask of the sums that follow the CSR (the backward's dq, the KL's)
+    from msa.cuda.csr import _slot_mask
+    for tag, I in (("", i32_3), ("[I=int64]", i64_3)):
+        yield f"slot_mask{tag}", _slot_mask.slot_mask_kernel, (I, i32_1, i32_1, i64, i32_3)

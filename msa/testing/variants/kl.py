@@ -105,7 +105,7 @@ def variants():
     for bk, di, aligned in ((128, 128, True), (128, 128, False), (32, 32, True), (16, 16, True)):
         yield (f"v3.keys.bf16.bk{bk}.di{di}{'' if aligned else '.plain'}",
                v3dk.kl_kernel_keys(bk, di, aligned), keys_tc_sig)
-    yield "v3.combine_states", _common.kl_kernel_combine_states, (f4, I3, cu, cu, i64, i64, b1, f2)
-    yield "v3.combine_kl", _common.kl_kernel_combine_kl, (f4, I3, cu, cu, i64, i64, f2)
-    yield "v3.combine_dq", _common.kl_kernel_combine_dq, (f4, I3, cu, cu, i64, i64, f3)
+    yield "v3.combine_states", _common.kl_kernel_combine_states, (f4, I3, i64, b1, f2)
+    yield "v3.combine_kl", _common.kl_kernel_combine_kl, (f4, I3, i64, f2)
+    yield "v3.combine_dq", _common.kl_kernel_combine_dq, (f4, I3, i64, f3)
     yield "v3.full_selection", _common.kl_kernel_full_selection, (cu, cu, i64, I3)
