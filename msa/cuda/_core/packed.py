@@ -63,7 +63,8 @@ def repeats_a_slot(block_indices, t, h, s, x):
     per block, at the first slot naming it (so they agree on each row's length: no entry of a
     row is left unwritten, for its readers to take stale memory for another query's edge, and
     no row holds more queries than its sequence has), and the slot sums that follow the CSR
-    (the backward's dq, the KL's slot states) skip the later slots, which no kernel wrote.
+    (the backward's dq, the KL's slot states) skip the later slots, which no kernel wrote
+    (through ``msa.cuda.csr.launch_slot_mask``).
     ``K - 1`` loads at most, of the row of ``I`` the caller has just read."""
     for s2 in range(s):
         if block_indices[uint64(t), uint64(h), uint64(s2)] == x:
