@@ -29,9 +29,9 @@ cannot deadlock whatever order the hardware starts CTAs in. Status words ``epoch
 << 32 | sum`` live in one int64 buffer per device and launch stream (``streams``) kept between
 calls; each launch has a new epoch and ignores older words, so the buffer is zeroed once, never
 per call. Launches on one stream run one after the other, so they never share words; replaying
-them in a captured CUDA graph (which would reuse an epoch) is not supported. The sums are of non-negative counts
-below 2**31 (the CSR launcher checked ``Tq*K``), so the 32-bit field cannot overflow; the
-result does not depend on timing: integer sums of fixed groups.
+them in a captured CUDA graph (which would reuse an epoch) is not supported. The sums are of
+non-negative counts below 2**31 (the CSR launcher checked ``Tq*K``), so the 32-bit field cannot
+overflow; the result does not depend on timing: integer sums of fixed groups.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
     past its last part exit at once), and its split rows (``c > part_size`` each) fewer than
     ``2 * entries / part_size`` parts, and at most ``entries``."""
     parts = ctx.empty((2 * hkv, rows), np.int32)
-    parts_kernel[-(-(hkv * rows) // THREADS), THREADS, stream()](row_ptr, part_size, ctx.arg(parts))
+    parts_kernel[-(-(hkv * rows) // THREADS), THREADS, stream()](row_ptr, part_size,
+                                                                 ctx.arg(parts))
     part_ptr = exclusive_prefix_sum(parts, validate=False)
     per_head = rows + entries // part_size
     num_split = hkv * min(entries, 2 * (entries // part_size))
@@ -212,7 +213,8 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     delta = ctx.empty((tq, hq), np.float32)
     arrays = (ctx.input("lse", lse), ctx.arg(delta), ctx.arg(dq), ctx.arg(dk), ctx.arg(dv))
     # D = rowsum(dO O), a warp per row
-    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS, stream()](oa, doa, arrays[1])
+    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS, stream()](
+        oa, doa, arrays[1])
     if version == 1:
         _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)
     else:
@@ -287,8 +289,8 @@ def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_part
                         d_cu_k, np.float32(scale), np.float32(scale * LOG2E), part_ptr, ps,
                         dk_c, dv_c, dk_part, dv_part, dq_part)
             # rows of one part return at once
-            k_sum[hkv * sub.rows, THREADS, stream()](part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part,
-                                           dk_c, dv_c)
+            k_sum[hkv * sub.rows, THREADS, stream()](part_ptr, d_row_offsets, d_cu_k, dk_part,
+                                                     dv_part, dk_c, dv_c)
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
         mask = mask_buf[:tc * hkv * words].reshape(tc, hkv, words)
         launch_slot_mask(kernel_array(I_c), d_cu_q, d_cu_k, bs, mask)

@@ -1,4 +1,4 @@
-"""Which slots of a selection are CSR entries, as a bit mask: for the slot sums that follow the CSR.
+"""Which slots of a selection are CSR entries, one bit a slot, for the sums that follow the CSR.
 
 The backward's ``dq`` sum and the KL's slot sums add, per (query, group), the partial each slot's
 CSR entry got. A slot is an entry when its id is a block of the query's sequence (``0 <= I[t, g,

@@ -98,5 +98,5 @@ def launch(p, M, t0: int, t1: int):
     """M [Hkv, t1 - t0, NB] (a kernel argument) of queries [t0, t1) by the v1 kernel."""
     kernel = block_scores_kernel(p.out_dtype == np.float64, p.mean)
     n = p.hkv * (t1 - t0) * p.nb
-    kernel[(n + THREADS - 1) // THREADS, THREADS, stream()](p.q, p.k, p.cu_q, p.cu_k, t0, p.block_size,
-                                                  p.scale, M)
+    kernel[(n + THREADS - 1) // THREADS, THREADS, stream()](p.q, p.k, p.cu_q, p.cu_k, t0,
+                                                            p.block_size, p.scale, M)

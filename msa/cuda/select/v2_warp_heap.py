@@ -88,4 +88,5 @@ def launch(M, cu_q, cu_k, t0, topk, block_size, out, cap, wide):
     """The v2 kernel over the rows of ``M`` [Hkv, c, NB] (queries t0 .. t0 + c - 1)."""
     rows = int(M.shape[0]) * int(M.shape[1])
     grid = (rows + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-    select_kernel(cap, wide)[grid, 32 * WARPS_PER_CTA, stream()](M, cu_q, cu_k, t0, topk, block_size, out)
+    select_kernel(cap, wide)[grid, 32 * WARPS_PER_CTA, stream()](M, cu_q, cu_k, t0, topk,
+                                                                 block_size, out)
