@@ -301,10 +301,10 @@ class Plan:
         """The slot mask of queries ``[t0, t1)`` on the chunk's offsets ``d_cu`` (``schedule``:
         those its CSR was built on), in a buffer reused across chunks."""
         words = mask_words(self.topk)
-        if self._mask_buf is None:
-            self._mask_buf = self.ctx.arg(self.ctx.empty(((t1 - t0) * self.hkv * words,),
-                                                         np.int32))
-        mask = self._mask_buf[:(t1 - t0) * self.hkv * words].reshape(t1 - t0, self.hkv, words)
+        n = (t1 - t0) * self.hkv * words
+        if self._mask_buf is None or int(self._mask_buf.shape[0]) < n:
+            self._mask_buf = self.ctx.arg(self.ctx.empty((n,), np.int32))
+        mask = self._mask_buf[:n].reshape(t1 - t0, self.hkv, words)
         launch_slot_mask(self.I[t0:t1], *d_cu, self.block_size, mask)
         return mask
 
