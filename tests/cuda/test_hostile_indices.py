@@ -58,13 +58,15 @@ def problem():
     return p, I, J, others
 
 
-@pytest.fixture(params=["poison", "stale"])
+@pytest.fixture(params=["poison", pytest.param("stale", marks=pytest.mark.sim_heavy)])
 def fresh_ints(request, monkeypatch):
     """What a fresh integer buffer holds: the cuda conftest's poison (the dtype's minimum,
     which every consumer rejects), or ``stale`` (``MSA_TEST_INT_FILL=1``): 1, a valid-looking
     (query 1, slot 1) edge, as a buffer the caching allocator hands back after an earlier CSR
     may hold on a GPU. An entry that no kernel writes and a kernel reads then moves query 1's
-    results (the CSR's repeated ids did, before 9216d1a)."""
+    results (the CSR's repeated ids did, before 9216d1a). ``stale`` is ``sim_heavy`` (a minute
+    of CI): in the simulator ``test_build_csr_stays_in_bounds_and_lists_each_query_once``
+    checks every CSR entry is written, and a GPU (or ``MSA_SIM_FULL=1``) runs it."""
     if request.param == "stale":
         monkeypatch.setenv("MSA_TEST_INT_FILL", "1")  # read by the cuda conftest's poison
     return request.param
