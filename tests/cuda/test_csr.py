@@ -504,3 +504,32 @@ def test_fast_launch_equals_numbas_launch():
     view = _launch.Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
     assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
     assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())
+
+
+@pytest.mark.parametrize("topk", [5, 32, 33, 64])
+def test_slot_mask_marks_the_csr_entries(topk):
+    """``launch_slot_mask`` against its definition, row by row: bit s of (t, g) is 1 iff
+    ``I[t, g, s]`` is a block of t's sequence that no earlier slot of the row names. Ids out of
+    range, -1, repeats, and ``K`` past one 32-bit word (bit 31 and a partial last word)."""
+    rng = np.random.default_rng(topk)
+    cu_q = np.array([0, 3, 3, 7], np.int32)  # an empty sequence in the middle
+    cu_k = np.array([0, 40, 40, 300], np.int32)
+    bs, hkv, tq = 8, 2, 7
+    nblocks = [5, 5, 5, 33, 33, 33, 33]  # ceil(Lk / Bk) of each query's sequence
+    I = rng.integers(-2, 36, size=(tq, hkv, topk)).astype(np.int32)
+    I[0, 0, :3] = [4, 4, 4]  # a repeat
+    I[3, 1, -1] = I[3, 1, 0]  # a repeat at the last slot
+    ctx = ArrayContext(I=I)
+    mask = ctx.empty((tq, hkv, gpu.mask_words(topk)), np.int32)
+    gpu.launch_slot_mask(_launch.kernel_array(ctx.input("I", I)), _launch.upload_ints(cu_q),
+                         _launch.upload_ints(cu_k), bs, ctx.arg(mask))
+    bits = to_numpy(ctx.output(mask)).view(np.uint32)
+    for t in range(tq):
+        for g in range(hkv):
+            row = I[t, g]
+            want = [0 <= row[s] < nblocks[t] and row[s] not in row[:s] for s in range(topk)]
+            got = [bool((bits[t, g, s // 32] >> (s % 32)) & 1) for s in range(topk)]
+            assert got == want, (t, g)
+        unused = 32 * gpu.mask_words(topk) - topk  # bits past K in the last word are 0
+        if unused:
+            assert (bits[t, :, -1] >> np.uint32(32 - unused) == 0).all(), t

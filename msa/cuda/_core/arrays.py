@@ -28,7 +28,7 @@ from numba import cuda
 
 from ..._checks import dtype_of, unsupported
 from .diskcache import kernel_jit
-from .streams import set_launch_stream, stream
+from .streams import launch_handle, set_launch_stream, stream
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 INT32_MAX = np.iinfo(np.int32).max
@@ -149,8 +149,7 @@ class ArrayContext:
                 elif a.device != self._torch_device:
                     raise ValueError(f"{name} is on {a.device} and {first} on "
                                      f"{self._torch_device}: pass tensors of one device")
-        if not SIMULATOR:
-            set_launch_stream(self.lib)
+        set_launch_stream(self.lib)
 
     # -- inputs -------------------------------------------------------------------------------
     def input(self, name: str, x):
@@ -267,8 +266,8 @@ def _fill_kernel(flat, value):
 
 
 def device_constant(host):
-    """A small host array on the device that no kernel writes, memoised by content and device
-    (the simulator indexes NumPy directly).
+    """A small host array on the device that no kernel writes, memoised by content, device and
+    launch stream (the simulator indexes NumPy directly).
 
     A fresh upload per call costs more than its bytes: the copy from pageable memory waits for
     the GPU's queued work, and freeing Numba's device arrays (a ``cuMemFree`` once enough are
@@ -280,15 +279,14 @@ def device_constant(host):
     if SIMULATOR:
         return host
     return _cached_constant(host.tobytes(), host.dtype.str, host.shape,
-                            cuda.get_current_device().id)
+                            cuda.get_current_device().id, launch_handle())
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_constant(data: bytes, dtype: str, shape: tuple, device_id: int):
-    # Kernels on any stream read it later: the copy must have landed, not only been queued.
-    out = cuda.to_device(np.frombuffer(data, dtype=dtype).reshape(shape), stream=stream())
-    cuda.synchronize()
-    return out
+def _cached_constant(data: bytes, dtype: str, shape: tuple, device_id: int, handle: int):
+    # One copy per launch stream, queued on it: the kernels that read it are ordered after it
+    # (a copy made on another stream could still be in flight).
+    return cuda.to_device(np.frombuffer(data, dtype=dtype).reshape(shape), stream=stream())
 
 
 def device_offsets(batch):

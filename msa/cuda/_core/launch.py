@@ -245,17 +245,17 @@ def grid_size(n: int) -> int:
 def upload_ints(host):
     """A small int32 host array as a kernel argument (the simulator indexes NumPy directly).
 
-    Memoised by content (and device): launchers are called again and again with the same
+    Memoised by content (and device and launch stream): launchers are called again and again with the same
     ``cu_seqlens``, and each fresh upload would be a synchronous copy that stalls the host.
     """
     host = np.ascontiguousarray(host, dtype=np.int32)
     if SIMULATOR:
         return host
-    return _cached_upload(host.tobytes(), cuda.get_current_device().id)
+    return _cached_upload(host.tobytes(), cuda.get_current_device().id, launch_handle())
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_upload(data: bytes, device_id: int):
+def _cached_upload(data: bytes, device_id: int, handle: int):
     """The ``Dev`` of ``device_constant``'s (memoised) upload: one upload cache for msa."""
     return Dev(device_constant(np.frombuffer(data, dtype=np.int32)))
 

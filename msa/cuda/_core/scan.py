@@ -37,6 +37,7 @@ overflow; the result does not depend on timing: integer sums of fixed groups.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 from numba import cuda, int32, int64
@@ -67,7 +68,10 @@ class _LookbackState:
     def get(self, size):
         """``(status, epoch)``: a zeroed-once int64 buffer of at least ``size`` words."""
         epoch = next(self.epochs)
-        key = 0 if SIMULATOR else (cuda.get_current_device().id, launch_handle())
+        handle = 0 if SIMULATOR else launch_handle()
+        # handle 2 is the per-thread default stream: every thread's own, under one value
+        key = 0 if SIMULATOR else (cuda.get_current_device().id, handle,
+                                   threading.get_ident() if handle == 2 else 0)
         buf = self.buffers.get(key)
         if buf is None or buf[1] < size or epoch >= _EPOCH_LIMIT:
             if epoch >= _EPOCH_LIMIT:

@@ -1,12 +1,16 @@
 """The launch stream: the CUDA stream every msa.cuda kernel of a call goes on.
 
-Each public entry sets it from its inputs (``ArrayContext``): torch's current stream for torch
-tensors, CuPy's for CuPy arrays, the legacy default stream (0) for NumPy and Numba arrays, and 0
-under the simulator. A caller inside ``with torch.cuda.stream(s):`` thus gets msa's kernels
-ordered after the work that made its inputs and before the work that reads its outputs, as
-torch's own ops are, and a capture of ``s`` in a CUDA graph records them. ``launch`` and
-``launch_smem`` read it; a bracket launch passes it to Numba: ``kernel[grid, block, stream()]``.
-It is a ``ContextVar``: each thread keeps its own.
+Each public entry records its inputs' library (``ArrayContext``), and every launch goes on
+that library's *current* stream at launch time: torch's for torch tensors, CuPy's for CuPy
+arrays, the legacy default stream (0) for NumPy and Numba arrays and under the simulator. A
+caller inside ``with torch.cuda.stream(s):`` thus gets msa's kernels ordered after the work that
+made its inputs and before the work that reads its outputs, as torch's own ops are. The stream
+is read at each launch, not kept from the entry: an internal launcher called later on its own
+(``launch_build_csr``, ``lookback_scan``, ...) goes on the current stream of the last library
+used, outside a ``with torch.cuda.stream`` block the default stream, never on a side stream a
+finished call left behind. ``launch`` and ``launch_smem`` read it; a bracket launch passes it
+to Numba: ``kernel[grid, block, stream()]``. The library is a ``ContextVar``: each thread keeps
+its own.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 
 from numba import cuda
 
-_HANDLE = contextvars.ContextVar("msa_launch_stream", default=0)
+_LIB = contextvars.ContextVar("msa_launch_library", default="numpy")
 
 
 def stream_handle(stream, lib: str) -> int:
@@ -48,19 +52,19 @@ def stream_handle(stream, lib: str) -> int:
 
 
 def set_launch_stream(lib: str) -> None:
-    """Make the caller's current stream of ``lib`` the launch stream (module docstring); the
-    public entries call it once, through ``ArrayContext``."""
-    _HANDLE.set(stream_handle(None, lib))
+    """Make ``lib``'s current stream the launch stream (module docstring); the public entries
+    call it once, through ``ArrayContext``."""
+    _LIB.set(lib)
 
 
 def launch_handle() -> int:
-    """The launch stream's handle (0: the legacy default stream)."""
-    return _HANDLE.get()
+    """The launch stream's handle now (0: the legacy default stream)."""
+    return stream_handle(None, _LIB.get())
 
 
 def stream():
     """The launch stream as Numba's dispatcher takes it: ``kernel[grid, block, stream()]``."""
-    handle = _HANDLE.get()
+    handle = launch_handle()
     return 0 if handle == 0 else _numba_stream(handle)
 
 
