@@ -3,6 +3,7 @@
 =============  =============================================================================
 ``arrays``     arrays in and out of launchers, whatever library the caller uses; constants
 ``launch``     kernel launches without Numba's per-launch typing; dynamic shared memory; uploads
+``streams``    the launch stream: the caller's current torch or CuPy stream, read at each launch
 ``mma``        tensor-core ``mma.sync`` shims, bf16/fp16 conversions, ``exp2`` (inline PTX, and
                their pure-Numba twins for the simulator)
 ``wgmma``      Hopper ``wgmma`` shims (compute capability 9.0; no simulator twin)
