@@ -17,10 +17,10 @@ import cProfile
 import io
 import os
 import pstats
-import time
 
 os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 
+from benchmarks.bench_csr import host_ms, selection  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 
 BK, TOPK, HKV, HQ, D = 128, 16, 4, 64, 128
@@ -28,17 +28,9 @@ BK, TOPK, HKV, HQ, D = 128, 16, 4, 64, 128
 
 def per_call_us(fn, reps):
     """Microseconds of Python per ``fn()``, its launches queued, not waited for."""
-    import torch
-
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / reps * 1e6
+    return host_ms(fn, reps) * 1e3
 
 
 def profile(fn, reps, top):
@@ -63,7 +55,6 @@ def main(argv=None):
     import numpy as np
     import torch
 
-    from benchmarks.bench_csr import selection
     from msa.cuda import csr, schedule
     from msa.cuda._core import arrays, launch, streams
     from msa.cuda.attention import sparse_attention
