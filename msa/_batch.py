@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_block_size, check_cu_seqlens, check_offsets
+from ._checks import check_block_size, check_offset_pair, check_offsets
 
 
 class Batch:
@@ -79,11 +79,9 @@ class Batch:
         block_size = check_block_size(block_size)
         if cu_seqlens_q is None:
             return cls(None, check_offsets("cu_seqlens_k", cu_seqlens_k, total_k), block_size)
-        if total_q is None or total_k is None:
-            cq = check_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
-            ck = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
-            total_q, total_k = int(cq[-1]), int(ck[-1])
-        cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+        # Each offsets array is read (a device-to-host copy for a GPU array) and checked once.
+        cu_q, cu_k = check_offset_pair(check_offsets("cu_seqlens_q", cu_seqlens_q, total_q),
+                                       check_offsets("cu_seqlens_k", cu_seqlens_k, total_k))
         return cls(cu_q, cu_k, block_size)
 
     def __repr__(self) -> str:

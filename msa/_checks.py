@@ -194,8 +194,13 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     ending at ``total_q``/``total_k``, with every sequence having ``Lq <= Lk`` (a sequence's
     queries are the last ``Lq`` positions of its ``Lk`` keys).
     """
-    cq = check_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
-    ck = check_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
+    return check_offset_pair(check_offsets("cu_seqlens_q", cu_seqlens_q, total_q),
+                             check_offsets("cu_seqlens_k", cu_seqlens_k, total_k))
+
+
+def check_offset_pair(cq: np.ndarray, ck: np.ndarray):
+    """``check_cu_seqlens``' checks of the two offsets together, on arrays ``check_offsets``
+    returned (each already checked on its own); returns them."""
     if cq.shape != ck.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got {cq.shape[0]} and {ck.shape[0]}")

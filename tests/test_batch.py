@@ -57,3 +57,21 @@ def test_batch_is_read_only_and_checks_its_arguments():
         Batch.of(np.array([0, 3]), np.array([0, 5]), 0)
     keys = Batch.of(None, np.array([0, 5, 9]), 4)
     assert keys.tq is None and keys.rows == 2 + 1 and keys.nb == 2
+
+
+@pytest.mark.parametrize("totals", [{}, {"total_q": 3}, {"total_q": 3, "total_k": 5}])
+def test_batch_reads_each_offsets_array_once(monkeypatch, totals):
+    """A GPU array's offsets cost a device-to-host copy (a wait for the GPU) per read: Batch.of
+    reads and checks each once, whichever totals it is given."""
+    import msa._checks as checks
+
+    reads = []
+    real = checks.cu_to_host
+    monkeypatch.setattr(checks, "cu_to_host", lambda x: reads.append(x) or real(x))
+    cu_q, cu_k = np.array([0, 3]), np.array([0, 5])
+    batch = Batch.of(cu_q, cu_k, 4, **totals)
+    assert len(reads) == 2 and reads[0] is cu_q and reads[1] is cu_k
+    assert (batch.tq, batch.tk, batch.rows) == (3, 5, 2)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        Batch.of(np.array([0, 6]), cu_k, 4, **{k: 6 if k == "total_q" else v
+                                               for k, v in totals.items()})
