@@ -114,13 +114,20 @@ def expected_csr_rows(J, cu_q, cu_k, block_size):
     return rows, int(row0[-1])
 
 
-def test_build_csr_stays_in_bounds_and_lists_each_query_once():
+@pytest.mark.parametrize("topk, scatter", [(3, None), (4, 2), (4, 3)])
+def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter):
     # A repeated id used to be counted once per slot but written once per query: the row kept
     # unwritten entries (stale memory on a GPU, read by K1 and the backward as edges of other
     # queries). The poisoned outputs (the cuda conftest) make any entry no kernel wrote show.
+    # K = 3 checks repeats by loads of the row; K = 4 (a divisor of 32: the warp holds whole
+    # rows) by one match among the row's lanes, in count v2 and scatters v2 and v3.
     p, _, J, _ = problem()
-    row_ptr, q_indices, slots = (to_numpy(x) for x in csr.build_csr(
-        J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, validate=False))
+    if topk == 4:  # a fourth slot: a repeat of the first in even queries, -1 in odd ones
+        extra = np.where(np.arange(J.shape[0])[:, None] % 2 == 0, J[:, :, 0], -1)
+        J = np.concatenate([J, extra[:, :, None]], axis=2)
+    row_ptr, q_indices, slots = (to_numpy(x) for x in csr._build_csr(
+        J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, validate=False,
+        scatter_version=scatter))
     assert (np.diff(row_ptr.astype(np.int64), axis=1) >= 0).all()
     assert (row_ptr[:, 0] == 0).all() and (row_ptr[:, -1] <= J.shape[0] * J.shape[2]).all()
     assert q_indices.shape == slots.shape == (J.shape[1], J.shape[0] * J.shape[2])

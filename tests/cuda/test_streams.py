@@ -114,6 +114,20 @@ def _late(stream_, make):
 
 
 @gpu
+def test_torchs_current_stream_is_read_on_each_device_and_side_stream():
+    """The fast read of torch's current stream (``streams._torch_current_stream``) agrees with
+    ``torch.cuda.current_stream()`` on the default stream, inside ``torch.cuda.stream``, and
+    on every visible device."""
+    for device in range(torch.cuda.device_count()):
+        with torch.cuda.device(device):
+            assert stream_handle(None, "torch") == torch.cuda.current_stream().cuda_stream
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                assert stream_handle(None, "torch") == side.cuda_stream != 0
+            assert stream_handle(None, "torch") == torch.cuda.current_stream().cuda_stream
+
+
+@gpu
 def test_the_pipeline_runs_on_the_callers_stream():
     """msa.cuda's selection, forward, backward and KL on torch tensors made late on a side
     stream equal the same calls on the default stream with the inputs ready, bitwise."""

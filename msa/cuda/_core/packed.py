@@ -10,7 +10,7 @@ cu_q[b])``.
 
 from __future__ import annotations
 
-from numba import cuda, int64, uint64
+from numba import cuda, int32, int64, uint32, uint64
 
 from .arrays import SIMULATOR
 
@@ -70,6 +70,32 @@ def repeats_a_slot(block_indices, t, h, s, x):
         if block_indices[uint64(t), uint64(h), uint64(s2)] == x:
             return True
     return False
+
+
+@cuda.jit(device=True, inline=True)
+def whole_rows_in_warps(topk, threads):
+    """Whether a CTA of ``threads`` threads whose thread ``i`` holds slot ``i % topk`` of a
+    row keeps each row's ``topk`` slots in consecutive lanes of one warp (``topk`` divides 32,
+    ``threads`` a multiple of 32): then ``repeats_in_warp`` replaces ``repeats_a_slot``."""
+    return 32 % topk == 0 and threads % 32 == 0
+
+
+@cuda.jit(device=True)
+def repeats_in_warp(x, s, topk, all_lanes):
+    """``repeats_a_slot`` where the warp holds the row (``whole_rows_in_warps``): lane ``l``
+    holds slot ``s = l % topk`` of its row, whose id is ``x``. One ``match.any`` instead of
+    ``s`` loads of the row. Every lane of the row must call it; with ``all_lanes`` all 32
+    lanes of the warp (a caller whose warp meets other full-warp operations), else only the
+    row's lanes take part."""
+    lane = cuda.laneid
+    row = uint32(0xFFFFFFFF)
+    if topk < 32:
+        row = ((uint32(1) << uint32(topk)) - uint32(1)) << uint32(lane - s)
+    if all_lanes:
+        same = uint32(cuda.match_any_sync(int32(-1), int64(x))) & row
+    else:
+        same = uint32(cuda.match_any_sync(int32(row), int64(x)))
+    return (same & cuda.lanemask_lt()) != uint32(0)
 
 
 @cuda.jit(device=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from numba import cuda, int32, int64, uint32
 
-from .._core.packed import block_row, repeats_a_slot
+from .._core.packed import block_row, repeats_a_slot, repeats_in_warp, whole_rows_in_warps
 from ._tiles import next_edge, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
 
@@ -73,6 +73,9 @@ def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
     s = int32(tid % topk)
     step_q = int32(nt // topk)
     step_s = int32(nt % topk)
+    # Where a warp holds whole rows (K divides 32), the repeat check is one match among the
+    # row's lanes, else K - 1 loads of the row at most.
+    in_warp = whole_rows_in_warps(topk, nt)
     x = tile_block(block_indices, t_begin, dq, s, nq, h)
     while dq < nq:
         t = t_begin + dq
@@ -80,7 +83,11 @@ def count_kernel(block_indices, cu_q, row_offsets, tile_queries, tile_counts):
         dq, s = next_edge(dq, s, step_q, step_s, topk)
         x_next = tile_block(block_indices, t_begin, dq, s, nq, h)
         r = tile_row(x, t, first, nblocks, cu_q, row_offsets)
-        if r >= 0 and not repeats_a_slot(block_indices, t, h, s_now, x):
+        if in_warp:
+            repeated = repeats_in_warp(x, s_now, topk, False)
+        else:
+            repeated = r >= 0 and repeats_a_slot(block_indices, t, h, s_now, x)
+        if r >= 0 and not repeated:
             cuda.atomic.add(hist, r >> 1, uint32(1) << uint32((r & 1) * 16))
         x = x_next
     cuda.syncthreads()
@@ -146,6 +153,7 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_quer
 
     c = tid // topk  # query of the chunk
     s = tid % topk  # slot of that query's selection
+    in_warp = whole_rows_in_warps(topk, nt)  # the repeat check by one match (count_kernel)
     bit = uint32(1) << uint32(c)
     t_begin = int64(tile) * tile_queries
     t_end = min(int64(tq), t_begin + tile_queries)
@@ -169,8 +177,12 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_quer
         r = int64(-1)
         if t < t_end:
             r = block_row(j, cu_q, row_offsets, t)
-            if r >= 0 and repeats_a_slot(block_indices, t, h, s, j):
-                r = int64(-1)  # a repeated id: the query's first slot naming it is listed
+            # a repeated id: the query's first slot naming it is listed
+            if in_warp:
+                if repeats_in_warp(j, s, topk, False):
+                    r = int64(-1)
+            elif r >= 0 and repeats_a_slot(block_indices, t, h, s, j):
+                r = int64(-1)
         slot = 0
         if r >= 0:
             slot = table_insert(keys, buf, r, table_size)

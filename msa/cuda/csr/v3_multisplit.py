@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from numba import cuda, int32, int64, uint32, uint64
 
-from .._core.packed import repeats_a_slot
+from .._core.packed import repeats_a_slot, repeats_in_warp, whole_rows_in_warps
 from .._core.warp import FULL_MASK, warp_sum
 from ._tiles import next_edge, tile_block, tile_row, tile_sequence
 from .._core.diskcache import kernel_jit
@@ -172,6 +172,7 @@ def split_groups_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile
     step_q = int32(nt // topk)
     step_s = int32(nt % topk)
     first, nblocks = tile_sequence(cu_q, row_offsets, t_begin, nq)
+    in_warp = whole_rows_in_warps(topk, nt)
     stamp = 0
     x = tile_block(block_indices, t_begin, dq, s, nq, h)
     for _ in range(0, int64(nq) * topk, nt):
@@ -180,8 +181,12 @@ def split_groups_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile
         dq, s = next_edge(dq, s, step_q, step_s, topk)
         x_next = tile_block(block_indices, t_begin, dq, s, nq, h)
         r = tile_row(x, t, first, nblocks, cu_q, row_offsets)
-        if r >= 0 and repeats_a_slot(block_indices, t, h, s_now, x):
-            r = int64(-1)  # a repeated id: the query's first slot naming it is listed
+        # a repeated id: the query's first slot naming it is listed (count v2's check)
+        if in_warp:
+            if repeats_in_warp(x, s_now, topk, True):
+                r = int64(-1)
+        elif r >= 0 and repeats_a_slot(block_indices, t, h, s_now, x):
+            r = int64(-1)
         key = int32(r >> 7) if r >= 0 and r < rows else int32(-1)
         pos = multisplit(key, stamp, cur, ngroups, wcnt, wpos)
         stamp += 1
