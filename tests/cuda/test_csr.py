@@ -501,6 +501,7 @@ def test_fast_launch_equals_numbas_launch():
         cuda.to_device(batch.row_offsets.astype(np.int32)), 8, plain)
     np.testing.assert_array_equal(to_numpy(fast), plain.copy_to_host())
     assert _launch.FAST_LAUNCH, "the direct launch failed and fell back to Numba's dispatcher"
+    assert _launch.DRIVER_LAUNCH, "the driver launch failed and fell back to cuda.core's"
     view = _launch.Dev(fast[:, :, 1:])  # a strided view is typed 'A', with its own strides
     assert view._numba_type_.layout == "A" and view.shape == (fast.shape[0], 2, plan.rows - 1)
     assert view._layout.strides_in_bytes == tuple(4 * st for st in fast.stride())

@@ -159,7 +159,7 @@ def launch(kernel, grid, block, *args):
     if SIMULATOR:
         kernel[grid, block, stream()](*args)
         return
-    params = []
+    params = []  # every parameter is 8 bytes: pointers, int64 sizes, shapes, strides, ints
     types = []
     for a in args:
         if isinstance(a, Dev):
@@ -167,7 +167,7 @@ def launch(kernel, grid, block, *args):
             params.extend(a.params)
         elif isinstance(a, (int, np.integer)):
             types.append(int)
-            params.append(ctypes.c_int64(a))
+            params.append(int(a))
         else:
             raise TypeError(f"launch takes Dev arrays and ints, got {type(a).__name__}")
     types = tuple(types)
@@ -177,10 +177,12 @@ def launch(kernel, grid, block, *args):
         entry = _compiled[(kernel, types)] = _Compiled(kernel.compile(sig))
     if FAST_LAUNCH:
         try:
-            cu_kernel = entry.function()
-            if cu_kernel is not None:
-                _core_launch(core_stream(launch_handle()), _launch_config(grid, block), cu_kernel,
-                             *params)
+            function = entry.function()
+            if function is not None:
+                if DRIVER_LAUNCH and _driver_launch(function[1], grid, block, params):
+                    return
+                _core_launch(core_stream(launch_handle()), _launch_config(grid, block),
+                             function[0], *(ctypes.c_int64(p) for p in params))
                 return
             entry.compiled.launch(args, *_dims(grid, block), core_stream(launch_handle()), 0)
             return
@@ -192,6 +194,51 @@ def launch(kernel, grid, block, *args):
 
 
 FAST_LAUNCH = [True]  # emptied if Numba's or cuda.core's internals are not the expected ones
+# Emptied if the driver's cuLaunchKernel cannot be loaded or refuses a launch (cuda.core's
+# launch then runs, and raises if the launch itself is wrong).
+DRIVER_LAUNCH = [True]
+_CU_LAUNCH_PARAM_BUFFER_POINTER, _CU_LAUNCH_PARAM_BUFFER_SIZE = 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_launch_kernel():
+    """The driver's ``cuLaunchKernel`` through ctypes (None where the library is not found)."""
+    import sys
+
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        fn = lib.cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_DIMS: dict = {}
+
+
+def _driver_launch(handle, grid, block, params) -> bool:
+    """Launch the ``CUkernel`` ``handle`` on the launch stream with ``params`` (ints, each an
+    8-byte parameter) packed into one buffer, in one driver call (cuda.core's launch converts
+    every parameter in Python: tens of them a launch). False, and the driver path disabled,
+    where the driver is missing or refuses the launch."""
+    fn = _cu_launch_kernel()
+    dims = _DIMS.get((grid, block))
+    if dims is None:
+        griddim, blockdim = _dims(grid, block)
+        dims = _DIMS[(grid, block)] = tuple(griddim) + tuple(blockdim)
+    if fn is None:
+        DRIVER_LAUNCH.clear()
+        return False
+    buf = (ctypes.c_int64 * len(params))(*params)
+    size = ctypes.c_size_t(8 * len(params))
+    extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
+                                  _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), None)
+    if fn(handle, *dims, 0, launch_handle(), None, extra) != 0:
+        DRIVER_LAUNCH.clear()
+        return False
+    return True
 
 
 class _Compiled:
@@ -205,13 +252,15 @@ class _Compiled:
                                                                          True))
 
     def function(self):
-        """The ``cuda.core`` kernel on the current device (None: use Numba's launch)."""
+        """``(cuda.core kernel, CUkernel handle as an int)`` on the current device (None: use
+        Numba's launch)."""
         if not self.plain:
             return None
         device = _current_device()
         f = self.functions.get(device)
         if f is None:
-            f = self.functions[device] = self.compiled._codelibrary.get_cufunc().kernel
+            cufunc = self.compiled._codelibrary.get_cufunc()
+            f = self.functions[device] = (cufunc.kernel, int(cufunc.handle))
         return f
 
 
