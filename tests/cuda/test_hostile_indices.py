@@ -114,8 +114,9 @@ def expected_csr_rows(J, cu_q, cu_k, block_size):
     return rows, int(row0[-1])
 
 
-@pytest.mark.parametrize("topk, scatter", [(3, None), (4, 2), (4, 3)])
-def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter):
+@pytest.mark.parametrize("topk, scatter, dtype", [(3, None, np.int32), (4, 2, np.int32),
+                                                  (4, 3, np.int32), (4, 2, np.int64)])
+def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter, dtype):
     # A repeated id used to be counted once per slot but written once per query: the row kept
     # unwritten entries (stale memory on a GPU, read by K1 and the backward as edges of other
     # queries). The poisoned outputs (the cuda conftest) make any entry no kernel wrote show.
@@ -125,6 +126,7 @@ def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter):
     if topk == 4:  # a fourth slot: a repeat of the first in even queries, -1 in odd ones
         extra = np.where(np.arange(J.shape[0])[:, None] % 2 == 0, J[:, :, 0], -1)
         J = np.concatenate([J, extra[:, :, None]], axis=2)
+    J = J.astype(dtype)  # 32-bit ids are matched as 32-bit words, 64-bit ones as 64-bit
     row_ptr, q_indices, slots = (to_numpy(x) for x in csr._build_csr(
         J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, validate=False,
         scatter_version=scatter))

@@ -91,10 +91,11 @@ def repeats_in_warp(x, s, topk, all_lanes):
     row = uint32(0xFFFFFFFF)
     if topk < 32:
         row = ((uint32(1) << uint32(topk)) - uint32(1)) << uint32(lane - s)
+    # (``x`` keeps the selection's dtype: a 32-bit match for int32 ids, 64-bit for int64)
     if all_lanes:
-        same = uint32(cuda.match_any_sync(int32(-1), int64(x))) & row
+        same = uint32(cuda.match_any_sync(int32(-1), x)) & row
     else:
-        same = uint32(cuda.match_any_sync(int32(row), int64(x)))
+        same = uint32(cuda.match_any_sync(int32(row), x))
     return (same & cuda.lanemask_lt()) != uint32(0)
 
 

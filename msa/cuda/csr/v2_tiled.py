@@ -162,7 +162,7 @@ def scatter_kernel(block_indices, cu_q, row_offsets, row_ptr, cursors, tile_quer
     base = int32(0)
     m = uint32(0)
     buf = 0
-    j = -1  # this thread's entry of I for the coming chunk, loaded one chunk ahead
+    j = int32(-1)  # this thread's entry of I for the coming chunk, loaded one chunk ahead
     if t_begin + c < t_end:
         j = block_indices[t_begin + c, h, s]
     for chunk in range(t_begin, t_end, chunk_queries):
