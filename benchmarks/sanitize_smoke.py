@@ -7,6 +7,9 @@
     ... python3 -m benchmarks.sanitize_smoke --paper --n 512  # the same kernels, in minutes
     ... python3 -m benchmarks.sanitize_smoke --decode-only  # the decode steps alone
     ... python3 -m benchmarks.sanitize_smoke --stages backward,kl  # some stages (see STAGES)
+    compute-sanitizer --tool racecheck --kernel-name kns=_attention_bwd_kernel_tc python3 -m
+        benchmarks.sanitize_smoke --paper --n 512 --stages backward  # one kernel a call, then
+    ... --kernel-name-exclude kns=_attention_bwd_kernel_tc ...  # the group's other kernels
     python3 -m benchmarks.sanitize_smoke --paper --n 512 --repeat 8   # the stages 8 times a process
 
 Each stage's result is checked against msa.reference so a clean sanitizer run also means the

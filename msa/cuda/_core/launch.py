@@ -31,9 +31,11 @@ MAX_GRID = 1 << 16  # grid-stride kernels launch at most this many blocks
 # torch tensor: a DLPack export or a __cuda_array_interface__ dict per argument), looks the
 # overload up, then converts each array again into a strided view to marshal it. Here every array
 # is described once per call (``Dev``: pointer, shape, strides, Numba type, read straight from
-# the tensor), the compiled kernel of a signature is cached, and ``launch`` hands both to that
-# kernel's ``launch``, which only packs the pointers. In the simulator ``launch`` is the plain
-# launch and ``dev`` returns its argument.
+# the tensor), the compiled kernel of a signature is cached, and ``launch`` packs every parameter
+# (each 8 bytes) into one buffer for one call of the driver's ``cuLaunchKernel`` (cuda.core's
+# launch, the fallback, converts each of the tens of parameters in Python: ~100 us more for the
+# seven launches of a 128K ``build_csr`` + ``build_schedule`` on an H200, docs/performance.md).
+# In the simulator ``launch`` is the plain launch and ``dev`` returns its argument.
 
 
 if not SIMULATOR:
