@@ -128,6 +128,24 @@ def test_torchs_current_stream_is_read_on_each_device_and_side_stream():
 
 
 @gpu
+def test_tensors_on_another_device_than_the_current_one_are_refused(monkeypatch):
+    """msa.cuda launches on the current device: tensors of another GPU are refused by name
+    before anything is allocated or launched (their pointers are not the current device's).
+    With one GPU, the current device is made to look like another one."""
+    import msa.cuda as C
+    from msa.cuda._core import arrays
+
+    I = torch.zeros((8, 1, 1), dtype=torch.int32, device="cuda")
+    cu = np.array([0, 8], np.int32)
+    C.csr.build_csr(I, cu, cu, 8)  # on the current device: fine
+    here = torch.cuda.current_device()
+    monkeypatch.setattr(arrays, "current_device_index", lambda lib: here + 1)
+    with pytest.raises(ValueError, match=r"block_indices is on cuda:\d+ but the current CUDA "
+                                         r"device is cuda:\d+.*torch\.cuda\.device"):
+        C.csr.build_csr(I, cu, cu, 8)
+
+
+@gpu
 def test_the_pipeline_runs_on_the_callers_stream():
     """msa.cuda's selection, forward, backward and KL on torch tensors made late on a side
     stream equal the same calls on the default stream with the inputs ready, bitwise."""

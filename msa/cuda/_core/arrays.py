@@ -110,6 +110,17 @@ def require_gpu() -> None:
         f"or use msa.reference (NumPy) or msa.torch on CPU tensors, which need no GPU")
 
 
+def current_device_index(lib: str) -> int:
+    """The current CUDA device of ``lib`` ("torch" or "cupy"), where msa.cuda launches."""
+    if lib == "torch":
+        import torch
+
+        return torch.cuda.current_device()
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
 class ArrayContext:
     """The caller's array library and device, taken from the launcher's inputs.
 
@@ -149,6 +160,20 @@ class ArrayContext:
                 elif a.device != self._torch_device:
                     raise ValueError(f"{name} is on {a.device} and {first} on "
                                      f"{self._torch_device}: pass tensors of one device")
+            current = current_device_index("torch")
+            if self._torch_device.index != current:
+                raise ValueError(
+                    f"{first} is on {self._torch_device} but the current CUDA device is "
+                    f"cuda:{current}, where msa.cuda launches: call inside "
+                    f"`with torch.cuda.device({self._torch_device.index}):`")
+        elif self.lib == "cupy":
+            current = current_device_index("cupy")
+            for name, a in items:
+                if a.device.id != current:
+                    raise ValueError(
+                        f"{name} is on CuPy device {a.device.id} but the current CUDA device is "
+                        f"{current}, where msa.cuda launches: call inside "
+                        f"`with cupy.cuda.Device({a.device.id}):`")
         set_launch_stream(self.lib)
 
     # -- inputs -------------------------------------------------------------------------------
