@@ -123,9 +123,13 @@ def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter, dtyp
     # K = 3 checks repeats by loads of the row; K = 4 (a divisor of 32: the warp holds whole
     # rows) by one match among the row's lanes, in count v2 and scatters v2 and v3.
     p, _, J, _ = problem()
-    if topk == 4:  # a fourth slot: a repeat of the first in even queries, -1 in odd ones
-        extra = np.where(np.arange(J.shape[0])[:, None] % 2 == 0, J[:, :, 0], -1)
+    if topk == 4:  # a fourth slot: a repeat of the first (t % 4 == 0) or of the third, next
+        # to it (t % 4 == 2), or -1 (odd t); a row in ascending order lists no repeat unchecked
+        t = np.arange(J.shape[0])[:, None] % 4
+        extra = np.where(t == 0, J[:, :, 0], np.where(t == 2, J[:, :, 2], -1))
         J = np.concatenate([J, extra[:, :, None]], axis=2)
+        J[0, 1] = [0, -1, -1, 0]  # an id again after -1: ascending among the ids, a repeat
+        J[1, 1] = [-1, 0, -1, 0]
     J = J.astype(dtype)  # 32-bit ids are matched as 32-bit words, 64-bit ones as 64-bit
     row_ptr, q_indices, slots = (to_numpy(x) for x in csr._build_csr(
         J, p.cu_seqlens_q, p.cu_seqlens_k, p.block_size, validate=False,
