@@ -124,7 +124,7 @@ def test_build_csr_stays_in_bounds_and_lists_each_query_once(topk, scatter, dtyp
     # rows) by one match among the row's lanes, in count v2 and scatters v2 and v3.
     p, _, J, _ = problem()
     if topk == 4:  # a fourth slot: a repeat of the first (t % 4 == 0) or of the third, next
-        # to it (t % 4 == 2), or -1 (odd t); a row in ascending order lists no repeat unchecked
+        # to it (t % 4 == 2), or -1 (odd t)
         t = np.arange(J.shape[0])[:, None] % 4
         extra = np.where(t == 0, J[:, :, 0], np.where(t == 2, J[:, :, 2], -1))
         J = np.concatenate([J, extra[:, :, None]], axis=2)
