@@ -226,13 +226,13 @@ def _driver_launch(handle, grid, block, params) -> bool:
     every parameter in Python: tens of them a launch). False, and the driver path disabled,
     where the driver is missing or refuses the launch."""
     fn = _cu_launch_kernel()
+    if fn is None:
+        DRIVER_LAUNCH.clear()
+        return False
     dims = _DIMS.get((grid, block))
     if dims is None:
         griddim, blockdim = _dims(grid, block)
         dims = _DIMS[(grid, block)] = tuple(griddim) + tuple(blockdim)
-    if fn is None:
-        DRIVER_LAUNCH.clear()
-        return False
     buf = (ctypes.c_int64 * len(params))(*params)
     size = ctypes.c_size_t(8 * len(params))
     extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
