@@ -7,9 +7,9 @@ and the scatters then list it once, at its first slot, so that every slot of a r
 Count v2 as it is, with the repeat check done five ways, on ``bench_csr``'s uniform selection at
 the paper configuration (Hkv 4, K 16, Bk 128): none (the kernel before the check), loads of the
 row (``repeats_a_slot``: up to K - 1 a slot), ``match.any`` over the row's lanes on 64-bit and
-on 32-bit ids (the kernels' ``_core.packed.repeats_in_warp`` for int32 ids), shuffles
-(``shfl.sync`` from each earlier slot's lane), and a vote that the row is in ascending order with
-the 32-bit match only where it is not (not in the kernels: untimed so far). Each variant's tile
+on 32-bit ids, shuffles (``shfl.sync`` from each earlier slot's lane), and the kernels' own
+``_core.packed.repeats_in_warp`` (a vote that the row is in ascending order, the 32-bit match
+only where it is not). Each variant's tile
 counts must equal the unchecked kernel's (the selection has no repeats); prints the median
 milliseconds of a launch (CUDA events around ``--reps`` back-to-back launches) and writes JSON.
 """
@@ -21,11 +21,11 @@ import os
 
 from numba import cuda, int32, int64, uint32
 
-from msa.cuda._core.packed import repeats_a_slot
+from msa.cuda._core.packed import repeats_a_slot, repeats_in_warp
 from msa.cuda.csr._tiles import next_edge, tile_block, tile_row, tile_sequence
 from msa.cuda.csr.v2_tiled import HIST_WORDS
 
-STRATEGIES = ("none", "loads", "match64", "match32", "shuffles", "vote_then_match32")
+STRATEGIES = ("none", "loads", "match64", "match32", "shuffles", "shipped")
 
 
 def count_kernel(strategy: str):
@@ -73,13 +73,7 @@ def count_kernel(strategy: str):
                 same = uint32(cuda.match_any_sync(int32(row), int32(x)))
                 repeated = (same & cuda.lanemask_lt()) != uint32(0)
             elif mode == 5:
-                # a row in ascending order (every id >= 0 after a smaller one, as msa writes
-                # selections) repeats none: one shuffle and one vote; other rows: the match
-                prev = cuda.shfl_sync(int32(row), x, lane - 1 if s_now > 0 else lane)
-                bad = x >= 0 and s_now > 0 and not (prev >= 0 and prev < x)
-                if cuda.any_sync(int32(row), bad):
-                    same = uint32(cuda.match_any_sync(int32(row), int32(x)))
-                    repeated = (same & cuda.lanemask_lt()) != uint32(0)
+                repeated = repeats_in_warp(x, s_now, topk, False)
             elif mode == 4:
                 for d in range(1, topk):
                     src = lane - d if d <= s_now else lane
