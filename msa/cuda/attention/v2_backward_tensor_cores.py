@@ -14,7 +14,14 @@ keeps their dK and dV (16 x D fp32) in registers across the part's query tiles. 
 * dSᵀ goes to shared memory, and ``dQ_tile = dS K`` (A by ``ldmatrix.trans`` of dSᵀ, B by
   ``ldmatrix.trans`` of K) is written, unscaled, to the rows' partial slots ``dq_part[slot, t,
   h, :]`` (each (query, head, slot) has one writer: no atomics), which ``dq_sum_kernel`` adds
-  in slot order (as K2 adds the forward's partials).
+  in slot order (as K2 adds the forward's partials). A tile's dQ runs in the next tile's
+  iteration, from the other of two dSᵀ buffers (tables of the tiles' rows: three), so that a
+  tile takes one CTA barrier, the one before it reads its staged rows.
+
+The bookkeeping is lean, since it runs once a tile beside ~320 ``mma`` a warp: ``TPR`` threads a
+row stage its Q and dO (one read of its CSR entry), the table keeps each row's dq partial offset
+(one 64-bit add a store), and indices are unsigned 32-bit where they can be. On an H100 (ncu,
+32K) integer instructions had been half of those executed, the dQ stores a quarter.
 
 Masking by selection (docs/design.md §3): dSᵀ is 0 by selection at a key a row cannot see
 (not ``0 * dPᵀ``, which a non-finite V or D makes NaN); Sᵀ, dPᵀ, dV and dK never mix keys, and
@@ -54,7 +61,7 @@ from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonf
 from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
                             dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
                             no_op, store_f32x2)
-from .._core.mma import (_deal, exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
+from .._core.mma import (exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
                          pack_bf16x2, pack_f16x2)
 from .._core.packed import LOG2E
 from ..csr import is_entry
@@ -75,17 +82,19 @@ def layout(block_size: int, head_dim: int, rows: int):
     """Row strides (32-bit words) and word offsets of the tensor-core backward's dynamic shared
     memory: sK, sV [Bk rows], two sQ and two sdO buffers [R rows] of ``D/2 + 4`` words (as K1
     v3: 16-byte aligned rows, conflict-free ``ldmatrix``; tile i+1 lands while tile i computes),
-    then dSᵀ [Bk rows] of ``R/2 + 4`` words (16-bit pairs).
+    then two dSᵀ buffers [Bk rows] of ``R/2 + 4`` words (16-bit pairs; tile i's dQ is computed
+    while tile i+1 writes the other).
 
     Returns ``(ld, ld_ds, off_v, off_q, off_do, off_ds, total_bytes)``; buffer ``b`` of sQ
-    starts at ``off_q + b R ld``, of sdO at ``off_do + b R ld``."""
+    starts at ``off_q + b R ld``, of sdO at ``off_do + b R ld``, of dSᵀ at ``off_ds + b Bk
+    ld_ds``."""
     ld = head_dim // 2 + 4
     ld_ds = rows // 2 + 4
     off_v = block_size * ld
     off_q = 2 * block_size * ld
     off_do = off_q + 2 * rows * ld
     off_ds = off_do + 2 * rows * ld
-    return ld, ld_ds, off_v, off_q, off_do, off_ds, 4 * (off_ds + block_size * ld_ds)
+    return ld, ld_ds, off_v, off_q, off_do, off_ds, 4 * (off_ds + 2 * block_size * ld_ds)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +115,9 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     LD, LDS, OFF_V, OFF_Q, OFF_DO, OFF_DS, _ = layout(Bk, D, R)
     DW = D // 2  # words per row of Q/K/V/dO
     PIECES = D // 8  # 16-byte pieces per row
+    # threads a row of Q and dO in ``stage`` (each copies PPT pieces; PIECES is even)
+    TPR = 4 if PIECES % 4 == 0 else 2
+    PPT = PIECES // TPR
     NS = R // 8  # n-tiles of Sᵀ, dPᵀ (8 rows each)
     KS = D // 16  # k-steps of Sᵀ, dPᵀ
     KR = R // 16  # k-steps of dV, dK (16 rows each); also the m-tiles of dQ
@@ -134,58 +146,62 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     wait_all = cp_async_wait_all if use_async else no_op
     log2e = float32(LOG2E)
     QB = R * LD  # words per sQ / sdO buffer
-    R2 = 2 * R  # rows of the two tiles' tables
+    DSB = Bk * LDS  # words per dSᵀ buffer
+    R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
     @cuda.jit(device=True, inline=True)
-    def stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, r, c0,
-              e1, buf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
-        """Start loading the tile of CSR entries ``c0 ..`` into buffer ``buf``: its row table
-        (query or -1, slot, mask limit, LSE log2 e, D) by plain stores, its Q and dO rows
-        (zeros for rows without a query) by ``cp.async`` (the caller commits)."""
+    def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
+              buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """Start loading the tile of CSR entries ``c0 ..`` into Q/dO buffer ``buf`` and table
+        buffer ``tbuf``: ``TPR`` threads
+        a row, each reading the row's CSR entry once; the first of them writes the row's table
+        (its dq partial's offset ``((slot Tq + t) Hq + h) D`` or -1 without a query, mask
+        limit, LSE log2 e, D) by plain stores, and all of them start the row's Q and dO copies
+        (zeros for rows without a query) by ``cp.async``, pieces ``part, part + TPR, ...`` (the
+        caller commits). Index arithmetic is unsigned where it can be (power-of-two divisions
+        become shifts); t and the slot are checked before use."""
         hq = q.shape[1]
-        for w in range(tid, R, NT):
+        for x in range(tid, R * TPR, NT):
+            xu = uint32(x)
+            w = xu // uint32(TPR)
+            part = xu % uint32(TPR)
+            c = c0 + int32(w // uint32(G))
+            h = r * G + int32(w % uint32(G))
             t = -1
             s = 0
-            if c0 + w // G < e1:
-                t = q_indices[r, c0 + w // G]
-                s = slots[r, c0 + w // G]
+            if c < e1:
+                t = q_indices[r, c]
+                s = slots[r, c]
                 if t < q_lo or t >= q_hi or s < 0 or s >= topk:
                     t = -1  # not a query of this sequence (unvalidated input): skipped
-            lim = -1
-            l2 = float32(0.0)
-            dl = float32(0.0)
-            if t >= 0:
-                h = r * G + w % G
-                lv = lse[t, h]
-                if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
-                    lim = min(pos0 + t - key_pos0, nk - 1)
-                    l2 = lv * log2e
-                    dl = delta[t, h]
-            s_t[buf * R + w] = t
-            s_slot[buf * R + w] = s
-            s_lim[buf * R + w] = lim
-            s_l2[buf * R + w] = l2
-            s_dl[buf * R + w] = dl
-        # the copies in unsigned arithmetic (power-of-two divisions become shifts, indices
-        # need no negative-index checks; c0, r are in range, t is checked before use)
-        for e in range(tid, R * PIECES, NT):
-            eu = uint32(e)
-            w = eu // uint32(PIECES)
-            piece = (eu % uint32(PIECES)) * uint32(4)
-            c = uint64(c0) + uint64(w // uint32(G))
-            t = int64(-1)
-            if c < uint64(e1):
-                t = int64(q_indices[uint64(r), c])
-                if t < q_lo or t >= q_hi:
-                    t = -1
             ok = t >= 0
-            src = (uint64(t if ok else 0) * uint64(hq) + uint64(r * G) + uint64(w % uint32(G))) \
-                * uint64(DW) + uint64(piece)
-            dst = uint32(buf * QB) + w * uint32(LD) + piece
-            copy16(smem, uint32(OFF_Q) + dst, q, src, 16 if ok else 0)
-            copy16(smem, uint32(OFF_DO) + dst, do, src, 16 if ok else 0)
+            if part == 0:
+                lim = -1
+                l2 = float32(0.0)
+                dl = float32(0.0)
+                off = int64(-1)
+                if ok:
+                    off = ((int64(s) * tq + t) * hq + h) * D
+                    lv = lse[t, h]
+                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
+                        lim = min(pos0 + t - key_pos0, nk - 1)
+                        l2 = lv * log2e
+                        dl = delta[t, h]
+                at = tbuf * R + int32(w)
+                s_off[at] = off
+                s_lim[at] = lim
+                s_l2[at] = l2
+                s_dl[at] = dl
+            src = (uint64(t if ok else 0) * uint64(hq) + uint64(h)) * uint64(DW) \
+                + uint64(part * uint32(4))
+            dst = uint32(buf * QB) + w * uint32(LD) + part * uint32(4)
+            for i in range(PPT):
+                copy16(smem, uint32(OFF_Q) + dst + uint32(4 * TPR * i), q,
+                       src + uint64(4 * TPR * i), 16 if ok else 0)
+                copy16(smem, uint32(OFF_DO) + dst + uint32(4 * TPR * i), do,
+                       src + uint64(4 * TPR * i), 16 if ok else 0)
 
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
@@ -229,7 +245,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             s_kcol[d] = first
 
     @cuda.jit(device=True)
-    def nan_bad_ds(smem, s_kbad, warp, lane):
+    def nan_bad_ds(smem, s_kbad, ds0, warp, lane):
         """Where the block holds a non-finite K: in the dSᵀ rows of this warp's keys whose K
         row holds one, each infinity made a NaN. The reference multiplies dS by the key's
         zeroed row and then adds its product back (``_mask.attend``): inf * 0; ``dq_tile``
@@ -238,7 +254,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         for x in range(lane, 16 * (R // 2), 32):
             c = 16 * warp + x // (R // 2)
             if s_kbad[c] != 0:
-                at = OFF_DS + c * LDS + x % (R // 2)
+                at = ds0 + c * LDS + x % (R // 2)
                 smem[at] = inf_to_nan(smem[at])
 
     @cuda.jit(device=True, inline=True)
@@ -268,8 +284,8 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                 mma_pair(dp_acc, n, c0_, c1_, c2_, c3_, b0, b1, b2, b3)
 
     @cuda.jit(device=True, inline=True)
-    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, key_top,
-                      key_bot, t4, scale_log2):
+    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+                      key_top, key_bot, t4, scale_log2):
         """Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also into shared
         memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e). A key past a row's
         limit (its position, the block's end, no query) gives P = 0 and dS = 0 by selection
@@ -277,8 +293,8 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         # unsigned table and sdSᵀ offsets (each access adds a constant, no negative-index
         # checks) and 32-bit keys against the int32 limits
         at_w = uint32(row0 + 2 * t4)
-        at_top = uint32(OFF_DS + key_top * LDS + t4)
-        at_bot = uint32(OFF_DS + key_bot * LDS + t4)
+        at_top = uint32(ds0 + key_top * LDS + t4)
+        at_bot = uint32(ds0 + key_bot * LDS + t4)
         k_top = int32(key_top)
         k_bot = int32(key_bot)
         for i in range(NS):
@@ -325,7 +341,17 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                          ds_frag[4 * kr + 2], ds_frag[4 * kr + 3], b0, b1, b2, b3)
 
     @cuda.jit(device=True, inline=True)
-    def dq_tile(smem, q_acc, dq_part, s_t, s_slot, s_lim, s_kbad, s_kcol, row0, r, warp, g4,
+    def unit(warp, rnd):
+        """``_core.mma._deal`` of the dQ units in 32-bit unsigned arithmetic: ``(real, m-tile,
+        n-tile pair)`` of the warp's unit ``rnd``, unit 0 again past the last."""
+        item = uint32(warp) + uint32(rnd * NW)
+        real = item < uint32(PAIRS)
+        if not real:
+            item = uint32(0)
+        return real, item // uint32(NO // 2), item % uint32(NO // 2)
+
+    @cuda.jit(device=True, inline=True)
+    def dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, row0, warp, g4,
                 t4, ds_lane, t_lane):
         """dQ_tile = dS K into the rows' partial slots: units (m-tile, n-tile pair) dealt to
         the warps, ROUNDS each, all of a warp's units at once (``q_acc``: 8 accumulators a
@@ -343,7 +369,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         for kb in range(KB):
             b0 = b1 = b2 = b3 = uint32(0)
             for rnd in range(ROUNDS):
-                _, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
+                _, m, n2 = unit(warp, rnd)
                 a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
                 if rnd == 0 or not SHARED_B:
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, t_lane + 16 * kb * LD + 8 * n2)
@@ -365,37 +391,32 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                 q_acc[u + 5] = x1
                 q_acc[u + 6] = x2
                 q_acc[u + 7] = x3
-        hq = dq_part.shape[2]
-        tq = dq_part.shape[1]
+        # the stores in unsigned arithmetic (no negative-index checks, shifts for the
+        # power-of-two divisions): one 64-bit add a row from its offset in the table
         for rnd in range(ROUNDS):
-            real, m, n2 = _deal(warp, rnd, NW, PAIRS, NO // 2)
+            real, m, n2 = unit(warp, rnd)
             if real:
                 u = 8 * rnd
-                dcol = 16 * n2 + 2 * t4
+                dcol = uint32(16) * n2 + uint32(2 * t4)
                 for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
-                    w = 16 * m + g4 + 8 * half
-                    t = s_t[row0 + w]
-                    if t >= 0:
-                        s = s_slot[row0 + w]
-                        h = r * G + w % G
+                    w = uint32(row0) + uint32(16) * m + uint32(g4 + 8 * half)
+                    off = s_off[w]  # the row's dq partial (stage), -1: no query
+                    if off >= 0:
                         x0 = q_acc[u + 2 * half]
                         x1 = q_acc[u + 2 * half + 1]
                         x8 = q_acc[u + 4 + 2 * half]
                         x9 = q_acc[u + 5 + 2 * half]
                         if k_bad:
-                            lim = s_lim[row0 + w]
+                            lim = s_lim[w]
                             if lim >= s_kcol[dcol]:
                                 x0 = _NAN
-                            if lim >= s_kcol[dcol + 1]:
+                            if lim >= s_kcol[dcol + uint32(1)]:
                                 x1 = _NAN
-                            if lim >= s_kcol[dcol + 8]:
+                            if lim >= s_kcol[dcol + uint32(8)]:
                                 x8 = _NAN
-                            if lim >= s_kcol[dcol + 9]:
+                            if lim >= s_kcol[dcol + uint32(9)]:
                                 x9 = _NAN
-                        # one row offset for the four stores, in unsigned arithmetic (t, s, h
-                        # are in range: the stage checked them), so no index wraps around
-                        at = ((uint64(s) * uint64(tq) + uint64(t)) * uint64(hq) + uint64(h)) \
-                            * uint64(D) + uint64(dcol)
+                        at = uint64(off) + uint64(dcol)
                         store_f32x2(dq_part, at, x0, x1)
                         store_f32x2(dq_part, at + uint64(8), x8, x9)
 
@@ -431,12 +452,11 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                                  row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
                                  part_size, dk, dv, dk_part, dv_part, dq_part):
         smem = dynamic_smem_u32()
-        # the two tiles' rows: query (or -1), slot, mask limit, LSE log2 e, D = rowsum(dO O)
-        s_t = cuda.shared.array(R2, int32)
-        s_slot = cuda.shared.array(R2, int32)
-        s_lim = cuda.shared.array(R2, int32)
-        s_l2 = cuda.shared.array(R2, float32)
-        s_dl = cuda.shared.array(R2, float32)
+        # three tiles' rows: dq partial offset (or -1), mask limit, LSE log2 e, D = rowsum(dO O)
+        s_off = cuda.shared.array(R3, int64)
+        s_lim = cuda.shared.array(R3, int32)
+        s_l2 = cuda.shared.array(R3, float32)
+        s_dl = cuda.shared.array(R3, float32)
         # non-finite K values: per key, does its row hold one (and at Bk: does the block),
         # per dim, the first key that holds one there
         s_kbad = cuda.shared.array(BK1, int32)
@@ -460,6 +480,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             return  # this CTA adds nothing
         key_base = cu_k[b] + j * Bk
         topk = dq_part.shape[0]
+        tq = dq_part.shape[1]
         q_lo = cu_q[b]
         q_hi = cu_q[b + 1]
         pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
@@ -477,12 +498,12 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
         b_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
         t_lane = l_rows * LD + (lane >> 4) * 4
-        ds_lane = OFF_DS + ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 4
+        ds_lane = ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 4
         key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
         key_bot = key_top + 8
 
-        stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, r, e0,
-              e1, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+        stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
+              e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         commit()
         # Masking by selection for dQ = dS K: does the K block hold an inf or a NaN? Each
         # thread looks at the pieces it copied, one barrier makes the answer CTA-uniform; only
@@ -496,28 +517,39 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         if k_bad != 0:
             cuda.syncthreads()  # every thread's K copies landed
             bad_keys(smem, s_kbad, s_kcol, tid)
+        # One barrier a tile: tile i's dQ (which reads every warp's dSᵀ) runs in iteration
+        # i + 1, after that iteration's barrier, from the other dSᵀ buffer and a third table.
         for c0 in range(e0, e1, P):
-            cur = ((c0 - e0) // P) % 2
+            it = (c0 - e0) // P
+            cur = it % 2
             wait_all()
-            # (A) this tile's rows (and K/V) landed; the previous tile is done with the other
-            # buffer, its table and sdSᵀ
+            # (A) this tile's rows (and K/V) landed, and every warp is done with tile i - 1's
+            # scores (its Q/dO buffer) and tile i - 2's dQ (its dSᵀ buffer and table); tile
+            # i - 1's dSᵀ is complete
             cuda.syncthreads()
             if c0 + P < e1:
-                stage(smem, s_t, s_slot, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots,
-                      r, c0 + P, e1, 1 - cur, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+                stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq,
+                      r, c0 + P, e1, 1 - cur, (it + 1) % 3, q_lo, q_hi, pos0, key_pos0, nk,
+                      topk, tid)
             commit()
             qo = OFF_Q + cur * QB
             doo = OFF_DO + cur * QB
-            row0 = cur * R  # this tile's rows in the tables
+            row0 = (it % 3) * R  # this tile's rows in the tables
+            ds0 = OFF_DS + cur * DSB
             scores(smem, s_acc, dp_acc, a_lane, b_lane, qo, doo)
-            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0,
+            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
                           key_top, key_bot, t4, scale_log2)
             accumulate(smem, dk_acc, dv_acc, p_frag, ds_frag, qo, doo, t_lane)
             if s_kbad[Bk] != 0:  # CTA-uniform: the block holds a non-finite K
-                nan_bad_ds(smem, s_kbad, warp, lane)
-            cuda.syncthreads()  # (C) dSᵀ complete
-            dq_tile(smem, q_acc, dq_part, s_t, s_slot, s_lim, s_kbad, s_kcol, row0, r, warp, g4,
-                    t4, ds_lane, t_lane)
+                nan_bad_ds(smem, s_kbad, ds0, warp, lane)
+            if it > 0:  # the previous tile's dQ
+                dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol,
+                        ((it + 2) % 3) * R, warp, g4, t4, OFF_DS + (1 - cur) * DSB + ds_lane,
+                        t_lane)
+        last = (e1 - 1 - e0) // P
+        cuda.syncthreads()  # the last tile's dSᵀ complete
+        dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, (last % 3) * R, warp, g4,
+                t4, OFF_DS + (last % 2) * DSB + ds_lane, t_lane)
         store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
                    nparts, key_base, key_top, key_bot, nk, t4, scale)
 
