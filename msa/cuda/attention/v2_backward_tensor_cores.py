@@ -157,13 +157,13 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
               buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
         """Start loading the tile of CSR entries ``c0 ..`` into Q/dO buffer ``buf`` and table
-        buffer ``tbuf``: ``TPR`` threads
-        a row, each reading the row's CSR entry once; the first of them writes the row's table
-        (its dq partial's offset ``((slot Tq + t) Hq + h) D`` or -1 without a query, mask
-        limit, LSE log2 e, D) by plain stores, and all of them start the row's Q and dO copies
-        (zeros for rows without a query) by ``cp.async``, pieces ``part, part + TPR, ...`` (the
-        caller commits). Index arithmetic is unsigned where it can be (power-of-two divisions
-        become shifts); t and the slot are checked before use."""
+        buffer ``tbuf``: ``TPR`` threads a row, each reading the row's CSR entry once; the
+        first of them writes the row's table (its dq partial's offset ``((slot Tq + t) Hq + h)
+        D`` or -1 without a query, mask limit, LSE log2 e, D) by plain stores, and all of them
+        start the row's Q and dO copies (zeros for rows without a query) by ``cp.async``,
+        pieces ``part, part + TPR, ...`` (the caller commits). Index arithmetic is unsigned
+        where it can be (power-of-two divisions become shifts); t and the slot are checked
+        before use."""
         hq = q.shape[1]
         for x in range(tid, R * TPR, NT):
             xu = uint32(x)
