@@ -137,6 +137,15 @@ def test_backward_v2_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel, kind):
     run_backward(p, I, kind, version=2)
 
 
+@pytest.mark.parametrize("d", [32, 48])
+def test_backward_v2_stages_rows_of_several_pieces(d):
+    """Version 2 stages a row of Q and dO with ``TPR`` threads of ``PPT`` 16-byte pieces each
+    (D = 32: 4 threads of one piece; D = 48: 2 threads of 3; the other cases have D = 16, 2 of
+    1): the reference's gradient up to the roundings of P and dS."""
+    p, I = problem([20], [20], 2, 1, d, 16, 2, seed=d)
+    run_backward(p, I, "bfloat16", version=2)
+
+
 @pytest.mark.sim_heavy  # ~7 min in the simulator
 def test_backward_v2_two_warps_chunks_and_parts():
     """Bk = 32 (two warps of keys), D = 32, G = 4, query chunks of 7 (the dQ partials of 7
