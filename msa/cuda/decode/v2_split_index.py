@@ -23,9 +23,10 @@ split's slot of ``cand_s, cand_i [S, B*Lq, Hkv, K-1]`` (padding ``(-inf, -1)``).
 1)`` candidates of the splits: lane ``l`` takes the lists of splits ``l, l + 32, ...`` into its
 own heap of ``K - 1`` (shared memory): the first list whole (it fits, and stored worst first it
 is a heap already), each further list from its best entry until one cannot enter the full heap
-(the lists are sorted, so the rest cannot either); it sorts the heap best first, then ``K - 1``
-rounds of a butterfly arg-max give every lane the warp's best and its owner pops it. The winners are exactly the global top ``K - 1`` (each is in its split's top
-``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
+(the lists are sorted, so the rest cannot either); it sorts the heap best first (a lane with one
+list keeps it as it came, sorted best first: no heap, no sort), then ``K - 1`` rounds of a
+butterfly arg-max give every lane the warp's best and its owner pops it. The winners are exactly
+the global top ``K - 1`` (each is in its split's top ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
 then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
 Where a request has more than 32 splits (a lane would walk several lists, one after another),
 ``merge_kernel_wide`` gives a row up to 8 warps, one list a lane: each warp reduces its lanes'
@@ -38,8 +39,9 @@ Verdict (H200, paper configuration, bf16, CUDA graphs; runs M, R of docs/perform
 split kernel reads the index keys at 3.1-3.5 TB/s, 72-81% of the 4.26 TB/s copy bandwidth (537 MB
 at B = 32 x 64K in 0.171-0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms); rung 3's register-streamed
 kernel (``v3_register_index``) takes 0.151 ms and is the default where ``Didx`` is a multiple of
-32, this one elsewhere. The merge (both rungs') costs 0.012-0.056 ms (most at B = 1, where 256
-splits meet in 4 warps). Rung 1 scores every block from
+32, this one elsewhere. The merge (both rungs') cost 0.012-0.056 ms (most at B = 1, where 256
+splits met in 4 warps), before the wide merge and before a lane with one list skipped its heap
+sort (neither timed on the H200 since; the wide merge's H100 times are above). Rung 1 scores every block from
 global memory, one thread each: orders of magnitude slower, never the default for 16-bit data.
 """
 
@@ -286,18 +288,22 @@ def merge_warps(topk: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def list_walk(km: int, cap: int):
-    """``take(hs, hi, cand_s, cand_i, t, r, first, stride) -> n``: the candidate lists of splits
-    ``first, first + stride, ...`` for row ``(t, r)`` into a lane's heap ``hs/hi`` of ``cap``
-    entries (``km = K - 1`` a list; ``km = 0``: none). Each list is sorted best first, so it is
-    left at its first entry that cannot enter the full heap. The first list enters whole and
+    """``take(hs, hi, cand_s, cand_i, t, r, first, stride) -> (n, heap)``: the candidate lists
+    of splits ``first, first + stride, ...`` for row ``(t, r)`` into a lane's ``hs/hi`` of
+    ``cap`` entries (``km = K - 1`` a list; ``km = 0``: none). The first list enters whole and
     without offers: it holds at most ``km <= cap`` entries, all kept ones (scores above
-    ``-inf``, then ``(-inf, -1)`` padding), and stored worst first it is already a min-heap; its
-    loads are independent of each other (a walk would wait for each before the next)."""
+    ``-inf``, then ``(-inf, -1)`` padding); its loads are independent of each other (a walk
+    would wait for each before the next). Where it is the lane's only list (the common case:
+    at most one list a lane) it stays as it came, sorted best first, and ``heap`` is False:
+    nothing to sort. Else it is stored worst first, already a min-heap, and each further list
+    (sorted best first) is offered until its first entry that cannot enter the full heap;
+    ``heap`` is True and the caller sorts ``hs/hi[0:n]`` best first."""
     @cuda.jit(device=True, inline=True)
     def take(hs, hi, cand_s, cand_i, t, r, first, stride):
         n = 0
         rs = float32(-math.inf)
         ri = int32(NO_BLOCK)
+        heap = km > 0 and first + stride < cand_s.shape[0]  # more lists than this one
         if km > 0 and first < cand_s.shape[0]:
             for e in range(km):
                 hs[e] = cand_s[first, t, r, e]
@@ -305,16 +311,17 @@ def list_walk(km: int, cap: int):
             for e in range(km):
                 if hi[e] >= 0:
                     n += 1
-            for e in range(n // 2):  # best first -> worst first
-                s = hs[e]
-                i = hi[e]
-                hs[e] = hs[n - 1 - e]
-                hi[e] = hi[n - 1 - e]
-                hs[n - 1 - e] = s
-                hi[n - 1 - e] = i
-            if n > 0:
-                rs = hs[0]
-                ri = hi[0]
+            if heap:
+                for e in range(n // 2):  # best first -> worst first
+                    s = hs[e]
+                    i = hi[e]
+                    hs[e] = hs[n - 1 - e]
+                    hi[e] = hi[n - 1 - e]
+                    hs[n - 1 - e] = s
+                    hi[n - 1 - e] = i
+                if n > 0:
+                    rs = hs[0]
+                    ri = hi[0]
         for sp in range(first + stride, cand_s.shape[0] if km > 0 else 0, stride):
             for e in range(km):
                 blk = cand_i[sp, t, r, e]
@@ -322,7 +329,7 @@ def list_walk(km: int, cap: int):
                 if blk < 0 or (n == cap and not better(sc, blk, rs, ri)):
                     break
                 n, rs, ri = offer(hs, hi, n, cap, rs, ri, sc, blk)
-        return n
+        return n, heap
 
     return take
 
@@ -354,8 +361,10 @@ def merge_kernel(block_size: int, topk: int):
         loc = pos // BK if pos >= 0 else -1
         hs = heap_s[warp, lane]
         hi = heap_i[warp, lane]
-        n = take_lists(hs, hi, cand_s, cand_i, t, r, lane, 32)  # splits lane, lane + 32, ...
-        heap_sort_best_first(hs, hi, n)
+        # splits lane, lane + 32, ...
+        n, heap = take_lists(hs, hi, cand_s, cand_i, t, r, lane, 32)
+        if heap:
+            heap_sort_best_first(hs, hi, n)
         # the paper's warp merge: the warp's top K - 1, ascending, the local block, -1 padding
         warp_merge(hs, hi, n, KM, float32(-math.inf), out, t, r, loc, out.shape[2], lane)
 
@@ -410,8 +419,9 @@ def merge_kernel_wide(block_size: int, topk: int, warps: int):
         loc = pos // BK if pos >= 0 else -1
         hs = heap_s[warp, lane]
         hi = heap_i[warp, lane]
-        n = take_lists(hs, hi, cand_s, cand_i, t, r, 32 * warp + lane, 32 * W)
-        heap_sort_best_first(hs, hi, n)
+        n, heap = take_lists(hs, hi, cand_s, cand_i, t, r, 32 * warp + lane, 32 * W)
+        if heap:
+            heap_sort_best_first(hs, hi, n)
         count = warp_top(hs, hi, n, KM, float32(-math.inf), top_s[warp], top_i[warp], lane)
         if lane == 0:
             top_n[warp] = count
