@@ -149,6 +149,9 @@ def test_decode_step_equals_the_reference(seqlens, lq, g, hkv, topk, kind):
     I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
                                      p.cache_seqlens, 16, topk)
     for version in versions_for(kind):
+        if version == 1 and kind != "float32" and lq * g > 64 and SIMULATOR:
+            continue  # CI time (52 of this case's 56 s): rung 1 at Lq x G = 128 rows; its
+            # other cases (Lq 1-7, G 1-16) run in the simulator, this one on a GPU
         if version == 3 and lq > 4:  # rung 3 adds an index kernel (its attention is rung 2's):
             I = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table,  # CI time
                                          p.cache_seqlens, 16, topk, version=3)
