@@ -26,8 +26,9 @@ is a heap already), each further list from its best entry until one cannot enter
 (the lists are sorted, so the rest cannot either); it sorts the heap best first (a lane with one
 list keeps it as it came, sorted best first: no heap, no sort), then ``K - 1`` rounds of a
 butterfly arg-max give every lane the warp's best and its owner pops it. The winners are exactly
-the global top ``K - 1`` (each is in its split's top ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the row ascending,
-then the local block, then -1. Equal to the reference bit for bit wherever the scores are.
+the global top ``K - 1`` (each is in its split's top ``K - 1``; ``better`` is a total order);
+ranked by id with shuffles, they fill the row ascending, then the local block, then -1. Equal
+to the reference bit for bit wherever the scores are.
 Where a request has more than 32 splits (a lane would walk several lists, one after another),
 ``merge_kernel_wide`` gives a row up to 8 warps, one list a lane: each warp reduces its lanes'
 heaps to its best ``K - 1`` (``_core.heap.warp_top``), then warp 0 merges those lists; the same
@@ -41,8 +42,9 @@ at B = 32 x 64K in 0.171-0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms); rung 3's re
 kernel (``v3_register_index``) takes 0.151 ms and is the default where ``Didx`` is a multiple of
 32, this one elsewhere. The merge (both rungs') cost 0.012-0.056 ms (most at B = 1, where 256
 splits met in 4 warps), before the wide merge and before a lane with one list skipped its heap
-sort (neither timed on the H200 since; the wide merge's H100 times are above). Rung 1 scores every block from
-global memory, one thread each: orders of magnitude slower, never the default for 16-bit data.
+sort (neither timed on the H200 since; the wide merge's H100 times are above). Rung 1 scores
+every block from global memory, one thread each: orders of magnitude slower, never the default
+for 16-bit data.
 """
 
 from __future__ import annotations
