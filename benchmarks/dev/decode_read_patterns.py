@@ -152,6 +152,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     import cupy as cp
+    import numpy as np
     dev = cp.cuda.Device()
     sms = dev.attributes["MultiProcessorCount"]
     k_frag, k_coal, k_bulk = (cp.RawKernel(SOURCE, name, options=("-std=c++17",))
@@ -177,7 +178,7 @@ def main(argv=None) -> dict:
         per_req = ctx // 128
         nbytes = batch * per_req * 128 * 256
         pool = cp.random.randint(0, 2**31, size=nbytes // 4, dtype=cp.int64).astype(cp.uint32)
-        want = int(cp.bitwise_xor.reduce(pool))
+        want = int(np.bitwise_xor.reduce(pool.get()))
         row = {"batch": batch, "context": ctx, "bytes": nbytes}
         # (name, kernel, CTAs an SM, warps a CTA, stages a warp: None for registers)
         for name, kern, ctas, warps, extra in (
@@ -198,7 +199,7 @@ def main(argv=None) -> dict:
                       kern((splits, batch), (32 * warps,),
                            (pool, cp.int32(per_req), cp.int32(extra), out), shared_mem=shm))
             ms = timed(fn)
-            got = int(cp.bitwise_xor.reduce(out))
+            got = int(np.bitwise_xor.reduce(out.get()))
             row[name] = {"ms": round(ms, 4), "TB/s": round(nbytes / ms / 1e9, 3),
                          "splits": splits, "fold_ok": got == want}
             print(f"{batch} x {ctx}: {name:>14} {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s "
