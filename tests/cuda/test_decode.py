@@ -196,35 +196,6 @@ def test_pages_of_several_stages(stages):
     check_attention(to_numpy(o), to_numpy(lse), p, I_ref, "float16", 2)
 
 
-def test_the_last_split_combines_and_sets_the_counts_back_to_zero():
-    # The attention's splits of a (query, KV head) count themselves in the plan's `arrivals`;
-    # the last to finish combines their partials into o and LSE and sets the count back to 0,
-    # so that the next run of the plan combines too (a count left behind would make it fire
-    # early, on a partial not yet written, or never). Lq = 3, two splits a query.
-    from msa.cuda.decode import v2_split_attention as v2a
-
-    p = paged_problem([31, 64, 65], 3, hq=4, hkv=2, bk=16, d_idx=32, topk=3, dtype=np.float16,
-                      seed=0, integer_index=True)
-    args = tuple(device(x) for x in (p.q, p.q_idx, *p.cache))
-    pl = gpu.plan(*args, 16, 3)
-    split = [k for k, _ in pl.steps if k.dispatcher is v2a.split_kernel(
-        16, 16, 2, 3, False, False, 3, stages=v2a.stages_for(16, 16, 2))]
-    assert len(split) == 1 and split[0].grid[0] == 2 and len(pl.steps) == 3  # no combine kernel
-    arrivals = pl.workspace["arrivals"]
-    assert arrivals.shape == (9, 2) and (to_numpy(arrivals) == 0).all()
-    first = [to_numpy(x).copy() for x in gpu.run(pl, *args)]
-    np.testing.assert_array_equal(to_numpy(arrivals), 0)
-    second = [to_numpy(x).copy() for x in gpu.run(pl, *args)]
-    np.testing.assert_array_equal(to_numpy(arrivals), 0)
-    for a, b in zip(first, second):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-    w = widened(p)
-    I_ref = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
-                                     p.cache_seqlens, 16, 3)
-    assert_exact(first[2], I_ref, name="block_indices")
-    check_attention(first[0], first[1], p, I_ref, "float16", 3)
-
-
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_selection_up_to_near_ties_on_gaussian_scores(version):
     # rung 3 sums each score's products in another order (its permuted index dimensions)

@@ -49,9 +49,8 @@ v      file                        kernels
                                    (decode query, KV head, page split), a draft's own
                                    selection, its ``G`` query rows as the MMA rows, each
                                    selected page loaded once (16-byte ``cp.async``, a ring
-                                   of three stages), online softmax in registers; the
-                                   last split of a (query, KV head) to finish combines the
-                                   splits by LSE (no second kernel). H200, paper
+                                   of three stages), online softmax in registers; splits
+                                   combined by LSE in a second kernel. H200, paper
                                    configuration, Lq = 1, CUDA graph:
                                    0.275 ms at B = 32 x 64K (3.4x SDPA decode), 0.161 ms at 8 x
                                    128K (3.0x). The default where rung 3 does not apply

@@ -26,11 +26,9 @@ position ``cache_seqlens[b] - Lq + i``, with its own selection and request ``b``
 * The warps of one m-tile combine their ``(m, l, O)`` through shared memory; the split writes
   ``o_part [S, B*Lq, Hq, D]`` float32 and ``lse_part [S, B*Lq, Hq]`` (or, with one split, the
   outputs themselves).
-* The last of a (query, KV head)'s splits to finish combines their partials into the outputs
-  (``combine_element``: the exact LSE combine in split order, ``lse = max + log sum exp(lse_s
-  - max)``; a row with nothing visible: o = 0, lse = -inf). Each split counts itself in
-  ``arrivals [B*Lq, Hkv]`` (int32, 0 between launches: the last one sets it back) after a
-  fence that orders its partial's stores before the count, so no combine kernel follows.
+
+``combine_kernel``: one thread per output element, the exact LSE combine of the splits in split
+order (``lse = max + log sum exp(lse_s - max)``; a row with nothing visible: o = 0, lse = -inf).
 
 Verdict (H200, paper configuration, bf16, CUDA graphs; benchmarks/results/bench_decode*.json):
 Lq = 1 reads the selected pages at 1.8-3.1 TB/s (134 MB at B = 32 x 64K in 0.053-0.073 ms, 537
@@ -64,12 +62,13 @@ from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
 from .._core.softmax import exp2_rows
-from ._plan import Kernel, attention_splits, multiprocessors
+from ._plan import Kernel, attention_splits, grid_1d, multiprocessors
 from .v1_simple import query_of
 from .._core.diskcache import kernel_jit
 
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-math.inf)
+COMBINE_THREADS = 128
 
 
 STAGES = 3  # key stages in shared memory: the next two are copied while one is computed
@@ -343,7 +342,7 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
 
     @kernel_jit
     def kernel(q, k_cache, v_cache, block_indices, block_table, cache_seqlens, sl2, o_part,
-               lse_part, arrivals, o, lse):
+               lse_part, o, lse):
         smem = dynamic_smem_u32()
         smem_f = dynamic_smem_f32()
         raw = cuda.shared.array(NE, int32)
@@ -352,7 +351,6 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         umask = cuda.shared.array(NE, int32)
         upage = cuda.shared.array(NE, int32)
         ucount = cuda.shared.array(1, int32)
-        last = cuda.shared.array(1, int32)  # 1 in the query's last split to finish
         qa = cuda.local.array(QA, types.uint32)  # Q's A fragments
         s_acc = cuda.local.array(SA, float32)
         p_frag = cuda.local.array(PF, types.uint32)
@@ -436,38 +434,20 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         stash(smem_f, o_acc, st, kr, mt, lane, sl2)
         cuda.syncthreads()
         finish(smem_f, s, t0, r, o_part, lse_part, o, lse)
-        if not DIRECT:
-            # The split's partial is out; the last of the query's splits to arrive combines
-            # them (its stores, then a fence, then the count: the threadFenceReduction order)
-            # and sets the count back to 0 for the next launch.
-            cuda.threadfence()
-            cuda.syncthreads()
-            if tid == 0:
-                before = cuda.atomic.add(arrivals, (t0, r), 1)
-                last[0] = 1 if before == splits - 1 else 0
-                if before == splits - 1:
-                    arrivals[t0, r] = 0
-            cuda.syncthreads()
-            if last[0]:
-                cuda.threadfence()
-                for e in range(tid, R * D, NTH):
-                    t = t0 + e // D // G
-                    h = r * G + (e // D) % G
-                    d = e % D
-                    val, ls = combine_element(o_part, lse_part, t, h, d)
-                    o[t, h, d] = to_bits(val)
-                    if d == 0:
-                        lse[t, h] = ls
 
     return kernel
 
 
-@cuda.jit(device=True, inline=True)
-def combine_element(o_part, lse_part, t, h, e):
-    """``(o, lse)`` of element ``e`` of head ``h`` of query ``t`` from the splits' partials
-    ``o_part [S, B*Lq, Hq, D]``, ``lse_part [S, B*Lq, Hq]``, in split order (``lse = max + log
-    sum exp(lse_s - max)``; a row with nothing visible: o = 0, lse = -inf)."""
-    splits = o_part.shape[0]
+@kernel_jit
+def combine_kernel(o_part, lse_part, o, lse, bf16):
+    """``o [B*Lq, Hq, D]`` (16-bit bits) and ``lse`` from the splits' partials, in split order."""
+    splits, rows, hq, d = o_part.shape
+    x = cuda.grid(1)
+    if x >= rows * hq * d:
+        return
+    t = x // (hq * d)
+    h = (x // d) % hq
+    e = x % d
     mx = NEG_INF
     for s in range(splits):
         mx = max(mx, lse_part[s, t, h])
@@ -479,8 +459,9 @@ def combine_element(o_part, lse_part, t, h, e):
             total += w
             acc += w * o_part[s, t, h, e]
     val = acc / total if total > float32(0.0) else float32(0.0)
-    ls = mx + math.log2(total) * float32(LN2) if total > float32(0.0) else NEG_INF
-    return val, ls
+    o[t, h, e] = f32_to_bf16(val) if bf16 else f32_to_f16_bits(val)
+    if e == 0:
+        lse[t, h] = mx + math.log2(total) * float32(LN2) if total > float32(0.0) else NEG_INF
 
 
 def plan_attention(p, ctx, step, scale) -> int:
@@ -496,9 +477,7 @@ def plan_attention(p, ctx, step, scale) -> int:
                                        lay.head_dim if n > 1 else 1), np.float32)
     p.workspace["lse_part"] = ctx.empty((n, rows if n > 1 else 1, step.hq if n > 1 else 1),
                                         np.float32)
-    # the splits of each (query, KV head) that have written their partial: 0 between launches
-    p.workspace["arrivals"] = ctx.empty((rows, hkv) if n > 1 else (1, 1), np.int32, fill=0)
-    parts = [("ws", "o_part", None), ("ws", "lse_part", None), ("ws", "arrivals", None)]
+    parts = [("ws", "o_part", None), ("ws", "lse_part", None)]
     mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, g)
     stages = stages_for(lay.block_size, lay.head_dim, g)
     smem = layout(lay.block_size, lay.head_dim, g, stages)[-1]
@@ -509,4 +488,9 @@ def plan_attention(p, ctx, step, scale) -> int:
                      ("out", "block_indices", None), ("in", "block_table", None),
                      ("in", "cache_seqlens", None), float(scale * LOG2E), *parts,
                      ("out", "o", "bits"), ("out", "lse", None)]))
+    if splits > 1:
+        n = rows * step.hq * lay.head_dim
+        p.steps.append((Kernel(combine_kernel, grid_1d(n, COMBINE_THREADS), COMBINE_THREADS),
+                        [("ws", "o_part", None), ("ws", "lse_part", None), ("out", "o", "bits"),
+                         ("out", "lse", None), int(bf16)]))
     return splits

@@ -21,7 +21,7 @@ def variants():
     table, lens, i3, i4 = i32[:, ::1], i32[::1], i32[:, :, ::1], i32[:, :, :, ::1]
     index_sig = (w3, w3, table, lens, i64, f32, f4, i4)
     merge_sig = (f4, i4, lens, i64, i64, i3)
-    att_sig = (w3, w4, w4, i3, table, lens, f32, f4, f3, table, b3, f2)
+    att_sig = (w3, w4, w4, i3, table, lens, f32, f4, f3, b3, f2)
     for lq in (1, 4, 8):
         yield f"index-split-paper-Lq{lq}-bf16", idx.split_kernel(128, 128, lq, 4, 16, True), index_sig
         yield (f"index-register-paper-Lq{lq}-bf16", reg.split_kernel(128, 128, lq, 4, 16, True),
@@ -32,6 +32,7 @@ def variants():
     yield "index-merge-paper", idx.merge_kernel(128, 16), merge_sig
     yield "index-merge-K64", idx.merge_kernel(128, 64), merge_sig
     yield "index-merge-K1", idx.merge_kernel(128, 1), merge_sig
+    yield "attention-combine", att.combine_kernel, (f4, f3, b3, f2, i64)
     yield "append-bf16", v1.append_kernel, (b3, b3, b2, b4, b4, b3, table, lens, lens, i64, i64,
                                             i64, i64, i64)
     # small shapes (the tests' sizes)
