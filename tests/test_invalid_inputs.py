@@ -981,6 +981,27 @@ def test_cuda_combine_takes_torch_and_numpy_out_dtypes(out_dtype):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o32).astype(want))
 
 
+@pytest.mark.skipif(not CUDA_RUNNABLE, reason=CUDA_WHY_NOT or "msa.cuda runs here")
+@pytest.mark.parametrize("out_dtype", [torch.float64, np.float64, "float64"])
+def test_cuda_combine_points_float64_to_the_reference(out_dtype):
+    P = build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float32", 1)
+    with pytest.raises(TypeError, match="out_dtype = 'float64' is not supported by msa.cuda.*"
+                                        "msa.reference accepts it"):
+        Backend("cuda").combine.combine_partials(P.o_part, P.lse_part, out_dtype=out_dtype)
+
+
+def test_a_nan_lse_from_the_forward_is_refused_with_its_cause():
+    # A NaN value in a key that query t sees makes the forward's lse[t] NaN; the backward then
+    # refuses that lse and says where a NaN lse comes from.
+    P = build((6, 5), (10, 5), 2, 2, 4, 2, 4, "float64", 2)
+    k = P.k.copy()
+    k[3] = np.nan
+    o, lse = R.sparse_attention(P.q, k, P.v, P.I, P.cu_q, P.cu_k, P.bk)
+    assert np.isnan(lse).any()
+    with pytest.raises(ValueError, match=r"lse\[\d+, \d+\] = nan .*sees a non-finite q, k or v"):
+        R.sparse_attention_backward(P.q, k, P.v, o, lse, o, P.I, P.cu_q, P.cu_k, P.bk)
+
+
 def test_from_params_keeps_the_params_dtype():
     P = build((3,), (5,), 2, 1, 4, 2, 4, "float32", 0)
     assert MT.MSAAttention.from_params(P.params, block_size=4, topk=2).w_q.dtype == torch.float32

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._checks import check_array, check_version
+from ..._checks import check_array, check_version, unsupported
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .v1_warp import launch_v1
 from .v2_vector import launch_v2, vector_path_ok
@@ -59,6 +59,9 @@ def _out_kind(dtype) -> str:
         return "float32"
     if dt == np.float16:
         return "float16"
+    if dt == np.float64:
+        raise unsupported("out_dtype", "float64", "msa.cuda", "float32, float16 or bfloat16",
+                          exc=TypeError)
     raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {dt}")
 
 
