@@ -498,6 +498,10 @@ def test_bad_inputs_raise_named_errors():
     step = (p.q, p.q_idx, *p.cache)
     with pytest.raises(ValueError, match="topk"):
         gpu.decode_step(*step, 16, 65)
+    # 69 blocks: the reference takes K = 65, msa.cuda says it does not and points there
+    long = paged_problem([1100], 1, hq=2, hkv=1, bk=16, topk=3, dtype=np.float16, seed=9)
+    with pytest.raises(ValueError, match="topk = 65 is not supported by msa.cuda.*msa.reference"):
+        gpu.decode_step(long.q, long.q_idx, *long.cache, 16, 65)
     with pytest.raises(ValueError, match="block_size"):
         gpu.decode_step(*step, 8, 3)
     with pytest.raises(ValueError, match="version 2 does not apply.*float32"):

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_version,
-                        cu_to_host, dtype_of)
+                        cu_to_host, dtype_of, unsupported)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
@@ -121,6 +121,16 @@ class _Step:
         return self.hq // self.layout.num_kv_heads if self.hq else 0
 
 
+def _check_topk(name: str, topk) -> int:
+    """``topk`` within the reference's bounds, then within msa.cuda's ``MAX_TOPK`` (an error
+    that points to msa.reference, which takes more)."""
+    topk = check_positive_int(name, topk, high=_ref.MAX_TOPK)
+    if topk > MAX_TOPK:
+        raise unsupported(name, topk, "msa.cuda", f"{name} <= {MAX_TOPK}",
+                          why="the merge's warp heap")
+    return topk
+
+
 def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, block_size,
               topk, scale, index_scale, validate: bool) -> _Step:
     validate = check_flag("validate", validate)
@@ -140,7 +150,7 @@ def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlen
     if lq > MAX_QUERIES:
         raise ValueError(f"q must have at most {MAX_QUERIES} new queries a request (Lq = rows / B "
                          f"= {lq}); longer chunks are a prefill")
-    topk = 0 if topk is None else check_positive_int("topk", topk, high=MAX_TOPK)
+    topk = 0 if topk is None else _check_topk("topk", topk)
     hq = int(q.shape[1]) if q is not None else 0
     scale = check_scale("scale", scale, 1.0 / math.sqrt(max(layout.head_dim, 1)))
     index_scale = check_scale("index_scale", index_scale, 1.0 / math.sqrt(max(layout.index_dim, 1)))
@@ -439,8 +449,7 @@ def decode_attention(q, k_cache, v_cache, block_indices, block_table, cache_seql
     lay = step.layout
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
                 shape=(int(q.shape[0]), lay.num_kv_heads, None))
-    topk = check_positive_int("topk (block_indices.shape[2])", int(block_indices.shape[2]),
-                              high=MAX_TOPK)
+    topk = _check_topk("topk (block_indices.shape[2])", int(block_indices.shape[2]))
     cu_q, cu_k = _ref.decode_offsets(lay, step.lq)
     check_block_indices(block_indices, cu_q, cu_k, lay.block_size)
     step.topk = topk
