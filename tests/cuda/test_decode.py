@@ -652,11 +652,11 @@ def test_paper_configuration_long_context_takes_the_wide_merge(lq):
 
 # -- the merge of the splits' lists: one warp a row, and several -----------------------------
 
-def split_lists(splits, rows, hkv, topk, loc_blocks, seed):
+def split_lists(splits, rows, hkv, topk, loc_blocks, seed, low=-4, high=4):
     """``cand_s, cand_i [S, rows, Hkv, K-1]`` as the split kernels leave them: each list the
     best of its own blocks (split s owns blocks s, s + S, ...), sorted best first by
-    ``(score, -id)``, padded with ``(-inf, -1)``; scores from a few values, so that ties across
-    splits are common."""
+    ``(score, -id)``, padded with ``(-inf, -1)``; scores from the integers ``low .. high``, so
+    that ties across splits are common."""
     rng = np.random.default_rng(seed)
     km = topk - 1
     cand_s = np.full((splits, rows, hkv, km), -np.inf, np.float32)
@@ -665,7 +665,7 @@ def split_lists(splits, rows, hkv, topk, loc_blocks, seed):
         for t in range(rows):
             for r in range(hkv):
                 blocks = np.arange(sp, loc_blocks[t], splits)
-                scores = rng.integers(-4, 5, blocks.size).astype(np.float32)
+                scores = rng.integers(low, high + 1, blocks.size).astype(np.float32)
                 order = np.lexsort((blocks, -scores))[:km]
                 cand_s[sp, t, r, :order.size] = scores[order]
                 cand_i[sp, t, r, :order.size] = blocks[order]
@@ -688,10 +688,13 @@ def merged_rows(cand_s, cand_i, loc_blocks, topk):
     return out
 
 
-@pytest.mark.parametrize("splits, topk", [(33, 4), (140, 16), (70, 32)])
-def test_wide_merge_equals_the_one_warp_merge(splits, topk):
+@pytest.mark.parametrize("splits, topk, signed_zeros", [(33, 4, False), (140, 16, False),
+                                                         (70, 32, False), (40, 16, True)])
+def test_wide_merge_equals_the_one_warp_merge(splits, topk, signed_zeros):
     """Where a lane of the one-warp merge would take more than one list, the merge runs with
-    several warps a row (``wide_warps``): the same rows, bit for bit, and the reference's."""
+    several warps a row (``wide_warps``): the same rows, bit for bit, and the reference's. Ties
+    are common; with ``signed_zeros`` the zero scores of every other split are ``-0.0``, which
+    tie with ``+0.0`` (to the smaller id) as in ``_core.heap.better``."""
     from msa.cuda.decode import v2_split_index as v2i
 
     bk, lq, hkv = 16, 1, 2
@@ -699,7 +702,12 @@ def test_wide_merge_equals_the_one_warp_merge(splits, topk):
     rows = lens.size * lq
     pos = np.repeat(lens, lq) - np.tile(np.arange(lq, 0, -1), lens.size)
     loc = pos // bk
-    cand_s, cand_i = split_lists(splits, rows, hkv, topk, loc, seed=splits + topk)
+    cand_s, cand_i = split_lists(splits, rows, hkv, topk, loc, seed=splits + topk,
+                                 high=0 if signed_zeros else 4)
+    if signed_zeros:  # most of the best are zeros: the row is decided among them by id
+        odd = cand_s[1::2]
+        odd[odd == 0] = -0.0
+        assert np.signbit(cand_s[cand_s == 0]).any() and (~np.signbit(cand_s[cand_s == 0])).any()
     want = merged_rows(cand_s, cand_i, loc, topk)
     w = v2i.wide_warps(splits, topk)
     assert w > 1
