@@ -292,4 +292,4 @@ def check_lse(lse, nonempty, *, name: str = "lse") -> None:
             f"{name}[{t}, {h}] = {float(lse[t, h])} (query {t}'s support is {where}): {name} must "
             "be the forward's log-sum-exp, finite where the support is non-empty and -inf only "
             "where it is empty, never NaN or +inf (the forward gives NaN or +inf where the "
-            "query sees a non-finite q, k or v: that row has no gradient to compute)")
+            "query sees a non-finite q, k or v, and its gradients are not defined there)")
