@@ -47,8 +47,9 @@ write out of bounds: entries that are not a block of the query's own sequence ar
 write is clamped to ``[0, Tq*K)``, and a block id a query repeats is listed once, at the first
 slot naming it (``_core.packed.repeats_in_warp`` where a warp holds whole rows, i.e. K divides
 32: a vote that the rows ascend, as msa writes selections, else one ``match.any`` among a row's
-lanes; elsewhere ``repeats_a_slot``, up to K - 1 loads of the row a slot), so that every entry of a row is written (no stale memory read as another query's edge)
-and no row holds more queries than its sequence has. The CSR of such a selection is still not
+lanes; elsewhere ``repeats_a_slot``, up to K - 1 loads of the row a slot), so that every entry
+of a row is written (no stale memory read as another query's edge) and no row holds more
+queries than its sequence has. The CSR of such a selection is still not
 the reference's (it rejects it); the kernels that read it keep the damage in the rows of the
 queries that made it (tests/cuda/test_hostile_indices.py).
 
