@@ -12,8 +12,7 @@ import pytest
 from numba import cuda, float32, int32
 
 from msa.cuda._core import simwarp as _simwarp
-from msa.cuda._core.warp import (warp_inclusive_sum, warp_max, warp_min, warp_min_i32,
-                                 warp_sort_desc, warp_sum)
+from msa.cuda._core.warp import warp_inclusive_sum, warp_max, warp_min, warp_sort_desc, warp_sum
 
 FULL = 0xFFFFFFFF
 LANES = np.arange(32)
@@ -68,12 +67,6 @@ def _reduce_xor_2d(x, total, hi, lo):
     total[i] = warp_sum(x[i])
     hi[i] = warp_max(x[i])
     lo[i] = warp_min(x[i])
-
-
-@cuda.jit
-def _min_i32(x, lo):
-    i = cuda.grid(1)
-    lo[i] = warp_min_i32(x[i])
 
 
 @cuda.jit
@@ -214,15 +207,6 @@ def test_butterfly_sum_max_min_in_2d_blocks():
     np.testing.assert_array_equal(_warps(total), np.repeat(w.sum(1, keepdims=True), 32, axis=1))
     np.testing.assert_array_equal(_warps(hi), np.repeat(w.max(1, keepdims=True), 32, axis=1))
     np.testing.assert_array_equal(_warps(lo), np.repeat(w.min(1, keepdims=True), 32, axis=1))
-
-
-def test_redux_min_of_int32_over_the_warp():
-    # redux.sync.min.s32 on a GPU, the butterfly here: signed, the full int32 range
-    x = np.random.default_rng(4).integers(-2**31, 2**31, 3 * 32, dtype=np.int64).astype(np.int32)
-    x[5], x[40], x[64:] = -2**31, 2**31 - 1, 2**31 - 1  # the last warp holds only the largest
-    lo = np.zeros_like(x)
-    _min_i32[3, 32](x, lo)
-    np.testing.assert_array_equal(_warps(lo), np.repeat(_warps(x).min(1, keepdims=True), 32, axis=1))
 
 
 def test_bitonic_sort_desc_ties_to_smaller_index():

@@ -16,8 +16,6 @@ import math
 
 from numba import cuda, int32
 
-from .warp import warp_min_i32
-
 MAX_TOPK = 64  # the kernels' heap capacity: K - 1 <= 63 entries a lane (or thread)
 FULL_MASK = 0xFFFFFFFF
 NO_BLOCK = 0x7FFFFFFF  # the id of "no candidate": loses every tie against a real block
@@ -142,26 +140,22 @@ def write_selection(out, t, r, hi, n, loc, topk):
 @cuda.jit(device=True, inline=True)
 def warp_best(hs, hi, p, n, neg):
     """One round of the warp merge: every lane shows its best remaining entry ``hs/hi[p]`` (none
-    once ``p == n``), and every lane gets the warp's best ``(score, id)``; ``(neg, NO_BLOCK)``
-    when every lane is empty. Every lane of the warp calls it.
-
-    The best is ``better``'s: the highest score, ties to the smallest id. The scores' maximum
-    comes from a butterfly of compare-and-selects, then the smallest id among the lanes that show
-    it from one ``redux.sync.min.s32`` (``_core.warp.warp_min_i32``): no branch in the chain. A
-    tie of ``-0.0`` and ``+0.0`` is a tie here as in ``better`` (``==`` holds), so the id is the
-    same; the score returned may then be either zero. Scores are never NaN."""
+    once ``p == n``), and a butterfly arg-max gives every lane the warp's best ``(score, id)``;
+    ``(neg, NO_BLOCK)`` when every lane is empty. Every lane of the warp calls it."""
     cs = neg
     ci = int32(NO_BLOCK)
     if p < n:
         cs = hs[p]
         ci = hi[p]
-    m = cs
     off = 16
     while off > 0:
-        o = cuda.shfl_xor_sync(FULL_MASK, m, off)
-        m = o if o > m else m
+        os_ = cuda.shfl_xor_sync(FULL_MASK, cs, off)
+        oi = cuda.shfl_xor_sync(FULL_MASK, ci, off)
+        if better(os_, oi, cs, ci):
+            cs = os_
+            ci = oi
         off >>= 1
-    return m, warp_min_i32(ci if cs == m else int32(NO_BLOCK))
+    return cs, ci
 
 
 @cuda.jit(device=True, inline=True)

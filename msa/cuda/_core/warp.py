@@ -9,9 +9,6 @@ float32 stays float32 (checked offline: no f64 and no local memory in the PTX at
 
 =================================  =========================================================
 ``warp_sum/max/min(value)``        butterfly (``shfl_xor_sync``): every lane gets the result
-``warp_min_i32(value)``            the minimum of an int32 over the 32 lanes in one
-                                   ``redux.sync.min.s32`` (sm_80 and later); the simulator
-                                   runs ``warp_min``
 ``warp_inclusive_sum(mask, v)``    Hillis-Steele scan with ``shfl_up_sync``
 ``warp_sort_desc(key, idx)``       bitonic sort of 32 (key, idx) pairs across the warp:
                                    lane 0 gets the largest key, ties go to the smaller idx
@@ -21,9 +18,7 @@ float32 stays float32 (checked offline: no f64 and no local memory in the PTX at
 
 from __future__ import annotations
 
-from numba import cuda, int32, types
-
-from .arrays import SIMULATOR
+from numba import cuda
 
 FULL_MASK = 0xFFFFFFFF
 WARP_SIZE = 32
@@ -57,44 +52,6 @@ def warp_min(value):
         value = min(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
         offset >>= 1
     return value
-
-
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def warp_min_i32(value):
-        """Minimum of the int32 ``value`` over the 32 lanes, returned to every lane (the
-        simulator's twin of ``redux.sync.min.s32``: the butterfly)."""
-        return int32(warp_min(int32(value)))
-else:
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def _redux_min_s32(typingctx, value):
-        """``redux.sync.min.s32`` over the full warp (the value truncated to 32 bits)."""
-        if not isinstance(value, types.Integer):
-            return None
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            v = args[0]
-            width = sig.args[0].bitwidth
-            if width > 32:
-                v = builder.trunc(v, i32)
-            elif width < 32:
-                v = builder.sext(v, i32) if sig.args[0].signed else builder.zext(v, i32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]),
-                               "redux.sync.min.s32 $0, $1, 0xffffffff;", "=r,r",
-                               side_effect=True)
-            return builder.call(asm, [v])
-
-        return int32(value), codegen
-
-    @cuda.jit(device=True)
-    def warp_min_i32(value):
-        """Minimum of the int32 ``value`` over the 32 lanes, returned to every lane: one
-        ``redux.sync.min.s32`` (every lane of the warp must call it)."""
-        return _redux_min_s32(value)
 
 
 @cuda.jit(device=True)

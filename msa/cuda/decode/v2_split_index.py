@@ -25,11 +25,11 @@ own heap of ``K - 1`` (shared memory): the first list whole (it fits, and stored
 is a heap already), each further list from its best entry until one cannot enter the full heap
 (the lists are sorted, so the rest cannot either); it sorts the heap best first (a lane with one
 list keeps it as it came, sorted best first: no heap, no sort), then ``K - 1`` rounds give
-every lane the warp's best and its owner pops it (``_core.heap.warp_best``: the scores' maximum
-by a butterfly, the smallest id among the lanes holding it by one ``redux.sync``). The winners
-are exactly the global top ``K - 1`` (each is in its split's top ``K - 1``; ``better`` is a
-total order); ranked by id with shuffles, they fill the row ascending, then the local block,
-then -1. Equal to the reference bit for bit wherever the scores are.
+every lane the warp's best and its owner pops it (``_core.heap.warp_best``: a butterfly of
+``(score, id)`` exchanges). The winners are exactly the global top ``K - 1`` (each is in its
+split's top ``K - 1``; ``better`` is a total order); ranked by id with shuffles, they fill the
+row ascending, then the local block, then -1. Equal to the reference bit for bit wherever the
+scores are.
 Where a request has more than 32 splits (a lane would walk several lists, one after another),
 ``merge_kernel_wide`` gives a row up to 8 warps, one list a lane: each warp reduces its lanes'
 heaps to its best ``K - 1`` (``_core.heap.warp_top``), then warp 0 merges those lists; the same
@@ -40,9 +40,9 @@ Verdict (paper configuration, bf16, CUDA graphs): the split kernel reads the ind
 3.1-3.5 TB/s on the H200, 72-81% of its 4.26 TB/s copy bandwidth (537 MB at B = 32 x 64K in
 0.171-0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms; runs M, R of docs/performance.md); rung 3's
 register-streamed kernel (``v3_register_index``) takes 0.151 ms and is the default where
-``Didx`` is a multiple of 32, this one elsewhere. The merge, on an H100 (runs O6, O7; its rounds
-before the ``redux`` one, which is not yet timed): 0.010 ms a step at 32 x 64K and 128 x 8K (one
-warp a row), 0.017-0.018 at 8 x 128K and 1 x 128K (2 and 8 warps a row), 0.0165 at 1 x 1M.
+``Didx`` is a multiple of 32, this one elsewhere. The merge, on an H100 (runs O6-O8): 0.010 ms
+a step at 32 x 64K and 128 x 8K (one warp a row), 0.017-0.018 at 8 x 128K and 1 x 128K (2 and 8
+warps a row), 0.0165 at 1 x 1M.
 Rung 1 scores every block from global memory, one thread each: orders of magnitude slower, never
 the default for 16-bit data.
 """
