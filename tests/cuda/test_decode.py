@@ -180,14 +180,11 @@ def test_pages_of_several_stages(stages):
     steps = []
     for kernel, spec in pl.steps:
         for direct in (False, True):
-            dep = int(kernel.dependent)
             if kernel.dispatcher is v2a.split_kernel(32, 16, 2, 3, False, direct, 3,
-                                                     stages=v2a.stages_for(32, 16, 2),
-                                                     dependent=dep):
-                rebuilt = v2a.split_kernel(32, 16, 2, 3, False, direct, 3, stages=stages,
-                                           dependent=dep)
+                                                     stages=v2a.stages_for(32, 16, 2)):
+                rebuilt = v2a.split_kernel(32, 16, 2, 3, False, direct, 3, stages=stages)
                 kernel = Kernel(rebuilt, kernel.grid, kernel.block,
-                                v2a.layout(32, 16, 2, stages)[-1], dependent=kernel.dependent)
+                                v2a.layout(32, 16, 2, stages)[-1])
                 steps.append("rebuilt")
         steps.append((kernel, spec))
     assert steps.count("rebuilt") == 1
@@ -551,12 +548,6 @@ def test_ptx_has_no_f64_and_no_local_memory(name):
     if "register" in name:  # rung 3's index: keys straight from global memory into the mma
         assert "mma.sync.aligned.m16n8k16" in ptx and "ld.global.nc.v4" in ptx
         assert "cp.async" not in ptx
-    # a dependent launch's kernel waits for the grid before it, before its first load
-    waits = ptx.count("griddepcontrol.wait")
-    assert waits == (1 if name.startswith("dependent-") else 0)
-    if waits:
-        head, body = ptx.split("griddepcontrol.wait")
-        assert "ld.global" not in head and "ld.global" in body
 
 
 # -- GPU only: the paper configuration, CUDA graphs ---------------------------------------------
@@ -618,49 +609,6 @@ def test_cuda_graph_replay_equals_eager_bitwise():
     torch.cuda.synchronize()
     assert torch.equal(pl.block_indices, fresh[2])
     assert torch.equal(pl.o.view(torch.int16), fresh[0].view(torch.int16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,n,lq", [(4, 2000, 2), (1, 140 * 128, 1)], ids=["one-warp-merge",
-                                                                          "wide-merge"])
-def test_dependent_launches_change_no_bit(b, n, lq, monkeypatch):
-    """On sm_90 a plan launches the merge, the split attention and the combine as dependent
-    launches (``_plan.dependent_launches``: each may start while the kernel before it drains,
-    and waits for it first thing). Eager and replayed in a CUDA graph, with the workspaces and
-    outputs poisoned before every replay (a kernel that read its producer's output early would
-    read the poison), the outputs are bitwise those of plain launches (``_plan.DEPENDENT =
-    False``)."""
-    torch = pytest.importorskip("torch")
-    from msa.cuda.decode import _plan
-
-    p, c, m = _paper_problem(torch, b, n, lq, seed=3)
-    args = (c["q"], c["q_idx"], c["k_cache"], c["v_cache"], c["k_idx_cache"], m["block_table"],
-            m["cache_seqlens"])
-    results = {}
-    for dependent in (False, True):
-        monkeypatch.setattr(_plan, "DEPENDENT", dependent)
-        pl = gpu.plan(*args, 128, 16)
-        flags = [k.dependent for k, _ in pl.steps]
-        on = dependent and _plan.dependent_launches()
-        assert flags == [False] + [on] * (len(flags) - 1), flags  # the index kernel: a plain launch
-        assert len(flags) == 4  # index, merge, attention, combine
-        eager = [x.clone() for x in gpu.run(pl, *args)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gpu.run(pl, *args)
-        replays = []
-        for _ in range(3):
-            for x in (*pl.workspace.values(), pl.o, pl.lse, pl.block_indices):
-                x.fill_(-7) if x.dtype == torch.int32 else x.view(torch.int16 if x.element_size()
-                                                                     == 2 else torch.int32).fill_(-1)
-            graph.replay()
-            replays.append([x.clone() for x in (pl.o, pl.lse, pl.block_indices)])
-        torch.cuda.synchronize()
-        results[dependent] = [eager] + replays
-    bits = lambda x: x.view(torch.int16) if x.dtype == torch.bfloat16 else x  # noqa: E731
-    for got in results[True] + results[False][1:]:
-        for g, w in zip(got, results[False][0]):
-            assert torch.equal(bits(g), bits(w))
 
 
 @pytest.mark.parametrize("version", [2, 3])

@@ -46,15 +46,6 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    elements ``[2t][g]`` (low half) and ``[2t+1][g]`` (high
                                    half), i.e. the mma B fragment of a matrix stored with its
                                    ``k`` index along the rows (V of ``P V`` stored row-major)
-``wait_prior_grids(on)``           ``griddepcontrol.wait`` where ``on`` (a literal) is 1: wait
-                                   until the grids this one depends on have completed and their
-                                   writes are visible. A kernel launched as a programmatic
-                                   dependent launch (``msa.cuda.decode._plan.Kernel``'s
-                                   ``dependent``) may start while the kernel before it in the
-                                   stream still runs; it must call this before it reads that
-                                   kernel's outputs or writes what that kernel reads. Without
-                                   such a launch it returns at once. ``on = 0`` emits nothing
-                                   (sm_90 and later only: below, the planners pass 0)
 ``dynamic_smem_u32()``             the kernel's dynamic shared memory (the bytes the launch
                                    asks for, ``launch_smem``) as a uint32 array, 16-byte
                                    aligned on the GPU (``cp_async16``, ``ldmatrix_x4``)
@@ -152,10 +143,6 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_wait_group(n):
         """Simulator twin: ``cp_async16`` copies at once, nothing to wait for."""
-
-    @cuda.jit(device=True)
-    def wait_prior_grids(on):
-        """Simulator twin: launches run one after another, nothing to wait for."""
 
     @cuda.jit(device=True)
     def ldmatrix_x4(a, flat):
@@ -339,22 +326,6 @@ else:
             return context.get_dummy_value()
 
         return types.void(n), codegen
-
-    @intrinsic
-    def wait_prior_grids(typingctx, on):
-        """``griddepcontrol.wait`` (sm_90) where the literal ``on`` is 1; nothing where 0."""
-        if not isinstance(on, types.IntegerLiteral):
-            return None
-        emit = bool(on.literal_value)
-
-        def codegen(context, builder, signature, args):
-            if emit:
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "griddepcontrol.wait;",
-                                   "~{memory}", side_effect=True)
-                builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(on), codegen
 
     def _ldmatrix(ptx):
         """An intrinsic ``(a, flat)`` -> the four words ``ptx`` (an ``ldmatrix ... .x4`` form)

@@ -125,20 +125,13 @@ def sim_scalar(v):
 
 class Kernel:
     """One kernel, one launch configuration, compiled for the argument types of its first
-    launch (``compile``) and launched without Numba's per-launch typing.
+    launch (``compile``) and launched without Numba's per-launch typing."""
 
-    ``dependent=True`` launches it as a programmatic dependent launch: the GPU may start its
-    CTAs while the kernel before it in the stream finishes, hiding the gap between the two. The
-    kernel must then call ``_core.memops.wait_prior_grids(1)`` before it touches what that
-    kernel writes or reads (the decode kernels built with ``dependent=1`` do so first thing).
-    Only where ``dependent_launches()`` holds."""
-
-    def __init__(self, dispatcher, grid, block, smem: int = 0, dependent: bool = False):
+    def __init__(self, dispatcher, grid, block, smem: int = 0):
         self.dispatcher = dispatcher
         self.grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
         self.block = int(block)
         self.smem = int(smem)
-        self.dependent = bool(dependent)
         self._compiled = None
         self._function = None
         self._config = None
@@ -158,9 +151,8 @@ class Kernel:
 
         coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
         grid3 = (self.grid + (1, 1))[:3]
-        extra = {"programmatic_stream_serialization": True} if self.dependent else {}
         self._config = LaunchConfig(grid=grid3, block=(self.block, 1, 1), shmem_size=self.smem,
-                                    **{coop: False}, **extra)
+                                    **{coop: False})
         return self
 
     def launch(self, stream: int, *args):
@@ -198,38 +190,6 @@ def _raise_smem_limit(cufunc, nbytes):
 
 def grid_1d(n: int, threads: int) -> int:
     return max(1, -(-int(n) // threads))
-
-
-# -- dependent launches -------------------------------------------------------------------------
-
-# The merge, the split attention and the combine are launched as programmatic dependent launches
-# (``Kernel``'s ``dependent``): each waits for the kernel before it (``wait_prior_grids``) instead
-# of the stream holding its launch until that kernel has drained. False: every launch as before
-# (an A/B switch for ``benchmarks.dev.decode_knobs``: ``_plan.DEPENDENT=False``).
-DEPENDENT = True
-
-
-def dependent_launches() -> bool:
-    """Whether plans launch their later kernels as dependent launches: ``DEPENDENT``, a GPU of
-    compute capability 9.0 or more (``griddepcontrol``) and a ``cuda.core`` that takes the
-    launch attribute. Never in the simulator."""
-    if SIMULATOR or not DEPENDENT:
-        return False
-    require_gpu()
-    return _dependent_on(cuda.get_current_device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _dependent_on(device_id: int) -> bool:
-    if cuda.get_current_device().compute_capability < (9, 0):
-        return False
-    from cuda.core import LaunchConfig
-
-    try:
-        LaunchConfig(grid=(1, 1, 1), block=(32, 1, 1), programmatic_stream_serialization=True)
-    except TypeError:  # a cuda.core without the attribute
-        return False
-    return True
 
 
 # -- splits -------------------------------------------------------------------------------------

@@ -57,13 +57,12 @@ from numba import cuda, float32, int32, types
 
 from .._core.arrays import SIMULATOR
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, cp_async_wait_group,
-                            dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans,
-                            wait_prior_grids)
+                            dynamic_smem_f32, dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans)
 from .._core.mma import (exp2, f32_to_bf16, f32_to_f16_bits, make_mma_pair, mma_bf16_m16n8k16,
                          mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
 from .._core.packed import LN2, LOG2E
 from .._core.softmax import exp2_rows
-from ._plan import Kernel, attention_splits, dependent_launches, grid_1d, multiprocessors
+from ._plan import Kernel, attention_splits, grid_1d, multiprocessors
 from .v1_simple import query_of
 from .._core.diskcache import kernel_jit
 
@@ -110,15 +109,13 @@ def stages_for(block_size: int, head_dim: int, group: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bool,
-                 direct: bool, drafts: int = 1, stages: int = 0, dependent: int = 0):
+                 direct: bool, drafts: int = 1, stages: int = 0):
     """The split attention for (Bk, D, G, K, bf16 or fp16, one split writing the outputs, Lq
     queries a request; ``stages`` key stages, 0: ``stages_for``); arguments ``(q words [B*Lq,
     Hq, D/2], k_cache words, v_cache words [P, Hkv, Bk, D/2], block_indices, block_table,
     cache_seqlens, scale * log2 e, o_part, lse_part, o bits, lse)``, the grid ``(splits, Hkv,
-    B*Lq)``. ``dependent = 1``: it first waits for the grid before it (``wait_prior_grids``),
-    for a dependent launch (``_plan.Kernel``)."""
+    B*Lq)``."""
     BK, D, G, K = block_size, head_dim, group, topk
-    DEP = dependent
     DR = drafts
     R = G
     MT, KSPLIT, KC, SK = shape(BK, D, G)
@@ -359,7 +356,6 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
         p_frag = cuda.local.array(PF, types.uint32)
         o_acc = cuda.local.array(OA, float32)
         st = cuda.local.array(4, float32)  # m_top, m_bot, l_top, l_bot
-        wait_prior_grids(DEP)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -442,24 +438,9 @@ def split_kernel(block_size: int, head_dim: int, group: int, topk: int, bf16: bo
     return kernel
 
 
-@functools.lru_cache(maxsize=None)
-def combine_kernel_for(dependent: int):
-    """``combine_kernel``, or with ``dependent = 1`` the same kernel that first waits for the
-    grid before it (``wait_prior_grids``), for a dependent launch (``_plan.Kernel``)."""
-    DEP = dependent
-
-    @kernel_jit
-    def kernel(o_part, lse_part, o, lse, bf16):
-        wait_prior_grids(DEP)
-        combine(o_part, lse_part, o, lse, bf16)
-
-    return kernel
-
-
-@cuda.jit(device=True, inline=True)
-def combine(o_part, lse_part, o, lse, bf16):
-    """``o [B*Lq, Hq, D]`` (16-bit bits) and ``lse`` from the splits' partials, in split order:
-    this thread's element."""
+@kernel_jit
+def combine_kernel(o_part, lse_part, o, lse, bf16):
+    """``o [B*Lq, Hq, D]`` (16-bit bits) and ``lse`` from the splits' partials, in split order."""
     splits, rows, hq, d = o_part.shape
     x = cuda.grid(1)
     if x >= rows * hq * d:
@@ -483,9 +464,6 @@ def combine(o_part, lse_part, o, lse, bf16):
         lse[t, h] = mx + math.log2(total) * float32(LN2) if total > float32(0.0) else NEG_INF
 
 
-combine_kernel = combine_kernel_for(0)
-
-
 def plan_attention(p, ctx, step, scale) -> int:
     """Add the attention launches of rung 2 to plan ``p``; returns the split count."""
     lay = step.layout
@@ -503,18 +481,16 @@ def plan_attention(p, ctx, step, scale) -> int:
     mt, ksplit, _, _ = shape(lay.block_size, lay.head_dim, g)
     stages = stages_for(lay.block_size, lay.head_dim, g)
     smem = layout(lay.block_size, lay.head_dim, g, stages)[-1]
-    dep = dependent_launches()
     kernel = split_kernel(lay.block_size, lay.head_dim, g, int(topk), bf16, splits == 1, lq,
-                          stages=stages, dependent=int(dep))
-    p.steps.append((Kernel(kernel, (splits, hkv, rows), 32 * mt * ksplit, smem, dependent=dep),
+                          stages=stages)
+    p.steps.append((Kernel(kernel, (splits, hkv, rows), 32 * mt * ksplit, smem),
                     [("in", "q", "words"), ("in", "k_cache", "words"), ("in", "v_cache", "words"),
                      ("out", "block_indices", None), ("in", "block_table", None),
                      ("in", "cache_seqlens", None), float(scale * LOG2E), *parts,
                      ("out", "o", "bits"), ("out", "lse", None)]))
     if splits > 1:
         n = rows * step.hq * lay.head_dim
-        p.steps.append((Kernel(combine_kernel_for(int(dep)), grid_1d(n, COMBINE_THREADS),
-                               COMBINE_THREADS, dependent=dep),
+        p.steps.append((Kernel(combine_kernel, grid_1d(n, COMBINE_THREADS), COMBINE_THREADS),
                         [("ws", "o_part", None), ("ws", "lse_part", None), ("out", "o", "bits"),
                          ("out", "lse", None), int(bf16)]))
     return splits

@@ -59,9 +59,9 @@ from .._core.arrays import SIMULATOR
 from .._core.heap import (NO_BLOCK, better, heap_sort_best_first, offer, warp_merge,
                           warp_top)
 from .._core.memops import (cp_async16, cp_async_commit, cp_async_wait_all, cp_async_wait_group,
-                            dynamic_smem_u32, ldmatrix_x4, wait_prior_grids)
+                            dynamic_smem_u32, ldmatrix_x4)
 from .._core.mma import load_b_frag, mma_bf16_m16n8k16, mma_f16_m16n8k16
-from ._plan import Kernel, dependent_launches, index_splits, multiprocessors
+from ._plan import Kernel, index_splits, multiprocessors
 from .v1_simple import query_of
 from .._core.diskcache import kernel_jit
 
@@ -337,13 +337,10 @@ def list_walk(km: int, cap: int):
 
 
 @functools.lru_cache(maxsize=None)
-def merge_kernel(block_size: int, topk: int, dependent: int = 0):
+def merge_kernel(block_size: int, topk: int):
     """The merge of the splits' candidate lists into ``I [B*Lq, Hkv, K]``; arguments:
     ``(cand_s, cand_i, cache_seqlens, lq, capacity, out)`` (K = 1: no candidates, any
-    stand-ins). A lane's heap holds ``K - 1`` entries, all a lane needs to be exact.
-    ``dependent = 1``: it first waits for the grid before it (``wait_prior_grids``), for a
-    dependent launch (``_plan.Kernel``)."""
-    DEP = dependent
+    stand-ins). A lane's heap holds ``K - 1`` entries, all a lane needs to be exact."""
     BK = block_size
     KM = topk - 1
     CAP = max(KM, 1)  # K = 1: no candidates, the loop below never runs
@@ -354,7 +351,6 @@ def merge_kernel(block_size: int, topk: int, dependent: int = 0):
     def kernel(cand_s, cand_i, cache_seqlens, lq, capacity, out):
         heap_s = cuda.shared.array((WM, 32, CAP), float32)
         heap_i = cuda.shared.array((WM, 32, CAP), int32)
-        wait_prior_grids(DEP)
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         hkv = out.shape[1]
@@ -394,15 +390,14 @@ def wide_warps(splits: int, topk: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def merge_kernel_wide(block_size: int, topk: int, warps: int, dependent: int = 0):
+def merge_kernel_wide(block_size: int, topk: int, warps: int):
     """The merge with ``warps`` warps a row (one CTA a row), for rows of many splits: warp ``w``
     takes the lists of splits ``32 w + l, 32 (w + warps) + l, ...`` into its lanes' heaps as the
     one-warp merge does, reduces them to its best ``K - 1`` (``_core.heap.warp_top``), and after
     the CTA barrier warp 0 merges those ``warps`` sorted lists, one a lane, into the row
     (``warp_merge``). Exact, and bitwise the one-warp merge's row: the global best ``K - 1`` are
     each among their warp's best, and ``better`` is a total order. Arguments as
-    ``merge_kernel``'s (and ``dependent`` too)."""
-    DEP = dependent
+    ``merge_kernel``'s."""
     BK = block_size
     KM = topk - 1
     W = warps
@@ -416,7 +411,6 @@ def merge_kernel_wide(block_size: int, topk: int, warps: int, dependent: int = 0
         top_s = cuda.shared.array((W, KM), float32)
         top_i = cuda.shared.array((W, KM), int32)
         top_n = cuda.shared.array(W, int32)
-        wait_prior_grids(DEP)
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         hkv = out.shape[1]
@@ -477,14 +471,11 @@ def plan_splits_and_merge(p, ctx, step, index_scale, splits, make_split, threads
                          min_pages, float(index_scale), ("ws", "cand_s", None),
                          ("ws", "cand_i", None)]))
     wide = wide_warps(splits, topk)
-    dep = dependent_launches()
     if wide > 1:  # one CTA of `wide` warps a row
-        merge = Kernel(merge_kernel_wide(lay.block_size, topk, wide, int(dep)), rows * hkv,
-                       32 * wide, dependent=dep)
+        merge = Kernel(merge_kernel_wide(lay.block_size, topk, wide), rows * hkv, 32 * wide)
     else:  # one warp a row, `wm` rows a CTA
         wm = merge_warps(topk)
-        merge = Kernel(merge_kernel(lay.block_size, topk, int(dep)), -(-rows * hkv // wm),
-                       32 * wm, dependent=dep)
+        merge = Kernel(merge_kernel(lay.block_size, topk), -(-rows * hkv // wm), 32 * wm)
     p.steps.append((merge, [("ws", "cand_s", None), ("ws", "cand_i", None),
                             ("in", "cache_seqlens", None), lq, lay.max_pages * lay.block_size,
                             ("out", "block_indices", None)]))

@@ -3,9 +3,7 @@ where its index kernel does not apply (Didx not a multiple of 32); rung 1 for fl
 and the shapes rung 2 does not take), at the paper configuration (Bk = 128,
 D = Didx = 128, Hkv = 4, G = 16, K = 16, bf16) for Lq = 1, 4, 8, and at small shapes (Bk = 16,
 D = Didx = 16, G = 1 or 2, K = 4, fp16 and float32), with the argument types the launchers
-pass (16-bit arrays as uint32 words or uint16 bits, int32 metadata, int64 and float32 scalars);
-``dependent-*``: the merge, attention and combine kernels that wait for the grid before them
-(``msa.cuda.decode._plan.dependent_launches``)."""
+pass (16-bit arrays as uint32 words or uint16 bits, int32 metadata, int64 and float32 scalars)."""
 
 from numba import types
 
@@ -54,9 +52,3 @@ def variants():
     # (idx.wide_warps: 8 warps at 256 splits, 2 at 49, 5 at K = 32)
     for k, w in ((16, 8), (16, 2), (32, 5)):
         yield f"index-merge-wide-K{k}-W{w}", idx.merge_kernel_wide(128, k, w), merge_sig
-    # the kernels as plans build them on sm_90: dependent launches, griddepcontrol.wait first
-    yield "dependent-index-merge-paper", idx.merge_kernel(128, 16, 1), merge_sig
-    yield "dependent-index-merge-wide-K16-W8", idx.merge_kernel_wide(128, 16, 8, 1), merge_sig
-    yield ("dependent-attention-split-paper-Lq1-bf16",
-           att.split_kernel(128, 128, 16, 16, True, False, 1, dependent=1), att_sig)
-    yield "dependent-attention-combine", att.combine_kernel_for(1), (f4, f3, b3, f2, i64)
