@@ -81,14 +81,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_version,
-                        cu_to_host, dtype_of, unsupported)
+                        cu_to_host, dtype_of)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
 from .._core.memops import is_aligned16
 from .._core.streams import stream_handle
 from ..attention import sparse_attention
-from ..select import select_blocks_fused
+from ..select import check_topk, select_blocks_fused
 from . import v1_simple as v1
 from . import v2_split_attention as v2a
 from . import v2_split_index as v2i
@@ -121,16 +121,6 @@ class _Step:
         return self.hq // self.layout.num_kv_heads if self.hq else 0
 
 
-def _check_topk(name: str, topk) -> int:
-    """``topk`` within the reference's bounds, then within msa.cuda's ``MAX_TOPK`` (an error
-    that points to msa.reference, which takes more)."""
-    topk = check_positive_int(name, topk, high=_ref.MAX_TOPK)
-    if topk > MAX_TOPK:
-        raise unsupported(name, topk, "msa.cuda", f"{name} <= {MAX_TOPK}",
-                          why="the merge's warp heap")
-    return topk
-
-
 def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, block_size,
               topk, scale, index_scale, validate: bool) -> _Step:
     validate = check_flag("validate", validate)
@@ -150,7 +140,7 @@ def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlen
     if lq > MAX_QUERIES:
         raise ValueError(f"q must have at most {MAX_QUERIES} new queries a request (Lq = rows / B "
                          f"= {lq}); longer chunks are a prefill")
-    topk = 0 if topk is None else _check_topk("topk", topk)
+    topk = 0 if topk is None else check_topk(topk, high=_ref.MAX_TOPK)
     hq = int(q.shape[1]) if q is not None else 0
     scale = check_scale("scale", scale, 1.0 / math.sqrt(max(layout.head_dim, 1)))
     index_scale = check_scale("index_scale", index_scale, 1.0 / math.sqrt(max(layout.index_dim, 1)))
@@ -449,7 +439,8 @@ def decode_attention(q, k_cache, v_cache, block_indices, block_table, cache_seql
     lay = step.layout
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
                 shape=(int(q.shape[0]), lay.num_kv_heads, None))
-    topk = _check_topk("topk (block_indices.shape[2])", int(block_indices.shape[2]))
+    topk = check_topk(int(block_indices.shape[2]), name="topk (block_indices.shape[2])",
+                      high=_ref.MAX_TOPK)
     cu_q, cu_k = _ref.decode_offsets(lay, step.lq)
     check_block_indices(block_indices, cu_q, cu_k, lay.block_size)
     step.topk = topk

@@ -40,9 +40,9 @@ Verdict (paper configuration, bf16, CUDA graphs): the split kernel reads the ind
 3.1-3.5 TB/s on the H200, 72-81% of its 4.26 TB/s copy bandwidth (537 MB at B = 32 x 64K in
 0.171-0.175 ms, 4.3 GB at 128 x 128K in 1.24 ms; runs M, R of docs/performance.md); rung 3's
 register-streamed kernel (``v3_register_index``) takes 0.151 ms and is the default where
-``Didx`` is a multiple of 32, this one elsewhere. The merge, on an H100 (runs O6-O8): 0.010 ms
-a step at 32 x 64K and 128 x 8K (one warp a row), 0.017-0.018 at 8 x 128K and 1 x 128K (2 and 8
-warps a row), 0.0165 at 1 x 1M.
+``Didx`` is a multiple of 32, this one elsewhere. The merge, on an H100 (runs O6-O9): 0.010 ms
+of the 0.277 ms step at 32 x 64K and of the 0.317 at 128 x 8K (one warp a row), 0.017 of 0.156
+at 8 x 128K and 0.018 of 0.051 at 1 x 128K (2 and 8 warps a row), 0.017 of 0.166 at 1 x 1M.
 Rung 1 scores every block from global memory, one thread each: orders of magnitude slower, never
 the default for 16-bit data.
 """

@@ -72,12 +72,13 @@ FUSED_VERSIONS = (1, 2, 3)
 FUSED_MEMORY_BUDGET = 4 << 30
 
 
-def check_topk(topk) -> int:
+def check_topk(topk, *, name: str = "topk", high: int | None = None) -> int:
     """msa.cuda's ``topk`` of a selection: ``[1, MAX_TOPK]`` (the kernels' heaps hold
-    ``K - 1 <= 63`` entries a lane); the error for more says that the reference takes it."""
-    topk = check_positive_int("topk", topk)
+    ``K - 1 <= 63`` entries a lane); the error for more says that the reference takes it.
+    ``high``: the reference's own bound, checked first (a plain range error above it)."""
+    topk = check_positive_int(name, topk, high=high)
     if topk > MAX_TOPK:
-        raise unsupported("topk", topk, "msa.cuda", f"topk <= {MAX_TOPK}",
+        raise unsupported(name, topk, "msa.cuda", f"{name} <= {MAX_TOPK}",
                           why="a lane's heap holds K - 1 entries")
     return topk
 
