@@ -29,7 +29,7 @@ import msa.reference as R
 from msa.problems import make_problem
 from msa.reference.blocks import key_positions, query_positions
 from msa.testing import strategies as mst
-from msa.testing.backends import SIMULATOR, Backend, cuda_runnable
+from msa.testing.backends import Backend, cuda_runnable
 
 torch = pytest.importorskip("torch")
 
@@ -320,7 +320,7 @@ def _cuda_or_skip():
 def _v4_or_skip():
     from msa.cuda._core.wgmma import why_not_available
 
-    why = "wgmma: GPU only" if SIMULATOR else why_not_available()
+    why = why_not_available()
     if why:
         pytest.skip(why)
 
@@ -368,8 +368,11 @@ def _one_dtype_a_rung(*heavy):
             else c for c in CUDA_RUNGS]
 
 
-# v2-bf16 and v3-f16 run on a GPU (and with MSA_SIM_FULL=1): v2-f16 and v3-bf16 cover the rungs
-@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v2-bf16", "v3-f16"))
+# v2-bf16, v3-f16 and v4 run on a GPU (and with MSA_SIM_FULL=1): v2-f16 and v3-bf16 cover the
+# rungs, and v4 on the wgmma twins is v3's arithmetic (test_cuda_visible_nonfinite_values_...
+# runs its masking code in the simulator)
+@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v2-bf16", "v3-f16", "v4-f16",
+                                                           "v4-bf16"))
 @mst.fewer_in_simulator(3)
 @given(data=st.data())
 def test_cuda_attention_partials_and_combine(version, kind, data):
@@ -458,7 +461,7 @@ def _visible_poison_case():
 # v3-f16 runs on a GPU (and with MSA_SIM_FULL=1): v3-bf16 is the same problem through the same
 # rung and knobs (fp16 and bf16 differ in the mma type alone), v2-f16 fp16 inputs' poisons on
 # tensor cores
-@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v3-f16"))
+@pytest.mark.parametrize("version,kind", _one_dtype_a_rung("v3-f16", "v4-f16"))
 def test_cuda_visible_nonfinite_values_give_the_references_classes(version, kind):
     """A NaN or an infinity in V at a key a row sees makes that row's output NaN or that
     infinity, as the reference's (IEEE) arithmetic does, in K1's partials and in the whole

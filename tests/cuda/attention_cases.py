@@ -151,9 +151,9 @@ def run_k1(p, I, kind, version, *, chunk_size=8, pad=0, tile_rows=None, groups=N
     return o_part, lse_part
 
 
-# K1 v4 (wgmma) runs on a GPU of compute capability 9.0 only: no simulator twin
-V4 = pytest.param(4, marks=pytest.mark.skipif(SIMULATOR, reason="wgmma: GPU only"))
-V4_FP16 = pytest.param(4, "float16", marks=pytest.mark.skipif(SIMULATOR, reason="wgmma: GPU only"))
+# K1 v4 (wgmma): the instruction on a GPU of compute capability 9.0, its twins in the simulator
+V4 = 4
+V4_FP16 = (4, "float16")
 
 
 def run_sparse(p, I, kind, version, factor=2.0, **kw):

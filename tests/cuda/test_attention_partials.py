@@ -51,8 +51,7 @@ def test_k1_v1_odd_head_dim_and_block():
 
 def test_k1_bf16():
     p, I = problem([21], [30], 4, 2, 16, 16, 2, seed=4)
-    if not SIMULATOR:
-        run_k1(p, I, "bfloat16", 4)
+    run_k1(p, I, "bfloat16", 4)
     run_k1(p, I, "bfloat16", 3)
     run_k1(p, I, "bfloat16", 2)
     run_k1(p, I, "bfloat16", 1)
@@ -111,16 +110,18 @@ def test_k1_v3_warp_groups_do_not_change_the_result(groups):
 
 
 def test_k1_v4_says_why_it_cannot_run():
-    """K1 v4 (wgmma) needs a GPU of compute capability 9.0 and 64-row tiles: anything else is a
-    ValueError naming the reason and the versions that do run, before any launch."""
+    """K1 v4 (wgmma) needs 16-bit inputs and 64-row tiles, and on a GPU compute capability 9.0:
+    anything else is a ValueError naming the reason and the versions that do run, before any
+    launch. The simulator runs it (the wgmma twins) when asked, v3 by default."""
     spec = Spec(np.zeros((4, 16, 128), np.float16), np.zeros((4, 1, 128), np.float16),
                 np.zeros((4, 1, 128), np.float16))
-    if SIMULATOR:
-        with pytest.raises(ValueError, match="simulator.*version=1 or 2 or 3"):
-            K1Plan(spec, 128, 4, None, None)
-    elif why_not_available() is None:
+    if why_not_available() is None:
         assert K1Plan(spec, 128, 4, None, None).rows == 64
-    with pytest.raises(ValueError, match="version=4"):
+        assert K1Plan(spec, 128, None, None, None).version == (3 if SIMULATOR else 4)
+    else:
+        with pytest.raises(ValueError, match="compute capability.*version=1 or 2 or 3"):
+            K1Plan(spec, 128, 4, None, None)
+    with pytest.raises(ValueError, match="tile_rows=32.*version=1 or 2 or 3"):
         K1Plan(spec, 128, 4, 32, None)
     spec32 = Spec(np.zeros((4, 16, 128), np.float32), np.zeros((4, 1, 128), np.float32),
                   np.zeros((4, 1, 128), np.float32))

@@ -54,10 +54,8 @@ def test_sparse_bf16(version):
                                                    ("float32", 1, "bfloat16"),
                                                    ("bfloat16", 2, "float32"),
                                                    ("bfloat16", 3, "float32"),
-                                                   pytest.param("bfloat16", 4, "float32",
-                                                                marks=V4.marks),
-                                                   pytest.param("float16", 4, "bfloat16",
-                                                                marks=V4.marks)])
+                                                   ("bfloat16", 4, "float32"),
+                                                   ("float16", 4, "bfloat16")])
 def test_sparse_partial_dtypes(kind, version, partials):
     """bf16 partials (half the bytes between K1 and K2) for any input, fp32 ones for bf16."""
     p, I = problem([15], [22], 4, 2, 16, 16, 2, seed=13)

@@ -6,7 +6,7 @@
 ``streams``    the launch stream: the caller's current torch or CuPy stream, read at each launch
 ``mma``        tensor-core ``mma.sync`` shims, bf16/fp16 conversions, ``exp2`` (inline PTX, and
                their pure-Numba twins for the simulator)
-``wgmma``      Hopper ``wgmma`` shims (compute capability 9.0; no simulator twin)
+``wgmma``      Hopper ``wgmma`` shims (compute capability 9.0) and their simulator twins
 ``memops``     vector loads and stores, ``cp.async``, ``ldmatrix`` (and twins)
 ``warp``       warp reductions, scans and the warp-wide sort
 ``simwarp``    the warp operations Numba's simulator lacks (installed by ``msa.cuda``)

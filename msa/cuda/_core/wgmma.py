@@ -35,27 +35,35 @@ the wait's ``asm``, so that no read of them can be scheduled above it. Shared me
 generic proxy (``st.shared``, ``cp.async``) must be followed by ``fence_proxy_async()`` and
 a barrier before a ``wgmma`` reads it.
 
-GPU only (compute capability 9.0, ``sm_90a``): the simulator has no inline PTX and no twin of
-these, so a kernel that uses them is built only off the simulator (``AVAILABLE``), and its
-launcher asks ``why_not_available()`` first.
+On a GPU these need compute capability 9.0 (``sm_90a``), and a launcher asks
+``why_not_available()`` first. In the simulator (no inline PTX) each has a twin with the same
+call: a ``wgmma`` meets its warp's lanes once (``simwarp.exchange``: their 16 rows of A and their
+accumulators), reads B (and A of ``make_wgmma_ss``) from the block's dynamic shared memory by
+decoding the descriptor with the addressing above, and computes the warp's D at issue, k in
+order with each product and sum rounded to float32, as the ``mma.sync`` twin does: a kernel on
+``wgmma`` and its ``mma.sync`` sibling give the same bits there. The fences, the commit and the
+wait do nothing (a twin is complete when it returns), so the simulator cannot catch a read of
+the accumulators before the wait or a shared-memory write that misses its proxy fence; the GPU
+tests do. A descriptor that points past the shared memory raises ``IndexError``.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 from numba import cuda, types
 
 from .arrays import SIMULATOR, require_gpu
 
-AVAILABLE = not SIMULATOR
+AVAILABLE = True  # on a GPU as inline PTX, in the simulator as NumPy twins
 
 
 def why_not_available():
-    """Why ``wgmma`` cannot run on the current device, or None: it needs a GPU of compute
-    capability 9.0 (the simulator has no twin of it)."""
+    """Why ``wgmma`` cannot run on the current device, or None: on a GPU it needs compute
+    capability 9.0; the simulator runs the twins."""
     if SIMULATOR:
-        return "the simulator (it has no wgmma)"
+        return None  # the twins
     require_gpu()
     return _why_not_on(cuda.get_current_device().id)
 
@@ -223,21 +231,128 @@ if not SIMULATOR:
 
         return _wgmma
 
-else:
-    def _gpu_only(*args, **kwargs):
-        raise NotImplementedError("wgmma needs a GPU of compute capability 9.0 (no simulator "
-                                  "twin): use K1 version 3")
+else:  # the simulator's twins: the same calls, computed at issue in NumPy
+    from . import simwarp as _simwarp
+    from .mma import _A_LANE, _A_REG, _HALF_SHIFT
 
-    shared_address = wgmma_fence = wgmma_commit = fence_proxy_async = _gpu_only
+    def _to_f32(bits, is_bf16):
+        if is_bf16:
+            return (bits.astype(np.uint32) << 16).view(np.float32)
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
 
+    def _operand(words, desc, count, trans, is_bf16):
+        """``[16, count]`` float32: k x (n of B, or m of A) of the 16-bit operand that ``desc``
+        names in ``words``, the block's dynamic shared memory, the core-matrix addressing of the kernels
+        (module docstring): K-major (``trans`` 0) ``(k//8) LBO + (x//8) SBO + (x%8) 16 +
+        (k%8) 2`` bytes from the start, MN-major (1) ``(k//8) LBO + (x//8) SBO + (k%8) 16 +
+        (x%8) 2``."""
+        desc = int(desc)
+        start = (desc & 0x3FFF) << 4
+        lbo = ((desc >> 16) & 0x3FFF) << 4
+        sbo = ((desc >> 32) & 0x3FFF) << 4
+        k = np.arange(16)[:, None]
+        x = np.arange(count)[None, :]
+        inner = (x % 8) * 16 + (k % 8) * 2 if trans == 0 else (k % 8) * 16 + (x % 8) * 2
+        at = start + (k // 8) * lbo + (x // 8) * sbo + inner
+        if at.max() + 2 > 4 * words.size:
+            raise IndexError(f"wgmma operand past the dynamic shared memory ({words.size} "
+                             f"words): descriptor {desc:#x}")
+        bits = (words[at // 4] >> (16 * ((at % 4) // 2)).astype(np.uint32)) & 0xFFFF
+        return _to_f32(bits, is_bf16)
+
+    def _warp_product(lanes, a, b, n, accumulate):
+        """The warp's ``D [16, n]`` = C (its lanes' accumulators, or 0) + ``a [16, 16] b [16,
+        n]``, k in order, each product and sum rounded to float32 (as the ``mma.sync``
+        twin, so that a kernel on either gives the same bits here)."""
+        cs = np.array([lane[4:] for lane in lanes[:32]], dtype=np.float32)  # [32, n / 2]
+        d = np.zeros((16, n), np.float32)
+        if accumulate:
+            for i in range(n // 8):
+                for g in range(8):
+                    for t in range(4):
+                        c = cs[4 * g + t, 4 * i:4 * i + 4]
+                        d[g, 8 * i + 2 * t:8 * i + 2 * t + 2] = c[:2]
+                        d[g + 8, 8 * i + 2 * t:8 * i + 2 * t + 2] = c[2:]
+        for kk in range(16):
+            d = d + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+        return d
+
+    def _a_of_lanes(lanes, is_bf16):
+        regs = np.array([lane[:4] for lane in lanes[:32]], dtype=np.uint32)
+        return _to_f32((regs[_A_LANE, _A_REG] >> _HALF_SHIFT[None, :]) & 0xFFFF, is_bf16)
+
+    @cuda.jit(device=True)
+    def _scatter(acc, d, nacc, offset):
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+        for i in range(nacc // 4):
+            acc.flat[offset + 4 * i] = d[g, 8 * i + 2 * t]
+            acc.flat[offset + 4 * i + 1] = d[g, 8 * i + 2 * t + 1]
+            acc.flat[offset + 4 * i + 2] = d[g + 8, 8 * i + 2 * t]
+            acc.flat[offset + 4 * i + 3] = d[g + 8, 8 * i + 2 * t + 1]
+
+    @cuda.jit(device=True)
+    def shared_address(a, flat):
+        """Here the byte offset of ``a.flat[flat]`` in the dynamic shared memory (``a`` is it:
+        ``dynamic_smem_u32()``)."""
+        return np.uint32(4 * int(flat))
+
+    @cuda.jit(device=True)
+    def _no_op():
+        pass
+
+    wgmma_fence = wgmma_commit = fence_proxy_async = _no_op
+
+    @functools.lru_cache(maxsize=None)
     def make_wgmma_wait(nacc):
-        return _gpu_only
+        @cuda.jit(device=True)
+        def _wait(acc):  # the twins complete at issue
+            pass
 
-    def make_wgmma_rs(n, ab_type, trans_b):
-        return _gpu_only
+        return _wait
 
-    def make_wgmma_ss(n, ab_type, acc_offset=0):
-        return _gpu_only
+    @functools.lru_cache(maxsize=None)
+    def make_wgmma_rs(n: int, ab_type: str, trans_b: int):
+        """The twin of the GPU's ``make_wgmma_rs``: one rendezvous of the warp (its 16 rows'
+        A fragments and accumulators), B read from shared memory through ``desc_b``."""
+        assert n % 8 == 0 and 8 <= n <= 256 and ab_type in ("bf16", "f16") and trans_b in (0, 1)
+        nacc = n // 2
+        is_bf16 = ab_type == "bf16"
+
+        @cuda.jit(device=True)
+        def _wgmma(acc, a0, a1, a2, a3, desc_b, accumulate):
+            lanes = _simwarp.exchange((int(a0), int(a1), int(a2), int(a3))
+                                      + tuple(float(acc.flat[i]) for i in range(nacc)))
+            if len(lanes) == 32:  # the first lane here computes D for all
+                b = _operand(cuda.shared.array(0, types.uint32), desc_b, n, trans_b, is_bf16)
+                lanes.append(_warp_product(lanes, _a_of_lanes(lanes, is_bf16), b, n,
+                                           int(accumulate) != 0))
+            _scatter(acc, lanes[32], nacc, 0)
+
+        return _wgmma
+
+    @functools.lru_cache(maxsize=None)
+    def make_wgmma_ss(n: int, ab_type: str, acc_offset: int = 0):
+        """The twin of the GPU's ``make_wgmma_ss``: A (K-major) and B from shared memory, the
+        warp's 16 rows of A those of its place in the warpgroup."""
+        assert n % 8 == 0 and 8 <= n <= 256 and ab_type in ("bf16", "f16")
+        nacc = n // 2
+        is_bf16 = ab_type == "bf16"
+
+        @cuda.jit(device=True)
+        def _wgmma(acc, desc_a, desc_b, accumulate):
+            lanes = _simwarp.exchange(
+                (0, 0, 0, 0) + tuple(float(acc.flat[acc_offset + i]) for i in range(nacc)))
+            if len(lanes) == 32:
+                rows = 16 * ((cuda.threadIdx.x // 32) % 4)
+                words = cuda.shared.array(0, types.uint32)
+                a = _operand(words, desc_a, 64, 0, is_bf16)[:, rows:rows + 16].T
+                b = _operand(words, desc_b, n, 0, is_bf16)
+                lanes.append(_warp_product(lanes, a, b, n, int(accumulate) != 0))
+            _scatter(acc, lanes[32], nacc, acc_offset)
+
+        return _wgmma
 
 
 @cuda.jit(device=True, inline=True)

@@ -9,8 +9,8 @@ for them at all). The fragment layouts are those of ``mma.sync``, so the mask, t
 stores and the warp groups are version 3's (``_tile``), and so are the results (bitwise, on the
 paper configuration at 128K).
 
-Compute capability 9.0 only, no simulator twin; 64-row tiles; fp16/bf16, D and Bk multiples of
-16 up to 128. Masking by selection inside the block is version 3's (``_tile.clean_v`` on the
+Compute capability 9.0 on a GPU (the simulator runs the ``wgmma`` twins, not by default);
+64-row tiles; fp16/bf16, D and Bk multiples of 16 up to 128. Masking by selection inside the block is version 3's (``_tile.clean_v`` on the
 core-matrix layout before the async-proxy fence and the ``syncthreads_or`` barrier, ``fix_o``
 after a flagged block's stores), so the results stay version 3's on non-finite values too.
 
