@@ -5,9 +5,11 @@
 Paper configuration (Hq = 64, Hkv = 4, D = 128, Bk = 128, K = 16, bf16, one causal sequence of N
 tokens, the ``uniform`` selection of ``bench_attention``). For each N, side by side in one run:
 
-* ``msa.cuda.attention.sparse_attention_backward`` version 2 (tensor cores, one KV-outer
-  kernel for dK, dV and the dQ partials, then their sum) and version 1 (CUDA cores, dQ
-  Q-outer, dK/dV KV-outer; up to ``--v1-max-n``), timed alone on the forward's ``o, lse``;
+* ``msa.cuda.attention.sparse_attention_backward`` version 3 (``wgmma``, where the GPU has
+  it) and version 2 (tensor cores by ``mma.sync``), each one KV-outer kernel for dK, dV and the
+  dQ partials, then their sum, and version 1 (CUDA cores, dQ Q-outer, dK/dV KV-outer; up to
+  ``--v1-max-n``), timed alone on the forward's ``o, lse``, with whether version 3's outputs
+  equal version 2's bitwise;
 * ``msa.torch.sparse_attention_backward``, the PyTorch backward ``msa.torch`` uses by default
   (gathered K/V per chunk of queries, batched matmuls, ``index_add_``);
 * fla-core's Triton NSA backward (``parallel_nsa_bwd``) on the same selection, given its own
@@ -41,6 +43,7 @@ GATE_REL = 2e-2
 def bench_backward(n, args):
     import torch
 
+    from msa.cuda._core import wgmma as _wgmma
     from msa.cuda.attention import sparse_attention as msa_forward
     from msa.cuda.attention import sparse_attention_backward as msa_backward
     from msa.torch import sparse_attention_backward as torch_backward
@@ -66,8 +69,11 @@ def bench_backward(n, args):
     torch.cuda.empty_cache()
     torch_ms = next((r["ms"] for r in rows if r.get("impl", "").startswith("PyTorch")
                      and r.get("ms")), None)
-    for version in (2, 1):
+    outs = {}
+    for version in (3, 2, 1):
         if version == 1 and n > args.v1_max_n:
+            continue
+        if version == 3 and (_wgmma.why_not_available() or args.skip_v3):
             continue
         impl = f"msa.cuda backward v{version}"
         try:
@@ -78,10 +84,15 @@ def bench_backward(n, args):
             errs = [_rel_err(a, b) for a, b in zip(got, want)] if want is not None else []
             if errs and max(errs) > GATE_REL:
                 raise AssertionError(f"gate: rel errors (dq, dk, dv) {errs} > {GATE_REL}")
-            ms = cuda_time_ms(run_msa, warmup=0, reps=args.reps if version == 2 else 1)
+            ms = cuda_time_ms(run_msa, warmup=0, reps=args.reps if version >= 2 else 1)
+            outs[version] = got
+            extra = {}
+            if version == 2 and 3 in outs:
+                extra["v3_equals_v2_bitwise"] = all(
+                    torch.equal(a, b) for a, b in zip(outs[3], got))
             rows.append(_row(case, impl, ms, flops, peak,
                              gate_rel_err=max(errs) if errs else None,
-                             vs_torch=(torch_ms / ms) if torch_ms else None))
+                             vs_torch=(torch_ms / ms) if torch_ms else None, **extra))
         except Exception as exc:
             rows.append(_error_row(case, impl, exc))
         torch.cuda.empty_cache()
@@ -137,6 +148,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=240.0)
     p.add_argument("--skip-fla", action="store_true", help="no fla-core baseline")
+    p.add_argument("--skip-v3", action="store_true", help="no version 3 (wgmma)")
     args = p.parse_args(argv)
     t_start = time.time()
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, dtype="bfloat16", args=vars(args))

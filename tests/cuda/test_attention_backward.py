@@ -1,10 +1,12 @@
-"""msa.cuda.attention.sparse_attention_backward (versions 1 and 2) against
+"""msa.cuda.attention.sparse_attention_backward (versions 1, 2 and 3) against
 msa.reference.attention.sparse_attention_backward (the gradient of eq 8).
 
 Version 1 computes in float32: within the float32 reference's error of the float64 oracle.
-Version 2 rounds P and dS to the inputs' 16-bit type before their products, as FlashAttention's
-backward does; ``rounding_bounds`` gives what that may change elementwise, and ``check_backward``
-allows twice it before the float32 check (``attention_cases`` has the problems).
+Versions 2 and 3 round P and dS to the inputs' 16-bit type before their products, as
+FlashAttention's backward does; ``rounding_bounds`` gives what that may change elementwise, and
+``check_backward`` allows twice it before the float32 check (``attention_cases`` has the
+problems). Version 3 (``wgmma``; its twins in the simulator) gives version 2's bits in the
+simulator, where both multiply with the same arithmetic.
 
 Masking by selection (docs/design.md §3): a query's dq does not depend on a key it cannot see
 (its K and V NaN, ±inf or huge leave dq bitwise unchanged), nor on another query's D; where it
@@ -105,7 +107,7 @@ def run_backward(p, I, kind, factor=2.0, **kw):
     factor = factor if SIMULATOR else max(factor, 4.0)  # expf on the GPU: 2 ulp
     bounds = rounding_bounds(q32, k32, v32, o32, lse, do32, I, cu_q, cu_k, bk)
     version = kw.get("version") or backward_version(Spec(q, k, v, bf16_bits=bf16), bk)
-    check_backward(got, oracle, baseline, factor, bounds, U16[kind] if version == 2 else 0.0)
+    check_backward(got, oracle, baseline, factor, bounds, U16[kind] if version >= 2 else 0.0)
     return tuple(to_numpy(x) for x in got)
 
 
@@ -144,6 +146,25 @@ def test_backward_v2_stages_rows_of_several_pieces(d):
     1): the reference's gradient up to the roundings of P and dS."""
     p, I = problem([20], [20], 2, 1, d, 16, 2, seed=d)
     run_backward(p, I, "bfloat16", version=2)
+
+
+@pytest.mark.parametrize("case", ["G=2-D=16", pytest.param("G=16-hot-parts-chunks",
+                                                          marks=pytest.mark.sim_heavy)])
+def test_backward_v3_matches_reference_and_version_2(case):
+    """Version 3 (Bk = 64: one warpgroup; D = 16, G = 2, 64-row tiles of 32 positions) against
+    the reference, and in the simulator bitwise version 2's gradient; on a GPU also with G =
+    16, D = 32, two sequences, a hot row in parts of 3 and query chunks of 9."""
+    if case == "G=2-D=16":
+        p, I = problem([20], [130], 4, 2, 16, 64, 2, seed=12)
+        kw = {}
+    else:
+        p, I = problem([30, 7], [200, 90], 16, 1, 32, 64, 3, seed=5, hot=(0,))
+        kw = dict(part_size=3, max_partial_bytes=3 * 9 * 16 * 32 * 4)
+    a = run_backward(p, I, "bfloat16", version=3, **kw)
+    b = run_backward(p, I, "bfloat16", version=2, **kw)
+    if SIMULATOR:
+        for x, y in zip(a, b):
+            assert x.tobytes() == y.tobytes()
 
 
 @pytest.mark.sim_heavy  # ~7 min in the simulator
@@ -185,6 +206,18 @@ def test_default_backward_version():
     assert backward_version(spec("float16", 16), 256) == 1  # Bk > 128
     assert backward_version(spec("float16", 24), 16) == 1  # D not a multiple of 16
     assert backward_version(spec("float16", 256), 16) == 1  # D > 128
+
+
+def test_backward_v3_says_why_it_cannot_run():
+    """Version 3 needs Bk of 64 or 128 (and what version 2 needs): a ValueError naming the
+    reason and the versions that run, before any launch."""
+    p, I = problem([9], [9], 2, 1, 16, 16, 2, seed=1)
+    q, k, v = (cast(x, "float16")[0] for x in (p.q, p.k, p.v))
+    o, lse = ref.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 16)
+    o = cast(o, "float16")[0]
+    with pytest.raises(ValueError, match=r"version=3.*block_size=16 \(64 or 128.*version=1 or 2"):
+        gpu.sparse_attention_backward(q, k, v, o, lse.astype(np.float32), o.copy(), I,
+                                      p.cu_seqlens_q, p.cu_seqlens_k, 16, version=3)
 
 
 @pytest.mark.parametrize("why", ["float32", "block_size", "version"])
@@ -351,10 +384,10 @@ def _paper_config_backward_4k():
 
 
 @pytest.mark.big
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_big_backward_paper_configuration(version):
     """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 4K sequence, bf16 (torch), sink + random; and a
-    rerun bitwise equal. Version 2 also in query chunks of 1000 (dQ partials of 1000 queries),
+    rerun bitwise equal. Versions 2 and 3 also in query chunks of 1000 (dQ partials of 1000 queries),
     which must give the same dq bitwise and dk, dv within the same bounds."""
     torch = pytest.importorskip("torch")
     (q32, k32, v32, o32, lse, do32, I, cu_q, cu_k), oracle, baseline, bounds = (
@@ -363,12 +396,12 @@ def test_big_backward_paper_configuration(version):
             torch_bf16(do32), torch.from_numpy(I).cuda(), cu_q, cu_k, 128)
     got = gpu.sparse_attention_backward(*args, version=version, validate=False)
     check_backward([x.cpu().numpy() for x in got], oracle, baseline, 4.0, bounds,
-                   U16["bfloat16"] if version == 2 else 0.0)
+                   U16["bfloat16"] if version >= 2 else 0.0)
     again = gpu.sparse_attention_backward(*args, version=version, validate=False)
     for x, y in zip(got, again):
         assert torch.equal(x, y)
-    if version == 2:
-        chunked = gpu.sparse_attention_backward(*args, version=2, validate=False,
+    if version >= 2:
+        chunked = gpu.sparse_attention_backward(*args, version=version, validate=False,
                                                 max_partial_bytes=16 * 1000 * 64 * 128 * 4)
         assert torch.equal(chunked[0], got[0])
         check_backward([x.cpu().numpy() for x in chunked], oracle, baseline, 4.0, bounds,
@@ -513,14 +546,16 @@ def test_backward_v2_dq_ignores_keys_it_cannot_see(kind, case):
 # the same version 2 kernel (the bf16 loads of poisons: test_backward_v2_dq_ignores_keys_it_
 # cannot_see[bfloat16])
 @pytest.mark.parametrize("kind,version", [("float32", 1), ("float16", 2),
-                                          pytest.param("bfloat16", 2, marks=pytest.mark.sim_heavy)])
+                                          pytest.param("bfloat16", 2, marks=pytest.mark.sim_heavy),
+                                          ("bfloat16", 3)])
 def test_backward_visible_nonfinite_keys_give_the_references_nans(kind, version):
     """Single non-finite K values (V finite) that some rows see: ``K[5, :, 3] = +inf``,
     ``K[17, :, 9] = -inf``, ``K[20, :, 0] = NaN``. In the reference a visible non-finite
     ``K[c, d]`` makes ``dq[t, d]`` NaN (its score is ±inf or NaN: dS is 0, giving 0 * inf, or
     non-finite), and the whole row NaN where dS is non-finite (times the key's zeroed row); the
-    kernel's dq has the same NaNs and infinities, and the rows that see none are unchanged."""
-    p, I = problem([24], [24], 4, 2, 16, 16, 2, seed=9)
+    kernel's dq has the same NaNs and infinities, and the rows that see none are unchanged.
+    Version 3 (one 64-key block) reads a cleaned copy of K for dQ in that block."""
+    p, I = problem([24], [24], 4, 2, 16, 64 if version == 3 else 16, 2, seed=9)
     k_bad = np.array(p.k, np.float32)
     for c, d, x in ((5, 3, np.inf), (17, 9, -np.inf), (20, 0, np.nan)):
         k_bad[c, :, d] = x

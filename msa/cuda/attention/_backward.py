@@ -22,11 +22,14 @@ from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
 from .._core.streams import stream
 from ..csr import exclusive_prefix_sum, launch_build_csr, launch_slot_mask, mask_words
+from .._core import wgmma as _wgmma
+from .._core.arrays import SIMULATOR
 from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
+from . import v3_backward_wgmma as v3
 from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
 from ._plan import MAX_PARTIAL_BYTES, Spec, element_view, selection_args
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 
 
 def _why_not_v2(spec, block_size):
@@ -50,15 +53,37 @@ def _why_not_v2(spec, block_size):
     return None, rows, smem
 
 
+def _why_not_v3(spec, block_size, why_not_v2):
+    """Why version 3 cannot run this problem (``None`` if it can) and its shared memory."""
+    d, bk = spec.d, block_size
+    smem = v3.layout(bk, d, v3.TILE_ROWS)[-1] if bk in v3.BLOCK_SIZES else 0
+    if why_not_v2:
+        return why_not_v2, smem
+    if bk not in v3.BLOCK_SIZES:
+        return f"block_size={bk} (64 or 128: warpgroups of 64 keys)", smem
+    if smem > _mma.DYNAMIC_SMEM_LIMIT:
+        return f"{smem} bytes of shared memory", smem
+    return _wgmma.why_not_available(), smem
+
+
 def default_backward_version(q, k, v, block_size) -> int:
-    """The version ``sparse_attention_backward(version=None)`` runs for these inputs: 2 (tensor
-    cores) where it applies (float16/bfloat16, D and Bk multiples of 16 up to 128), else 1."""
+    """The version ``sparse_attention_backward(version=None)`` runs for these inputs: 3
+    (``wgmma``) where it applies on a GPU, else 2 (tensor cores) where it applies
+    (float16/bfloat16, D and Bk multiples of 16 up to 128), else 1."""
     return backward_version(Spec(q, k, v), check_positive_int("block_size", block_size))
 
 
 def backward_version(spec, block_size) -> int:
     """``default_backward_version`` of validated shapes (``Spec``) and block size."""
-    return 1 if _why_not_v2(spec, block_size)[0] else 2
+    why_not_v2 = _why_not_v2(spec, block_size)[0]
+    if why_not_v2:
+        return 1
+    if not SIMULATOR and DEFAULT_V3 and _why_not_v3(spec, block_size, None)[0] is None:
+        return 3
+    return 2
+
+
+DEFAULT_V3 = False  # (until measured)
 
 
 # The default part size: about PARTS parts over the heads of a query chunk (at least MIN_PART
@@ -183,10 +208,16 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         else max_partial_bytes)
     why_not, tc_rows, tc_smem = _why_not_v2(spec, bs)
     if version is None:
-        version = 1 if why_not else 2
+        version = backward_version(spec, bs)
     version = check_version("version", version, VERSIONS)
     if version == 2 and why_not:
         raise ValueError(f"version=2 (tensor cores) does not support {why_not}; use version=1")
+    if version == 3:
+        why_not_v3, tc_smem = _why_not_v3(spec, bs, why_not)
+        if why_not_v3:
+            raise ValueError(f"version=3 (wgmma) does not support {why_not_v3}; use version=1"
+                             + ("" if why_not else " or 2"))
+        tc_rows = v3.TILE_ROWS
     smem = v1.dkdv_layout(bs, d, spec.g)[-1]
     if version == 1:
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
@@ -218,8 +249,8 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     if version == 1:
         _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)
     else:
-        _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
-                  tc_rows, tc_smem, *arrays)
+        _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size,
+                      max_partial_bytes, version, tc_rows, tc_smem, *arrays)
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)
 
 
@@ -251,15 +282,18 @@ def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, l
         part_ptr, d_row_offsets, d_cu_k, dk_part, dv_part, dk_a, dv_a)
 
 
-def _version2(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
-              tc_rows, tc_smem, lse_a, delta_a, dq_a, dk_a, dv_a):
-    """Backward version 2 per query chunk whose dQ partials fit ``max_partial_bytes`` (as
-    ``sparse_attention``)."""
+def _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
+                  version, tc_rows, tc_smem, lse_a, delta_a, dq_a, dk_a, dv_a):
+    """Backward version 2 or 3 per query chunk whose dQ partials fit ``max_partial_bytes`` (as
+    ``sparse_attention``): the same launches and partials, version 3's kernel on ``wgmma``."""
     bs, d, hq, hkv = batch.block_size, spec.d, spec.hq, spec.hkv
     qw, kw, vw, dow = (ctx.input(name, x).view(np.uint32)
                        for name, x in (("q", q), ("k", k), ("v", v), ("do", do)))
     aligned = all(is_aligned16(x) for x in (qw, kw, vw, dow))
-    k_tc = v2.backward_kernel_v2(bs, d, spec.g, tc_rows, spec.bf16, aligned)
+    if version == 3:
+        k_tc = v3.backward_kernel_v3(bs, d, spec.g, spec.bf16, aligned)
+    else:
+        k_tc = v2.backward_kernel_v2(bs, d, spec.g, tc_rows, spec.bf16, aligned)
     k_sum = dkdv_sum_kernel(bs, d, THREADS)
     k_dq_sum = v2.dq_sum_kernel(d, spec.g)
     q_chunk = max(1, min(spec.tq, max_partial_bytes // (topk * hq * d * 4)))

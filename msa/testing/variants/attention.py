@@ -3,8 +3,8 @@
 K1: v1 (CUDA cores: fp32 inputs, shapes the tensor cores reject, the teaching rung), v2
 (``mma.sync`` through shared memory: D or Bk above 128), v3 (registers: other GPUs' default,
 the simulator's) and v4 (wgmma: the cc 9.0 default). The backward: version 1 (CUDA cores; its
-delta, dK/dV sum and parts kernels, in ``_backward_parts``, serve version 2 too) and version 2
-(tensor cores + dQ sum).
+delta, dK/dV sum and parts kernels, in ``_backward_parts``, serve versions 2 and 3 too), version 2
+(tensor cores + dQ sum) and version 3 (wgmma; version 2's dQ sum).
 
 Argument types as the launchers pass them from torch (the benchmarks' and msa.torch's library):
 bf16 as int16 (``ArrayContext`` views torch bf16 as int16), the tensor-core inputs as uint32
@@ -23,7 +23,7 @@ from numba import types
 def variants():
     from msa.cuda.attention import (_backward_parts, _paged, _tile, v1_backward_cuda_cores,
                                     v1_cuda_cores, v2_backward_tensor_cores, v2_mma,
-                                    v3_registers, v4_wgmma)
+                                    v3_backward_wgmma, v3_registers, v4_wgmma)
 
     i16, i32, i64, u32, f16, f32 = (types.int16, types.int32, types.int64, types.uint32,
                                     types.float16, types.float32)
@@ -101,6 +101,14 @@ def variants():
     for d, g in ((128, 16), (32, 2)):
         yield (f"bwd.v2.dq_sum.d{d}.g{g}", v2_backward_tensor_cores.dq_sum_kernel(d, g),
                (i32[:, :, ::1], f32[:, :, :, ::1], f32, f3))
+
+    # backward v3 (wgmma): the dK/dV/dQ kernel (the dQ sum is version 2's)
+    for dt, bk, d, g, aligned in (("bf16", 128, 128, 16, True), ("f16", 64, 32, 2, True),
+                                  ("bf16", 128, 128, 4, False)):
+        yield (f"bwd.v3.wg.{dt}.bk{bk}.d{d}.g{g}{'' if aligned else '.plain'}",
+               v3_backward_wgmma.backward_kernel_v3(bk, d, g, dt == "bf16", aligned),
+               (w3, w3, w3, w3, f2, f2, i32[:, ::1], i32[:, ::1], i32[:, ::1], cu, cu, cu, f32,
+                f32, i32[:, ::1], i64, f3, f3, f2, f2, f32[:, :, :, ::1]))
 
     # K1 on K/V in pages (``sparse_attention(..., block_table=...)``; the caches viewed as
     # [P*Hkv*Bk, 1, D], arrays of the packed variants' types), and the kernel that writes each

@@ -1,0 +1,468 @@
+"""Backward version 3: version 2's tile on Hopper's warpgroup MMA (``wgmma``).
+
+Version 2 (``v2_backward_tensor_cores``) gives each warp 16 keys of the block and has every warp
+read the whole tile's Q and dO from shared memory by ``ldmatrix``, for each of the four products
+that take them as B: ~0.74 MB of shared-memory reads a 64-row tile a CTA at the paper's sizes,
+about half of the tile's time. Here the CTA's warps are ``Bk / 64`` warpgroups of 64 keys
+(warp ``w`` still owns keys ``16w .. 16w + 15``: the register layouts, the masking, the softmax
+and the stores are version 2's), and each product of a tile is a few ``wgmma`` whose B the
+tensor cores read once a warpgroup (``msa.cuda._core.wgmma``):
+
+* ``Sᵀ = K_g Qᵀ`` and ``dPᵀ = V_g dOᵀ``: ``wgmma.m64n{R}k16``, A (the group's 64 keys of K or V)
+  and B (the tile's Q or dO, K-major) both from shared memory;
+* ``dV_g += Pᵀ dO`` and ``dK_g += dSᵀ Q``: ``wgmma.m64n{D}k16``, A = the packed ``Pᵀ`` / ``dSᵀ``
+  fragments in registers (version 2's), B = dO / Q N-major;
+* ``dQ_tile = dS K``: each warpgroup the tile's 64 rows x ``D / groups`` dims,
+  ``wgmma.m64n{D/groups}k16``, A = dS by ``ldmatrix.trans`` of the dSᵀ buffer (version 2's), B
+  = K N-major; stored unscaled to the rows' partial slots, as in version 2.
+
+So K, V, Q and dO live in shared memory as 8 x 8 core matrices (``core_word``), which
+``cp.async`` writes directly; they are made visible to the tensor cores' async proxy by
+``fence.proxy.async`` before the barrier that precedes their first read. A tile is 64 rows
+(``R = 64``, ``P = 64 / G`` CSR entries) on the GPU and in the simulator (a ``wgmma`` is 64 rows).
+
+Non-finite K (docs/design.md §3, version 2's rules): ``Sᵀ`` reads K as stored; ``dQ = dS K``
+needs K with its non-finite halves made +0, which version 2 cleans in the B fragments. Here the
+tensor cores read B from shared memory, so a block that holds a non-finite K (found once, as in
+version 2) writes a cleaned copy of its K (``sKc``) and dQ reads that; the NaN patches of the
+stores and of dSᵀ are version 2's. Every other block never touches ``sKc``.
+
+Limits: float16/bfloat16; ``Bk`` 64 or 128 (warpgroups of 64 keys); ``D`` a multiple of 16 up
+to 128 (dK, dV in registers); a GPU of compute capability 9.0 (the simulator runs the ``wgmma``
+twins, where version 3 gives version 2's bits).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from .._core import wgmma as _wgmma
+from .._core.arrays import SIMULATOR
+from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
+from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
+                            dynamic_smem_u32, ldmatrix_x4_trans, no_op, store_f32x2)
+from .._core.mma import exp2, pack_bf16x2, pack_f16x2
+from .._core.packed import LOG2E
+from .._core.wgmma import core_word
+from ._backward_parts import bwd_part, split_slot
+from .._core.diskcache import kernel_jit
+
+TILE_ROWS = 64  # a wgmma's M (dQ's rows), so also in the simulator
+MAX_HEAD_DIM = 128
+BLOCK_SIZES = (64, 128)  # warpgroups of 64 keys
+_NEG_INF = float32(-math.inf)
+_NAN = float32(math.nan)
+
+
+def layout(block_size: int, head_dim: int, rows: int):
+    """Word offsets of the dynamic shared memory: sK, sV and sKc ``[Bk, D]``, two sQ and two
+    sdO buffers ``[R, D]``, all as core matrices (``core_word``); then two dSᵀ buffers [Bk rows
+    of ``R/2 + 4`` words] (version 2's, read by ``ldmatrix.trans``).
+
+    Returns ``(ld_ds, off_v, off_kc, off_q, off_do, off_ds, total_bytes)``; buffer ``b`` of sQ
+    starts at ``off_q + b R D / 2``, of dSᵀ at ``off_ds + b Bk ld_ds``."""
+    kv = block_size * head_dim // 2
+    qb = rows * head_dim // 2
+    ld_ds = rows // 2 + 4
+    off_v, off_kc, off_q = kv, 2 * kv, 3 * kv
+    off_do = off_q + 2 * qb
+    off_ds = off_do + 2 * qb
+    return ld_ds, off_v, off_kc, off_q, off_do, off_ds, 4 * (off_ds + 2 * block_size * ld_ds)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool,
+                       use_async: bool):
+    """The dK/dV/dQ kernel for (Bk, D, G, input kind, ``cp.async`` or plain loads), with version
+    2's arguments (``backward_kernel_v2``) and launch (``Bk / 16`` warps a CTA)."""
+    Bk, D, G, R = block_size, head_dim, group, TILE_ROWS
+    NW = Bk // 16  # warps: 16 keys each
+    NT = 32 * NW
+    NWG = Bk // 64  # warpgroups: 64 keys each
+    assert Bk in BLOCK_SIZES and D % 16 == 0 and D <= MAX_HEAD_DIM and R % G == 0
+    P = R // G  # CSR entries (query positions) per tile
+    LDS, OFF_V, OFF_KC, OFF_Q, OFF_DO, OFF_DS, _ = layout(Bk, D, R)
+    DW = D // 2  # words per row of Q/K/V/dO
+    PIECES = D // 8  # 16-byte pieces per row
+    TPR = 4 if PIECES % 4 == 0 else 2  # threads a row of Q and dO in ``stage``
+    PPT = PIECES // TPR
+    NS = R // 8  # n-tiles of Sᵀ, dPᵀ (8 rows each)
+    KS = D // 16  # k-steps of Sᵀ, dPᵀ
+    KR = R // 16  # k-steps of dV, dK (16 rows each)
+    NO = D // 8  # n-tiles of dK, dV
+    KB = Bk // 16  # k-steps of dQ (16 keys each)
+    NDQ = D // NWG  # dims of dQ a warpgroup
+    S_REGS, F_REGS, O_REGS, Q_REGS, A_REGS = 4 * NS, 2 * NS, 4 * NO, NDQ // 2, 4 * KB
+    ab = "bf16" if bf16_in else "f16"
+    wg_s = _wgmma.make_wgmma_ss(R, ab)  # Sᵀ, dPᵀ: A = K_g / V_g, B = Qᵀ / dOᵀ (K-major)
+    wg_o = _wgmma.make_wgmma_rs(D, ab, 1)  # dV, dK: A = Pᵀ / dSᵀ fragments, B = dO / Q
+    wg_q = _wgmma.make_wgmma_rs(NDQ, ab, 1)  # dQ: A = dS fragments, B = K (N-major)
+    wait_s = _wgmma.make_wgmma_wait(S_REGS)
+    wait_o = _wgmma.make_wgmma_wait(O_REGS)
+    wait_q = _wgmma.make_wgmma_wait(Q_REGS)
+    pack = pack_bf16x2 if bf16_in else pack_f16x2
+    clean = clean_bf16x2 if bf16_in else clean_f16x2
+    nonfinite = is_nonfinite_bf16 if bf16_in else is_nonfinite_f16
+    # the exponent bits of both 16-bit halves of a word, and the carry that adding their lowest
+    # bit gives out of an all-ones exponent (inf or NaN: bits 15 and 31)
+    EXP2 = uint32(0x7F807F80 if bf16_in else 0x7C007C00)
+    EXP_LSB2 = uint32(0x00800080 if bf16_in else 0x04000400)
+    EXP = uint32(0x7F80 if bf16_in else 0x7C00)
+    QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
+    copy16 = cp_async16 if use_async else copy16_plain3
+    commit = cp_async_commit if use_async else no_op
+    wait_all = cp_async_wait_all if use_async else no_op
+    log2e = float32(LOG2E)
+    QB = R * DW  # words per sQ / sdO buffer
+    DSB = Bk * LDS  # words per dSᵀ buffer
+    R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
+    BK1 = Bk + 1
+    # descriptors (byte offsets / 16): a [rows, D] core-matrix matrix is K-major with the next
+    # 8 dims at +128 B and the next 8 rows at +16 D B, N-major the other way round
+    ROW8 = 16 * D
+    KSTEP = 256 >> 4  # Sᵀ, dPᵀ: the next 16 dims
+    RSTEP = (2 * ROW8) >> 4  # dV, dK, dQ: the next 16 rows (keys)
+    GROUP_A = (64 * 2 * D) >> 4  # the next warpgroup's 64 keys of K, V
+    jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+
+    @cuda.jit(device=True, inline=True)
+    def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
+              buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """Version 2's ``stage``, the rows' pieces into core matrices."""
+        hq = q.shape[1]
+        for x in range(tid, R * TPR, NT):
+            xu = uint32(x)
+            w = xu // uint32(TPR)
+            part = xu % uint32(TPR)
+            c = c0 + int32(w // uint32(G))
+            h = r * G + int32(w % uint32(G))
+            t = -1
+            s = 0
+            if c < e1:
+                t = q_indices[r, c]
+                s = slots[r, c]
+                if t < q_lo or t >= q_hi or s < 0 or s >= topk:
+                    t = -1  # not a query of this sequence (unvalidated input): skipped
+            ok = t >= 0
+            if part == 0:
+                lim = -1
+                l2 = float32(0.0)
+                dl = float32(0.0)
+                off = int64(-1)
+                if ok:
+                    off = ((int64(s) * tq + t) * hq + h) * D
+                    lv = lse[t, h]
+                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
+                        lim = min(pos0 + t - key_pos0, nk - 1)
+                        l2 = lv * log2e
+                        dl = delta[t, h]
+                at = tbuf * R + int32(w)
+                s_off[at] = off
+                s_lim[at] = lim
+                s_l2[at] = l2
+                s_dl[at] = dl
+            src = (uint64(t if ok else 0) * uint64(hq) + uint64(h)) * uint64(DW) \
+                + uint64(part * uint32(4))
+            # core matrices: row w's 16-byte piece u at (w / 8) 4 D + u 32 + (w % 8) 4 words
+            dst = uint32(buf * QB) + (w >> uint32(3)) * uint32(4 * D) + (w & uint32(7)) * uint32(4) \
+                + part * uint32(32)
+            for i in range(PPT):
+                copy16(smem, uint32(OFF_Q) + dst + uint32(32 * TPR * i), q,
+                       src + uint64(4 * TPR * i), 16 if ok else 0)
+                copy16(smem, uint32(OFF_DO) + dst + uint32(32 * TPR * i), do,
+                       src + uint64(4 * TPR * i), 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
+        """Start copying the K/V block into core matrices (keys past the sequence: zeros)."""
+        for e in range(tid, Bk * PIECES, NT):
+            c = e // PIECES
+            w = (e % PIECES) * 4
+            ok = c < nk
+            src = ((key_base + (c if ok else 0)) * hkv + r) * DW + w
+            at = core_word(c, w, D)
+            copy16(smem, at, k, src, 16 if ok else 0)
+            copy16(smem, OFF_V + at, v, src, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def k_nonfinite(smem, tid):
+        """Whether a 16-bit value of the K pieces this thread copied is an inf or a NaN
+        (version 2's test)."""
+        acc = uint32(0)
+        for e in range(tid, Bk * PIECES, NT):
+            at = core_word(e // PIECES, (e % PIECES) * 4, D)
+            for x in range(4):
+                acc |= (smem[at + x] & EXP2) + EXP_LSB2
+        return (acc & uint32(0x80008000)) != 0
+
+    @cuda.jit(device=True)
+    def bad_keys(smem, s_kbad, s_kcol, tid):
+        """Version 2's ``bad_keys`` on the core matrices, then the cleaned copy sKc of K
+        (non-finite halves +0) that dQ reads in such a block."""
+        for c in range(tid, Bk, NT):
+            acc = uint32(0)
+            for x in range(DW):
+                acc |= (smem[core_word(c, x - x % 4, D) + x % 4] & EXP2) + EXP_LSB2
+            s_kbad[c] = 1 if (acc & uint32(0x80008000)) != 0 else 0
+        for d in range(tid, D, NT):
+            first = Bk
+            x = d // 2
+            for c in range(Bk):
+                if nonfinite(smem[core_word(c, x - x % 4, D) + x % 4] >> uint32(16 * (d % 2))):
+                    first = c
+                    break
+            s_kcol[d] = first
+        for e in range(tid, Bk * DW, NT):
+            w, _ = clean(smem[e])
+            smem[OFF_KC + e] = w
+
+    @cuda.jit(device=True)
+    def nan_bad_ds(smem, s_kbad, ds0, warp, lane):
+        """Version 2's: in the dSᵀ rows of this warp's keys whose K row holds a non-finite
+        value, each infinity made a NaN."""
+        cuda.syncwarp()  # the warp's lanes wrote these rows
+        for x in range(lane, 16 * (R // 2), 32):
+            c = 16 * warp + x // (R // 2)
+            if s_kbad[c] != 0:
+                at = ds0 + c * LDS + x % (R // 2)
+                smem[at] = inf_to_nan(smem[at])
+
+    @cuda.jit(device=True, inline=True)
+    def inf_to_nan(word):
+        """The two 16-bit halves of ``word``, each infinity made a NaN (its quiet bit set)."""
+        w = uint32(word)
+        if (w & uint32(0x7FFF)) == EXP:
+            w |= QUIET
+        if ((w >> uint32(16)) & uint32(0x7FFF)) == EXP:
+            w |= QUIET << uint32(16)
+        return w
+
+    @cuda.jit(device=True, inline=True)
+    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+                      key_top, key_bot, t4, scale_log2):
+        """Version 2's: Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also
+        into shared memory (a key past a row's limit gives P = 0 and dS = 0 by selection)."""
+        at_w = uint32(row0 + 2 * t4)
+        at_top = uint32(ds0 + key_top * LDS + t4)
+        at_bot = uint32(ds0 + key_bot * LDS + t4)
+        k_top = int32(key_top)
+        k_bot = int32(key_bot)
+        for i in range(NS):
+            for e in range(2):
+                w = at_w + uint32(8 * i + e)
+                lim = s_lim[w]
+                l2 = s_l2[w]
+                dl = s_dl[w]
+                p0 = float32(0.0)
+                p1 = float32(0.0)
+                d0 = float32(0.0)
+                d1 = float32(0.0)
+                if k_top <= lim:
+                    p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
+                    d0 = p0 * (dp_acc[4 * i + e] - dl)
+                if k_bot <= lim:
+                    p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
+                    d1 = p1 * (dp_acc[4 * i + 2 + e] - dl)
+                s_acc[4 * i + e] = p0
+                s_acc[4 * i + 2 + e] = p1
+                dp_acc[4 * i + e] = d0
+                dp_acc[4 * i + 2 + e] = d1
+            p_frag[2 * i] = pack(s_acc[4 * i], s_acc[4 * i + 1])
+            p_frag[2 * i + 1] = pack(s_acc[4 * i + 2], s_acc[4 * i + 3])
+            ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
+            ds_frag[2 * i + 1] = pack(dp_acc[4 * i + 2], dp_acc[4 * i + 3])
+            smem[at_top + uint32(4 * i)] = ds_frag[2 * i]
+            smem[at_bot + uint32(4 * i)] = ds_frag[2 * i + 1]
+
+    @cuda.jit(device=True, inline=True)
+    def dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, row0, kdesc, m,
+                n0, g4, t4, ds_lane):
+        """``dQ_tile = dS K``: this warpgroup's dims ``n0 .. n0 + NDQ`` of the tile's 64 rows
+        (the warp's m-tile ``m``), into the rows' partial slots; version 2's NaN patches where
+        the block holds a non-finite K (``kdesc`` then names sKc)."""
+        for kb in range(KB):
+            a0, a1, a2, a3 = ldmatrix_x4_trans(smem, ds_lane + 16 * kb * LDS + 8 * m)
+            a_frag[4 * kb] = a0
+            a_frag[4 * kb + 1] = a1
+            a_frag[4 * kb + 2] = a2
+            a_frag[4 * kb + 3] = a3
+        _wgmma.wgmma_fence()
+        for kb in range(KB):
+            wg_q(q_acc, a_frag[4 * kb], a_frag[4 * kb + 1], a_frag[4 * kb + 2],
+                 a_frag[4 * kb + 3], kdesc + uint64(kb * RSTEP), int32(kb > 0))
+        _wgmma.wgmma_commit()
+        wait_q(q_acc)
+        k_bad = s_kbad[Bk] != 0
+        for half in range(2):  # rows 16 m + g4 and 16 m + g4 + 8
+            w = uint32(row0) + uint32(16 * m + g4 + 8 * half)
+            off = s_off[w]  # the row's dq partial (stage), -1: no query
+            if off >= 0:
+                lim = s_lim[w]
+                for i in range(NDQ // 8):
+                    dcol = uint32(n0 + 8 * i + 2 * t4)
+                    x0 = q_acc[4 * i + 2 * half]
+                    x1 = q_acc[4 * i + 2 * half + 1]
+                    if k_bad:
+                        if lim >= s_kcol[dcol]:
+                            x0 = _NAN
+                        if lim >= s_kcol[dcol + uint32(1)]:
+                            x1 = _NAN
+                    store_f32x2(dq_part, uint64(off) + uint64(dcol), x0, x1)
+
+    @cuda.jit(device=True, inline=True)
+    def store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
+                   nparts, key_base, key_top, key_bot, nk, t4, scale):
+        """Version 2's: dK = s dSᵀ Q, dV = Pᵀ dO of this part, added to dk, dv, or for a hot
+        row into the part's scratch slot."""
+        if nparts == 1:
+            for i in range(NO):
+                for e in range(2):
+                    d = 8 * i + 2 * t4 + e
+                    if key_top < nk:
+                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * scale
+                        dv[key_base + key_top, r, d] += dv_acc[4 * i + e]
+                    if key_bot < nk:
+                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * scale
+                        dv[key_base + key_bot, r, d] += dv_acc[4 * i + 2 + e]
+        else:  # a hot row: this part's sums go to its scratch slot, added in part order
+            slot = split_slot(part_ptr, hkv, r, row) + part
+            for i in range(NO):
+                for e in range(2):
+                    d = 8 * i + 2 * t4 + e
+                    if key_top < nk:
+                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * scale
+                        dv_part[slot, key_top * D + d] = dv_acc[4 * i + e]
+                    if key_bot < nk:
+                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * scale
+                        dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
+
+    @kernel_jit(**jit)
+    def _attention_bwd_kernel_wgmma(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
+                                    row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
+                                    part_size, dk, dv, dk_part, dv_part, dq_part):
+        smem = dynamic_smem_u32()
+        s_off = cuda.shared.array(R3, int64)
+        s_lim = cuda.shared.array(R3, int32)
+        s_l2 = cuda.shared.array(R3, float32)
+        s_dl = cuda.shared.array(R3, float32)
+        s_kbad = cuda.shared.array(BK1, int32)
+        s_kcol = cuda.shared.array(D, int32)
+        s_acc = cuda.local.array(S_REGS, float32)  # Sᵀ, then Pᵀ
+        dp_acc = cuda.local.array(S_REGS, float32)  # dPᵀ, then dSᵀ
+        p_frag = cuda.local.array(F_REGS, uint32)
+        ds_frag = cuda.local.array(F_REGS, uint32)
+        dk_acc = cuda.local.array(O_REGS, float32)
+        dv_acc = cuda.local.array(O_REGS, float32)
+        q_acc = cuda.local.array(Q_REGS, float32)  # dQ (dq_tile)
+        a_frag = cuda.local.array(A_REGS, uint32)  # dS's A fragments (dq_tile)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g4 = lane // 4
+        t4 = lane % 4
+        grp = warp // 4  # this warp's warpgroup: keys 64 grp ..
+        hkv = row_ptr.shape[0]
+        r, row, part, nparts, b, j, lk, nk, e0, e1 = bwd_part(
+            row_ptr, part_ptr, row_offsets, cu_k, part_size, q_indices.shape[1], Bk)
+        if e1 <= e0:
+            return  # this CTA adds nothing
+        key_base = cu_k[b] + j * Bk
+        topk = dq_part.shape[0]
+        tq = dq_part.shape[1]
+        q_lo = cu_q[b]
+        q_hi = cu_q[b + 1]
+        pos0 = lk - (q_hi - q_lo) - q_lo  # a query t of the sequence sits at key position pos0 + t
+        key_pos0 = j * Bk
+
+        load_kv(smem, k, v, key_base, nk, r, hkv, tid)
+        for i in range(O_REGS):
+            dk_acc[i] = float32(0.0)
+            dv_acc[i] = float32(0.0)
+        # ldmatrix.trans rows of this lane for dS's A fragments (version 2's)
+        ds_lane = ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 4
+        key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
+        key_bot = key_top + 8
+        base = _wgmma.shared_address(smem, 0)
+        k_desc = _wgmma.smem_desc(base, 128, ROW8) + uint64(grp * GROUP_A)
+        v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), 128, ROW8) \
+            + uint64(grp * GROUP_A)
+
+        stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
+              e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+        commit()
+        # Non-finite K: version 2's CTA-uniform test, then (the slow path) the bad keys and
+        # columns and the cleaned copy sKc, which dQ then reads instead of sK
+        wait_all()
+        k_bad = cuda.syncthreads_or(int32(1) if k_nonfinite(smem, tid) else int32(0))
+        if tid == 0:
+            s_kbad[Bk] = k_bad
+        if k_bad != 0:
+            cuda.syncthreads()  # every thread's K copies landed
+            bad_keys(smem, s_kbad, s_kcol, tid)
+        # dQ's B: this warpgroup's dims of K (or sKc), N-major
+        n0 = grp * NDQ
+        kq_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_KC if k_bad != 0 else 0),
+                                   ROW8, 128) + uint64((n0 // 8 * 128) >> 4)
+        m = warp % 4  # the warp's 16 rows of dQ
+        for c0 in range(e0, e1, P):
+            it = (c0 - e0) // P
+            cur = it % 2
+            wait_all()
+            _wgmma.fence_proxy_async()  # this thread's copies (and sKc) for the tensor cores
+            # (A) this tile's rows (and K/V) landed, and every warp is done with tile i - 1's
+            # products (its Q/dO buffer) and tile i - 2's dQ (its dSᵀ buffer and table)
+            cuda.syncthreads()
+            if c0 + P < e1:
+                stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq,
+                      r, c0 + P, e1, 1 - cur, (it + 1) % 3, q_lo, q_hi, pos0, key_pos0, nk,
+                      topk, tid)
+            commit()
+            qo = OFF_Q + cur * QB
+            doo = OFF_DO + cur * QB
+            row0 = (it % 3) * R  # this tile's rows in the tables
+            ds0 = OFF_DS + cur * DSB
+            # Sᵀ = K_g Qᵀ, dPᵀ = V_g dOᵀ
+            q_k = _wgmma.smem_desc(_wgmma.shared_address(smem, qo), 128, ROW8)
+            do_k = _wgmma.smem_desc(_wgmma.shared_address(smem, doo), 128, ROW8)
+            _wgmma.wgmma_fence()
+            for ks in range(KS):
+                wg_s(s_acc, k_desc + uint64(ks * KSTEP), q_k + uint64(ks * KSTEP),
+                     int32(ks > 0))
+            for ks in range(KS):
+                wg_s(dp_acc, v_desc + uint64(ks * KSTEP), do_k + uint64(ks * KSTEP),
+                     int32(ks > 0))
+            _wgmma.wgmma_commit()
+            wait_s(s_acc)
+            wait_s(dp_acc)
+            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+                          key_top, key_bot, t4, scale_log2)
+            # dV_g += Pᵀ dO, dK_g += dSᵀ Q
+            q_n = _wgmma.smem_desc(_wgmma.shared_address(smem, qo), ROW8, 128)
+            do_n = _wgmma.smem_desc(_wgmma.shared_address(smem, doo), ROW8, 128)
+            _wgmma.wgmma_fence()
+            for kr in range(KR):
+                wg_o(dv_acc, p_frag[4 * kr], p_frag[4 * kr + 1], p_frag[4 * kr + 2],
+                     p_frag[4 * kr + 3], do_n + uint64(kr * RSTEP), int32(1))
+            for kr in range(KR):
+                wg_o(dk_acc, ds_frag[4 * kr], ds_frag[4 * kr + 1], ds_frag[4 * kr + 2],
+                     ds_frag[4 * kr + 3], q_n + uint64(kr * RSTEP), int32(1))
+            _wgmma.wgmma_commit()
+            wait_o(dv_acc)
+            wait_o(dk_acc)
+            if s_kbad[Bk] != 0:  # CTA-uniform: the block holds a non-finite K
+                nan_bad_ds(smem, s_kbad, ds0, warp, lane)
+            if it > 0:  # the previous tile's dQ
+                dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol,
+                        ((it + 2) % 3) * R, kq_desc, m, n0, g4, t4,
+                        OFF_DS + (1 - cur) * DSB + ds_lane)
+        last = (e1 - 1 - e0) // P
+        cuda.syncthreads()  # the last tile's dSᵀ complete
+        dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, (last % 3) * R,
+                kq_desc, m, n0, g4, t4, OFF_DS + (last % 2) * DSB + ds_lane)
+        store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
+                   nparts, key_base, key_top, key_bot, nk, t4, scale)
+
+    return _attention_bwd_kernel_wgmma
