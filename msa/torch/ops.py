@@ -207,7 +207,7 @@ def sparse_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                               cu_seqlens_k: Tensor, block_size: int, scale: float,
                               backward: str) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of eq 8: ``backward="auto"`` runs ``msa.cuda``'s tensor-core backward
-    (version 2) on CUDA tensors where it applies, else the PyTorch backward (``_backward``);
+    (version 3 on ``wgmma``, or 2) on CUDA tensors where it applies, else the PyTorch backward (``_backward``);
     ``"cuda"`` runs ``msa.cuda``'s backward on CUDA tensors whatever its version; ``"torch"``
     the PyTorch one. The forward's own selection and LSE: nothing is checked again."""
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
@@ -215,7 +215,7 @@ def sparse_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     if how == "auto" and q.is_cuda:
         from ..cuda.attention import default_backward_version
 
-        how = "cuda" if default_backward_version(q, k, v, block_size) == 2 else "torch"
+        how = "cuda" if default_backward_version(q, k, v, block_size) >= 2 else "torch"
     if how == "cuda" and q.is_cuda:
         from ..cuda.attention import sparse_attention_backward as gpu_backward
 

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from msa.cuda import attention as gpu
 from msa.cuda._core.arrays import SIMULATOR
+from msa.cuda._core.wgmma import why_not_available
 from msa.cuda._core.memops import store_f32x2
 from msa.cuda.attention._backward import (_sparse_attention_backward, backward_version,
                                           default_part_size)
@@ -192,7 +193,9 @@ def test_backward_v2_empty_supports_give_zero():
 
 
 def test_default_backward_version():
-    """Version 2 for 16-bit inputs with D and Bk multiples of 16 up to 128, else version 1."""
+    """Version 3 on a GPU of compute capability 9.0 for 16-bit inputs with D a multiple of 16
+    up to 128 and Bk 64 or 128, else version 2 for D and Bk multiples of 16 up to 128, else
+    version 1; version 2 in the simulator."""
     def spec(kind, d, g=2):
         q = np.zeros((3, 2 * g, d), np.float32)
         k = np.zeros((5, 2, d), np.float32)
@@ -201,7 +204,9 @@ def test_default_backward_version():
     assert gpu.default_backward_version(*(np.zeros((3, 4, 16), np.float16),) * 3, 16) == 2
     assert backward_version(spec("float32", 16), 16) == 1
     assert backward_version(spec("float16", 16), 16) == 2
-    assert backward_version(spec("bfloat16", 128), 128) == 2
+    v3 = not SIMULATOR and why_not_available() is None
+    assert backward_version(spec("bfloat16", 128), 128) == (3 if v3 else 2)
+    assert backward_version(spec("float16", 32), 64) == (3 if v3 else 2)
     assert backward_version(spec("float16", 16), 8) == 1  # Bk not a multiple of 16
     assert backward_version(spec("float16", 16), 256) == 1  # Bk > 128
     assert backward_version(spec("float16", 24), 16) == 1  # D not a multiple of 16

@@ -51,11 +51,15 @@ v    idea                                        default where           verdict
      (``v1_backward_cuda_cores``)
 2    one tensor-core kernel per part: S, dP,     16-bit, D and Bk        H200 (1d9bdca): 128K 159.6
      dV, dK and the tile's dQ; dQ shares summed  multiples of 16 up to   ms, 132.5 TFLOP/s, 1.16x
-     in slot order                               128                     fla-core, 8.42x dense
+     in slot order                               128, where v3 is not    fla-core, 8.42x dense
      (``v2_backward_tensor_cores``)                                      SDPA's backward
+3    version 2's tile on ``wgmma``: each         cc 9.0, 16-bit, D a     H100 (0866147): 128K
+     product's B read once a warpgroup; K, V,    multiple of 16 up to    129.6 ms, 163.2 TFLOP/s,
+     Q, dO as core matrices                      128, Bk 64 or 128       1.46x fla-core (v2 147.9
+     (``v3_backward_wgmma``)                                             ms, bitwise the same)
 ===  ==========================================  ======================  ==========================
 
-Both share ``_backward_parts`` (``D = rowsum(dO O)``, the hot rows cut into parts, their sums
+All three share ``_backward_parts`` (``D = rowsum(dO O)``, the hot rows cut into parts, their sums
 in part order); the launcher is ``_backward``. The version numbers are those of older results;
 at 426fbbf the kernels were ``_k1_kernel_simple``, ``_k1_kernel_mma``, ``_k1_kernel_reg`` (v3,
 and v4 by its ``wgmma`` flag), ``_bwd_kernels`` and ``_bwd_tc_kernel`` in

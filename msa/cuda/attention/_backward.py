@@ -1,11 +1,11 @@
-"""The main branch's backward on the GPU: validation once, then version 1 or 2 per query chunk.
+"""The main branch's backward on the GPU: validation once, then version 1, 2 or 3 per query chunk.
 
 ``sparse_attention_backward`` checks everything (``Spec``, ``Batch.of``, the knobs, the rung's
 limits, the selection with ``validate``) and launches: ``D = rowsum(dO O)``, then version 1
 (``v1_backward_cuda_cores``: dQ Q-outer, the CSR of the whole batch, dK/dV per part of a row)
-or version 2 (``v2_backward_tensor_cores``: per query chunk whose dQ partials fit
-``max_partial_bytes``, its CSR, one kernel per part of a row, the hot rows' sums and the dQ
-sum). The rows are cut into parts by ``_backward_parts``.
+or version 2 or 3 (``v2_backward_tensor_cores``, ``v3_backward_wgmma``: per query chunk whose
+dQ partials fit ``max_partial_bytes``, its CSR, one kernel per part of a row, the hot rows'
+sums and the dQ sum). The rows are cut into parts by ``_backward_parts``.
 """
 
 from __future__ import annotations
@@ -78,12 +78,9 @@ def backward_version(spec, block_size) -> int:
     why_not_v2 = _why_not_v2(spec, block_size)[0]
     if why_not_v2:
         return 1
-    if not SIMULATOR and DEFAULT_V3 and _why_not_v3(spec, block_size, None)[0] is None:
-        return 3
+    if not SIMULATOR and _why_not_v3(spec, block_size, None)[0] is None:
+        return 3  # (the simulator runs it on the wgmma twins when asked, not by default)
     return 2
-
-
-DEFAULT_V3 = False  # (until measured)
 
 
 # The default part size: about PARTS parts over the heads of a query chunk (at least MIN_PART
@@ -146,20 +143,23 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     1. CUDA cores, float32 throughout (any dtype): ``dQ`` Q-outer (a CTA per query and KV
        head), ``dK, dV`` accumulated in shared memory. The tested fallback; slow.
     2. tensor cores (float16/bfloat16, ``D`` and ``Bk`` multiples of 16 up to 128; the
-       default where it applies): one kernel does all five products per tile of
-       ``64/G`` queries x G heads with ``mma.sync``, dK and dV in registers, and writes each
-       (query, head, slot)'s ``dQ`` share to a float32 partial that a second kernel sums in
-       slot order (as K2 sums the forward's). The partials take ``K*Tq*Hq*D*4`` bytes, so the
-       queries go in chunks of at most ``max_partial_bytes`` (default 4 GiB), each with its
-       own CSR, adding to ``dk, dv`` in turn. P and dS are rounded to the inputs' 16-bit type
-       before their products (FlashAttention's backward).
+       default where it applies and version 3 does not): one kernel does all five products
+       per tile of ``64/G`` queries x G heads with ``mma.sync``, dK and dV in registers, and
+       writes each (query, head, slot)'s ``dQ`` share to a float32 partial that a second
+       kernel sums in slot order (as K2 sums the forward's). The partials take
+       ``K*Tq*Hq*D*4`` bytes, so the queries go in chunks of at most ``max_partial_bytes``
+       (default 4 GiB), each with its own CSR, adding to ``dk, dv`` in turn. P and dS are
+       rounded to the inputs' 16-bit type before their products (FlashAttention's backward).
+    3. version 2 on Hopper's ``wgmma`` (also ``Bk`` 64 or 128; the default on compute
+       capability 9.0): the same tiles, partials and results (bitwise version 2's on an H100
+       at the paper's sizes), the products' B operands read once a warpgroup.
 
     Args:
         q: [Tq, Hq, D] float32, float16 or bfloat16 (torch); k, v: [Tk, Hkv, D], same dtype.
         o: the forward's output [Tq, Hq, D] (q's dtype); lse: its float32 [Tq, Hq];
             do: ``dL/dO`` [Tq, Hq, D] (q's dtype).
         block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale: as ``sparse_attention``.
-        version: 1, 2 or ``None`` (2 where it applies, else 1).
+        version: 1, 2, 3 or ``None`` (``default_backward_version``: 3, else 2, else 1).
         part_size: most CSR entries (queries) one dK/dV CTA takes; a row with more is split,
             and its parts' sums are added in a fixed order (so a different ``part_size`` may
             change the last bits). Default: per query chunk, its ``Tq Hkv K`` entries over
@@ -177,7 +177,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
 
     Raises:
         TypeError/ValueError as ``sparse_attention``, plus ``o``, ``do`` or ``lse`` of the wrong
-        shape or dtype, ``version=2`` where it does not apply, and ``Bk``, ``D``, ``G`` too
+        shape or dtype, ``version=2`` or ``3`` where it does not apply, and ``Bk``, ``D``, ``G`` too
         large for version 1's shared memory (the paper's Bk = D = 128, G = 16 fit; so does
         D = 256 with Bk = 64, G <= 8).
     """

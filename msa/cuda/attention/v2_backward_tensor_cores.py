@@ -43,7 +43,9 @@ which ``_backward_parts.dkdv_sum_kernel`` adds in part order. P and dS are round
 inputs' 16-bit type before their products, as in FlashAttention's backward. float16/bfloat16,
 D and Bk multiples of 16 up to 128 (dK, dV live in registers; a warp per 16 keys).
 
-Where it runs: the default where it applies. Verdict (paper configuration, bf16): on an H100
+Where it runs: the default where it applies and version 3 (``v3_backward_wgmma``, the same
+tile on ``wgmma``) does not: GPUs other than compute capability 9.0, ``Bk`` other than 64 or
+128, the simulator. Verdict (paper configuration, bf16): on an H100
 (09fb84d) 32K 37.59 ms, 128K 150.8 ms (140.3 TFLOP/s), 1.21x / 1.26x fla-core's
 ``parallel_nsa_bwd`` and 2.21x / 8.71x dense SDPA's backward on that card, against 44.24 / 170.4
 ms for the kernel before (two barriers a tile, 64-bit offsets per store); on an H200 (1d9bdca,
