@@ -60,7 +60,9 @@ v    idea                                        default where           verdict
 ===  ==========================================  ======================  ==========================
 
 All three share ``_backward_parts`` (``D = rowsum(dO O)``, the hot rows cut into parts, their sums
-in part order); the launcher is ``_backward``. The version numbers are those of older results;
+in part order), and v2 and v3 their tile (``_backward_tile``: the staging of a tile's Q and dO,
+the masks, ``P`` and ``dS``, the non-finite K rules, the dK/dV stores) as K1 v3 and v4 share
+``_tile``; the launcher is ``_backward``. The version numbers are those of older results;
 at 426fbbf the kernels were ``_k1_kernel_simple``, ``_k1_kernel_mma``, ``_k1_kernel_reg`` (v3,
 and v4 by its ``wgmma`` flag), ``_bwd_kernels`` and ``_bwd_tc_kernel`` in
 ``msa/cuda/attention.py``.

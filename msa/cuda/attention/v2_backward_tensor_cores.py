@@ -61,15 +61,12 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
-from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
-from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                            dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
-                            no_op, store_f32x2)
-from .._core.mma import (exp2, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
-                         pack_bf16x2, pack_f16x2)
-from .._core.packed import LOG2E
+from .._core.memops import (dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
+                            store_f32x2)
+from .._core.mma import make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16
 from ..csr import is_entry
-from ._backward_parts import bwd_part, split_slot
+from ._backward_parts import bwd_part
+from ._backward_tile import padded_layout, tile
 from .._core.diskcache import kernel_jit
 
 # Tile rows (query positions x G heads): 64 on a GPU (S^T and dP^T of a warp's 16 keys x 64 rows
@@ -78,27 +75,10 @@ from .._core.diskcache import kernel_jit
 TILE_ROWS = 16 if SIMULATOR else 64
 MAX_HEAD_DIM = 128
 MAX_BLOCK_SIZE = 128
-_NEG_INF = float32(-math.inf)
 _NAN = float32(math.nan)
 
 
-def layout(block_size: int, head_dim: int, rows: int):
-    """Row strides (32-bit words) and word offsets of the tensor-core backward's dynamic shared
-    memory: sK, sV [Bk rows], two sQ and two sdO buffers [R rows] of ``D/2 + 4`` words (as K1
-    v3: 16-byte aligned rows, conflict-free ``ldmatrix``; tile i+1 lands while tile i computes),
-    then two dSᵀ buffers [Bk rows] of ``R/2 + 4`` words (16-bit pairs; tile i's dQ is computed
-    while tile i+1 writes the other).
-
-    Returns ``(ld, ld_ds, off_v, off_q, off_do, off_ds, total_bytes)``; buffer ``b`` of sQ
-    starts at ``off_q + b R ld``, of sdO at ``off_do + b R ld``, of dSᵀ at ``off_ds + b Bk
-    ld_ds``."""
-    ld = head_dim // 2 + 4
-    ld_ds = rows // 2 + 4
-    off_v = block_size * ld
-    off_q = 2 * block_size * ld
-    off_do = off_q + 2 * rows * ld
-    off_ds = off_do + 2 * rows * ld
-    return ld, ld_ds, off_v, off_q, off_do, off_ds, 4 * (off_ds + 2 * block_size * ld_ds)
+layout = padded_layout  # (the launcher sizes version 2's shared memory by it)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,21 +91,13 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     float32 [Tk, Hkv, D]; the scratch ``dk_part``, ``dv_part`` [slots, Bk*D]; ``dq_part``
     float32 [K, Tq, Hq, D]."""
     Bk, D, G, R = block_size, head_dim, group, rows
-    NW = Bk // 16  # warps: 16 keys each
-    NT = 32 * NW
     assert Bk % 16 == 0 and D % 16 == 0 and R % 16 == 0 and R % G == 0
+    T = tile(Bk, D, G, R, bf16_in, use_async, core_matrices=False)
+    NW, NT, P, LD, LDS, OFF_V, OFF_DS = T.NW, T.NT, T.P, T.LD, T.LDS, T.OFF_V, T.OFF_DS
+    OFF_Q, OFF_DO, QB, DSB, NS, NO = T.OFF_Q, T.OFF_DO, T.QB, T.DSB, T.NS, T.NO
     assert NW <= _mma.MAX_WARPS
-    P = R // G  # CSR entries (query positions) per tile
-    LD, LDS, OFF_V, OFF_Q, OFF_DO, OFF_DS, _ = layout(Bk, D, R)
-    DW = D // 2  # words per row of Q/K/V/dO
-    PIECES = D // 8  # 16-byte pieces per row
-    # threads a row of Q and dO in ``stage`` (each copies PPT pieces; PIECES is even)
-    TPR = 4 if PIECES % 4 == 0 else 2
-    PPT = PIECES // TPR
-    NS = R // 8  # n-tiles of Sᵀ, dPᵀ (8 rows each)
     KS = D // 16  # k-steps of Sᵀ, dPᵀ
     KR = R // 16  # k-steps of dV, dK (16 rows each); also the m-tiles of dQ
-    NO = D // 8  # n-tiles of dK, dV, dQ (8 dims each)
     KB = Bk // 16  # k-steps of dQ (16 keys each)
     PAIRS = KR * (NO // 2)  # (m-tile, n-tile pair) units of dQ, spread over the warps
     ROUNDS = -(-PAIRS // NW)
@@ -136,140 +108,13 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     S_REGS, F_REGS, O_REGS = 4 * NS, 2 * NS, 4 * NO
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
-    pack = pack_bf16x2 if bf16_in else pack_f16x2
-    clean = clean_bf16x2 if bf16_in else clean_f16x2
-    nonfinite = is_nonfinite_bf16 if bf16_in else is_nonfinite_f16
-    # the exponent bits of both 16-bit halves of a word, and the carry that adding their lowest
-    # bit gives out of an all-ones exponent (inf or NaN: bits 15 and 31)
-    EXP2 = uint32(0x7F807F80 if bf16_in else 0x7C007C00)
-    EXP_LSB2 = uint32(0x00800080 if bf16_in else 0x04000400)
-    EXP = uint32(0x7F80 if bf16_in else 0x7C00)
-    QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
-    copy16 = cp_async16 if use_async else copy16_plain3
-    commit = cp_async_commit if use_async else no_op
-    wait_all = cp_async_wait_all if use_async else no_op
-    log2e = float32(LOG2E)
-    QB = R * LD  # words per sQ / sdO buffer
-    DSB = Bk * LDS  # words per dSᵀ buffer
+    clean = T.clean
+    commit, wait_all = T.commit, T.wait_all
+    stage, load_kv, k_nonfinite, bad_keys = T.stage, T.load_kv, T.k_nonfinite, T.bad_keys
+    nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-
-    @cuda.jit(device=True, inline=True)
-    def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
-              buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
-        """Start loading the tile of CSR entries ``c0 ..`` into Q/dO buffer ``buf`` and table
-        buffer ``tbuf``: ``TPR`` threads a row, each reading the row's CSR entry once; the
-        first of them writes the row's table (its dq partial's offset ``((slot Tq + t) Hq + h)
-        D`` or -1 without a query, mask limit, LSE log2 e, D) by plain stores, and all of them
-        start the row's Q and dO copies (zeros for rows without a query) by ``cp.async``,
-        pieces ``part, part + TPR, ...`` (the caller commits). Index arithmetic is unsigned
-        where it can be (power-of-two divisions become shifts); t and the slot are checked
-        before use."""
-        hq = q.shape[1]
-        for x in range(tid, R * TPR, NT):
-            xu = uint32(x)
-            w = xu // uint32(TPR)
-            part = xu % uint32(TPR)
-            c = c0 + int32(w // uint32(G))
-            h = r * G + int32(w % uint32(G))
-            t = -1
-            s = 0
-            if c < e1:
-                t = q_indices[r, c]
-                s = slots[r, c]
-                if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-                    t = -1  # not a query of this sequence (unvalidated input): skipped
-            ok = t >= 0
-            if part == 0:
-                lim = -1
-                l2 = float32(0.0)
-                dl = float32(0.0)
-                off = int64(-1)
-                if ok:
-                    off = ((int64(s) * tq + t) * hq + h) * D
-                    lv = lse[t, h]
-                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
-                        lim = min(pos0 + t - key_pos0, nk - 1)
-                        l2 = lv * log2e
-                        dl = delta[t, h]
-                at = tbuf * R + int32(w)
-                s_off[at] = off
-                s_lim[at] = lim
-                s_l2[at] = l2
-                s_dl[at] = dl
-            src = (uint64(t if ok else 0) * uint64(hq) + uint64(h)) * uint64(DW) \
-                + uint64(part * uint32(4))
-            dst = uint32(buf * QB) + w * uint32(LD) + part * uint32(4)
-            for i in range(PPT):
-                copy16(smem, uint32(OFF_Q) + dst + uint32(4 * TPR * i), q,
-                       src + uint64(4 * TPR * i), 16 if ok else 0)
-                copy16(smem, uint32(OFF_DO) + dst + uint32(4 * TPR * i), do,
-                       src + uint64(4 * TPR * i), 16 if ok else 0)
-
-    @cuda.jit(device=True, inline=True)
-    def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
-        """Start copying the K/V block (keys past the sequence: zeros)."""
-        for e in range(tid, Bk * PIECES, NT):
-            c = e // PIECES
-            w = (e % PIECES) * 4
-            ok = c < nk
-            src = ((key_base + (c if ok else 0)) * hkv + r) * DW + w
-            copy16(smem, c * LD + w, k, src, 16 if ok else 0)
-            copy16(smem, OFF_V + c * LD + w, v, src, 16 if ok else 0)
-
-    @cuda.jit(device=True, inline=True)
-    def k_nonfinite(smem, tid):
-        """Whether a 16-bit value of the K pieces this thread copied (``load_kv``'s loop, so its
-        own copies: visible to it once they landed) is an inf or a NaN: per word an and, an add
-        and an or (an all-ones exponent carries into the half's top bit)."""
-        acc = uint32(0)
-        for e in range(tid, Bk * PIECES, NT):
-            at = (e // PIECES) * LD + (e % PIECES) * 4
-            for x in range(4):
-                acc |= (smem[at + x] & EXP2) + EXP_LSB2
-        return (acc & uint32(0x80008000)) != 0
-
-    @cuda.jit(device=True)
-    def bad_keys(smem, s_kbad, s_kcol, tid):
-        """``s_kbad[c]``: 1 where key ``c``'s row of the K block holds a non-finite value, else
-        0; ``s_kcol[d]``: the smallest key ``c`` with a non-finite ``K[c, d]`` (Bk where there is
-        none; keys past the sequence are zeros)."""
-        for c in range(tid, Bk, NT):
-            acc = uint32(0)
-            for x in range(DW):
-                acc |= (smem[c * LD + x] & EXP2) + EXP_LSB2
-            s_kbad[c] = 1 if (acc & uint32(0x80008000)) != 0 else 0
-        for d in range(tid, D, NT):
-            first = Bk
-            for c in range(Bk):
-                if nonfinite(smem[c * LD + d // 2] >> uint32(16 * (d % 2))):
-                    first = c
-                    break
-            s_kcol[d] = first
-
-    @cuda.jit(device=True)
-    def nan_bad_ds(smem, s_kbad, ds0, warp, lane):
-        """Where the block holds a non-finite K: in the dSᵀ rows of this warp's keys whose K
-        row holds one, each infinity made a NaN. The reference multiplies dS by the key's
-        zeroed row and then adds its product back (``_mask.attend``): inf * 0; ``dq_tile``
-        multiplies by K with its non-finite halves +0, so the NaN is set here."""
-        cuda.syncwarp()  # the warp's lanes wrote these rows
-        for x in range(lane, 16 * (R // 2), 32):
-            c = 16 * warp + x // (R // 2)
-            if s_kbad[c] != 0:
-                at = ds0 + c * LDS + x % (R // 2)
-                smem[at] = inf_to_nan(smem[at])
-
-    @cuda.jit(device=True, inline=True)
-    def inf_to_nan(word):
-        """The two 16-bit halves of ``word``, each infinity made a NaN (its quiet bit set)."""
-        w = uint32(word)
-        if (w & uint32(0x7FFF)) == EXP:
-            w |= QUIET
-        if ((w >> uint32(16)) & uint32(0x7FFF)) == EXP:
-            w |= QUIET << uint32(16)
-        return w
 
     @cuda.jit(device=True, inline=True)
     def scores(smem, s_acc, dp_acc, a_lane, b_lane, qo, doo):
@@ -286,48 +131,6 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                 mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
                 b0, b1, b2, b3 = ldmatrix_x4(smem, doo + b_lane + 16 * n2 * LD + 8 * ks)
                 mma_pair(dp_acc, n, c0_, c1_, c2_, c3_, b0, b1, b2, b3)
-
-    @cuda.jit(device=True, inline=True)
-    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
-                      key_top, key_bot, t4, scale_log2):
-        """Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also into shared
-        memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e). A key past a row's
-        limit (its position, the block's end, no query) gives P = 0 and dS = 0 by selection
-        (not 0 times a dP that a non-finite V or D makes NaN)."""
-        # unsigned table and sdSᵀ offsets (each access adds a constant, no negative-index
-        # checks) and 32-bit keys against the int32 limits
-        at_w = uint32(row0 + 2 * t4)
-        at_top = uint32(ds0 + key_top * LDS + t4)
-        at_bot = uint32(ds0 + key_bot * LDS + t4)
-        k_top = int32(key_top)
-        k_bot = int32(key_bot)
-        for i in range(NS):
-            for e in range(2):
-                w = at_w + uint32(8 * i + e)
-                lim = s_lim[w]
-                l2 = s_l2[w]
-                dl = s_dl[w]
-                p0 = float32(0.0)
-                p1 = float32(0.0)
-                d0 = float32(0.0)
-                d1 = float32(0.0)
-                if k_top <= lim:
-                    p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
-                    d0 = p0 * (dp_acc[4 * i + e] - dl)
-                if k_bot <= lim:
-                    p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
-                    d1 = p1 * (dp_acc[4 * i + 2 + e] - dl)
-                s_acc[4 * i + e] = p0
-                s_acc[4 * i + 2 + e] = p1
-                dp_acc[4 * i + e] = d0
-                dp_acc[4 * i + 2 + e] = d1
-            p_frag[2 * i] = pack(s_acc[4 * i], s_acc[4 * i + 1])
-            p_frag[2 * i + 1] = pack(s_acc[4 * i + 2], s_acc[4 * i + 3])
-            ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
-            ds_frag[2 * i + 1] = pack(dp_acc[4 * i + 2], dp_acc[4 * i + 3])
-            # dSᵀ rows key_top / key_bot, the word of rows 8 i + 2 t4 and the next
-            smem[at_top + uint32(4 * i)] = ds_frag[2 * i]
-            smem[at_bot + uint32(4 * i)] = ds_frag[2 * i + 1]
 
     @cuda.jit(device=True, inline=True)
     def accumulate(smem, dk_acc, dv_acc, p_frag, ds_frag, qo, doo, t_lane):
@@ -423,33 +226,6 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                         at = uint64(off) + uint64(dcol)
                         store_f32x2(dq_part, at, x0, x1)
                         store_f32x2(dq_part, at + uint64(8), x8, x9)
-
-    @cuda.jit(device=True, inline=True)
-    def store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
-                   nparts, key_base, key_top, key_bot, nk, t4, scale):
-        """dK = s dSᵀ Q, dV = Pᵀ dO of this part: lane element (key_top / key_bot, dim
-        8 i + 2 t4 + e), added to dk, dv, or for a hot row into the part's scratch slot."""
-        if nparts == 1:
-            for i in range(NO):
-                for e in range(2):
-                    d = 8 * i + 2 * t4 + e
-                    if key_top < nk:
-                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * scale
-                        dv[key_base + key_top, r, d] += dv_acc[4 * i + e]
-                    if key_bot < nk:
-                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * scale
-                        dv[key_base + key_bot, r, d] += dv_acc[4 * i + 2 + e]
-        else:  # a hot row: this part's sums go to its scratch slot, added in part order
-            slot = split_slot(part_ptr, hkv, r, row) + part
-            for i in range(NO):
-                for e in range(2):
-                    d = 8 * i + 2 * t4 + e
-                    if key_top < nk:
-                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * scale
-                        dv_part[slot, key_top * D + d] = dv_acc[4 * i + e]
-                    if key_bot < nk:
-                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * scale
-                        dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
 
     @kernel_jit(**jit)
     def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,

@@ -41,36 +41,18 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core import wgmma as _wgmma
 from .._core.arrays import SIMULATOR
-from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
-from .._core.memops import (copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all,
-                            dynamic_smem_u32, ldmatrix_x4_trans, no_op, store_f32x2)
-from .._core.mma import exp2, pack_bf16x2, pack_f16x2
-from .._core.packed import LOG2E
-from .._core.wgmma import core_word
-from ._backward_parts import bwd_part, split_slot
+from .._core.memops import dynamic_smem_u32, ldmatrix_x4_trans, store_f32x2
+from ._backward_parts import bwd_part
+from ._backward_tile import core_layout, tile
 from .._core.diskcache import kernel_jit
 
 TILE_ROWS = 64  # a wgmma's M (dQ's rows), so also in the simulator
 MAX_HEAD_DIM = 128
 BLOCK_SIZES = (64, 128)  # warpgroups of 64 keys
-_NEG_INF = float32(-math.inf)
 _NAN = float32(math.nan)
 
 
-def layout(block_size: int, head_dim: int, rows: int):
-    """Word offsets of the dynamic shared memory: sK, sV and sKc ``[Bk, D]``, two sQ and two
-    sdO buffers ``[R, D]``, all as core matrices (``core_word``); then two dSᵀ buffers [Bk rows
-    of ``R/2 + 4`` words] (version 2's, read by ``ldmatrix.trans``).
-
-    Returns ``(ld_ds, off_v, off_kc, off_q, off_do, off_ds, total_bytes)``; buffer ``b`` of sQ
-    starts at ``off_q + b R D / 2``, of dSᵀ at ``off_ds + b Bk ld_ds``."""
-    kv = block_size * head_dim // 2
-    qb = rows * head_dim // 2
-    ld_ds = rows // 2 + 4
-    off_v, off_kc, off_q = kv, 2 * kv, 3 * kv
-    off_do = off_q + 2 * qb
-    off_ds = off_do + 2 * qb
-    return ld_ds, off_v, off_kc, off_q, off_do, off_ds, 4 * (off_ds + 2 * block_size * ld_ds)
+layout = core_layout  # (the launcher sizes version 3's shared memory by it)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,20 +61,13 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     """The dK/dV/dQ kernel for (Bk, D, G, input kind, ``cp.async`` or plain loads), with version
     2's arguments (``backward_kernel_v2``) and launch (``Bk / 16`` warps a CTA)."""
     Bk, D, G, R = block_size, head_dim, group, TILE_ROWS
-    NW = Bk // 16  # warps: 16 keys each
-    NT = 32 * NW
-    NWG = Bk // 64  # warpgroups: 64 keys each
     assert Bk in BLOCK_SIZES and D % 16 == 0 and D <= MAX_HEAD_DIM and R % G == 0
-    P = R // G  # CSR entries (query positions) per tile
-    LDS, OFF_V, OFF_KC, OFF_Q, OFF_DO, OFF_DS, _ = layout(Bk, D, R)
-    DW = D // 2  # words per row of Q/K/V/dO
-    PIECES = D // 8  # 16-byte pieces per row
-    TPR = 4 if PIECES % 4 == 0 else 2  # threads a row of Q and dO in ``stage``
-    PPT = PIECES // TPR
-    NS = R // 8  # n-tiles of Sᵀ, dPᵀ (8 rows each)
+    T = tile(Bk, D, G, R, bf16_in, use_async, core_matrices=True)
+    NT, P, LDS, OFF_V, OFF_KC, OFF_Q = T.NT, T.P, T.LDS, T.OFF_V, T.OFF_KC, T.OFF_Q
+    OFF_DO, OFF_DS, QB, DSB, NS, NO = T.OFF_DO, T.OFF_DS, T.QB, T.DSB, T.NS, T.NO
+    NWG = Bk // 64  # warpgroups: 64 keys each
     KS = D // 16  # k-steps of Sᵀ, dPᵀ
     KR = R // 16  # k-steps of dV, dK (16 rows each)
-    NO = D // 8  # n-tiles of dK, dV
     KB = Bk // 16  # k-steps of dQ (16 keys each)
     NDQ = D // NWG  # dims of dQ a warpgroup
     S_REGS, F_REGS, O_REGS, Q_REGS, A_REGS = 4 * NS, 2 * NS, 4 * NO, NDQ // 2, 4 * KB
@@ -103,21 +78,9 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     wait_s = _wgmma.make_wgmma_wait(S_REGS)
     wait_o = _wgmma.make_wgmma_wait(O_REGS)
     wait_q = _wgmma.make_wgmma_wait(Q_REGS)
-    pack = pack_bf16x2 if bf16_in else pack_f16x2
-    clean = clean_bf16x2 if bf16_in else clean_f16x2
-    nonfinite = is_nonfinite_bf16 if bf16_in else is_nonfinite_f16
-    # the exponent bits of both 16-bit halves of a word, and the carry that adding their lowest
-    # bit gives out of an all-ones exponent (inf or NaN: bits 15 and 31)
-    EXP2 = uint32(0x7F807F80 if bf16_in else 0x7C007C00)
-    EXP_LSB2 = uint32(0x00800080 if bf16_in else 0x04000400)
-    EXP = uint32(0x7F80 if bf16_in else 0x7C00)
-    QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
-    copy16 = cp_async16 if use_async else copy16_plain3
-    commit = cp_async_commit if use_async else no_op
-    wait_all = cp_async_wait_all if use_async else no_op
-    log2e = float32(LOG2E)
-    QB = R * DW  # words per sQ / sdO buffer
-    DSB = Bk * LDS  # words per dSᵀ buffer
+    commit, wait_all = T.commit, T.wait_all
+    stage, load_kv, k_nonfinite, bad_keys = T.stage, T.load_kv, T.k_nonfinite, T.bad_keys
+    nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
     BK1 = Bk + 1
     # descriptors (byte offsets / 16): a [rows, D] core-matrix matrix is K-major with the next
@@ -127,155 +90,6 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     RSTEP = (2 * ROW8) >> 4  # dV, dK, dQ: the next 16 rows (keys)
     GROUP_A = (64 * 2 * D) >> 4  # the next warpgroup's 64 keys of K, V
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-
-    @cuda.jit(device=True, inline=True)
-    def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
-              buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
-        """Version 2's ``stage``, the rows' pieces into core matrices."""
-        hq = q.shape[1]
-        for x in range(tid, R * TPR, NT):
-            xu = uint32(x)
-            w = xu // uint32(TPR)
-            part = xu % uint32(TPR)
-            c = c0 + int32(w // uint32(G))
-            h = r * G + int32(w % uint32(G))
-            t = -1
-            s = 0
-            if c < e1:
-                t = q_indices[r, c]
-                s = slots[r, c]
-                if t < q_lo or t >= q_hi or s < 0 or s >= topk:
-                    t = -1  # not a query of this sequence (unvalidated input): skipped
-            ok = t >= 0
-            if part == 0:
-                lim = -1
-                l2 = float32(0.0)
-                dl = float32(0.0)
-                off = int64(-1)
-                if ok:
-                    off = ((int64(s) * tq + t) * hq + h) * D
-                    lv = lse[t, h]
-                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
-                        lim = min(pos0 + t - key_pos0, nk - 1)
-                        l2 = lv * log2e
-                        dl = delta[t, h]
-                at = tbuf * R + int32(w)
-                s_off[at] = off
-                s_lim[at] = lim
-                s_l2[at] = l2
-                s_dl[at] = dl
-            src = (uint64(t if ok else 0) * uint64(hq) + uint64(h)) * uint64(DW) \
-                + uint64(part * uint32(4))
-            # core matrices: row w's 16-byte piece u at (w / 8) 4 D + u 32 + (w % 8) 4 words
-            dst = uint32(buf * QB) + (w >> uint32(3)) * uint32(4 * D) + (w & uint32(7)) * uint32(4) \
-                + part * uint32(32)
-            for i in range(PPT):
-                copy16(smem, uint32(OFF_Q) + dst + uint32(32 * TPR * i), q,
-                       src + uint64(4 * TPR * i), 16 if ok else 0)
-                copy16(smem, uint32(OFF_DO) + dst + uint32(32 * TPR * i), do,
-                       src + uint64(4 * TPR * i), 16 if ok else 0)
-
-    @cuda.jit(device=True, inline=True)
-    def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
-        """Start copying the K/V block into core matrices (keys past the sequence: zeros)."""
-        for e in range(tid, Bk * PIECES, NT):
-            c = e // PIECES
-            w = (e % PIECES) * 4
-            ok = c < nk
-            src = ((key_base + (c if ok else 0)) * hkv + r) * DW + w
-            at = core_word(c, w, D)
-            copy16(smem, at, k, src, 16 if ok else 0)
-            copy16(smem, OFF_V + at, v, src, 16 if ok else 0)
-
-    @cuda.jit(device=True, inline=True)
-    def k_nonfinite(smem, tid):
-        """Whether a 16-bit value of the K pieces this thread copied is an inf or a NaN
-        (version 2's test)."""
-        acc = uint32(0)
-        for e in range(tid, Bk * PIECES, NT):
-            at = core_word(e // PIECES, (e % PIECES) * 4, D)
-            for x in range(4):
-                acc |= (smem[at + x] & EXP2) + EXP_LSB2
-        return (acc & uint32(0x80008000)) != 0
-
-    @cuda.jit(device=True)
-    def bad_keys(smem, s_kbad, s_kcol, tid):
-        """Version 2's ``bad_keys`` on the core matrices, then the cleaned copy sKc of K
-        (non-finite halves +0) that dQ reads in such a block."""
-        for c in range(tid, Bk, NT):
-            acc = uint32(0)
-            for x in range(DW):
-                acc |= (smem[core_word(c, x - x % 4, D) + x % 4] & EXP2) + EXP_LSB2
-            s_kbad[c] = 1 if (acc & uint32(0x80008000)) != 0 else 0
-        for d in range(tid, D, NT):
-            first = Bk
-            x = d // 2
-            for c in range(Bk):
-                if nonfinite(smem[core_word(c, x - x % 4, D) + x % 4] >> uint32(16 * (d % 2))):
-                    first = c
-                    break
-            s_kcol[d] = first
-        for e in range(tid, Bk * DW, NT):
-            w, _ = clean(smem[e])
-            smem[OFF_KC + e] = w
-
-    @cuda.jit(device=True)
-    def nan_bad_ds(smem, s_kbad, ds0, warp, lane):
-        """Version 2's: in the dSᵀ rows of this warp's keys whose K row holds a non-finite
-        value, each infinity made a NaN."""
-        cuda.syncwarp()  # the warp's lanes wrote these rows
-        for x in range(lane, 16 * (R // 2), 32):
-            c = 16 * warp + x // (R // 2)
-            if s_kbad[c] != 0:
-                at = ds0 + c * LDS + x % (R // 2)
-                smem[at] = inf_to_nan(smem[at])
-
-    @cuda.jit(device=True, inline=True)
-    def inf_to_nan(word):
-        """The two 16-bit halves of ``word``, each infinity made a NaN (its quiet bit set)."""
-        w = uint32(word)
-        if (w & uint32(0x7FFF)) == EXP:
-            w |= QUIET
-        if ((w >> uint32(16)) & uint32(0x7FFF)) == EXP:
-            w |= QUIET << uint32(16)
-        return w
-
-    @cuda.jit(device=True, inline=True)
-    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
-                      key_top, key_bot, t4, scale_log2):
-        """Version 2's: Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also
-        into shared memory (a key past a row's limit gives P = 0 and dS = 0 by selection)."""
-        at_w = uint32(row0 + 2 * t4)
-        at_top = uint32(ds0 + key_top * LDS + t4)
-        at_bot = uint32(ds0 + key_bot * LDS + t4)
-        k_top = int32(key_top)
-        k_bot = int32(key_bot)
-        for i in range(NS):
-            for e in range(2):
-                w = at_w + uint32(8 * i + e)
-                lim = s_lim[w]
-                l2 = s_l2[w]
-                dl = s_dl[w]
-                p0 = float32(0.0)
-                p1 = float32(0.0)
-                d0 = float32(0.0)
-                d1 = float32(0.0)
-                if k_top <= lim:
-                    p0 = exp2(cuda.fma(s_acc[4 * i + e], scale_log2, -l2))
-                    d0 = p0 * (dp_acc[4 * i + e] - dl)
-                if k_bot <= lim:
-                    p1 = exp2(cuda.fma(s_acc[4 * i + 2 + e], scale_log2, -l2))
-                    d1 = p1 * (dp_acc[4 * i + 2 + e] - dl)
-                s_acc[4 * i + e] = p0
-                s_acc[4 * i + 2 + e] = p1
-                dp_acc[4 * i + e] = d0
-                dp_acc[4 * i + 2 + e] = d1
-            p_frag[2 * i] = pack(s_acc[4 * i], s_acc[4 * i + 1])
-            p_frag[2 * i + 1] = pack(s_acc[4 * i + 2], s_acc[4 * i + 3])
-            ds_frag[2 * i] = pack(dp_acc[4 * i], dp_acc[4 * i + 1])
-            ds_frag[2 * i + 1] = pack(dp_acc[4 * i + 2], dp_acc[4 * i + 3])
-            smem[at_top + uint32(4 * i)] = ds_frag[2 * i]
-            smem[at_bot + uint32(4 * i)] = ds_frag[2 * i + 1]
 
     @cuda.jit(device=True, inline=True)
     def dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, row0, kdesc, m,
@@ -311,33 +125,6 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
                         if lim >= s_kcol[dcol + uint32(1)]:
                             x1 = _NAN
                     store_f32x2(dq_part, uint64(off) + uint64(dcol), x0, x1)
-
-    @cuda.jit(device=True, inline=True)
-    def store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
-                   nparts, key_base, key_top, key_bot, nk, t4, scale):
-        """Version 2's: dK = s dSᵀ Q, dV = Pᵀ dO of this part, added to dk, dv, or for a hot
-        row into the part's scratch slot."""
-        if nparts == 1:
-            for i in range(NO):
-                for e in range(2):
-                    d = 8 * i + 2 * t4 + e
-                    if key_top < nk:
-                        dk[key_base + key_top, r, d] += dk_acc[4 * i + e] * scale
-                        dv[key_base + key_top, r, d] += dv_acc[4 * i + e]
-                    if key_bot < nk:
-                        dk[key_base + key_bot, r, d] += dk_acc[4 * i + 2 + e] * scale
-                        dv[key_base + key_bot, r, d] += dv_acc[4 * i + 2 + e]
-        else:  # a hot row: this part's sums go to its scratch slot, added in part order
-            slot = split_slot(part_ptr, hkv, r, row) + part
-            for i in range(NO):
-                for e in range(2):
-                    d = 8 * i + 2 * t4 + e
-                    if key_top < nk:
-                        dk_part[slot, key_top * D + d] = dk_acc[4 * i + e] * scale
-                        dv_part[slot, key_top * D + d] = dv_acc[4 * i + e]
-                    if key_bot < nk:
-                        dk_part[slot, key_bot * D + d] = dk_acc[4 * i + 2 + e] * scale
-                        dv_part[slot, key_bot * D + d] = dv_acc[4 * i + 2 + e]
 
     @kernel_jit(**jit)
     def _attention_bwd_kernel_wgmma(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
