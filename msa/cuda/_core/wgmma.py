@@ -242,8 +242,8 @@ else:  # the simulator's twins: the same calls, computed at issue in NumPy
 
     def _operand(words, desc, count, trans, is_bf16):
         """``[16, count]`` float32: k x (n of B, or m of A) of the 16-bit operand that ``desc``
-        names in ``words``, the block's dynamic shared memory, the core-matrix addressing of the kernels
-        (module docstring): K-major (``trans`` 0) ``(k//8) LBO + (x//8) SBO + (x%8) 16 +
+        names in ``words`` (the block's dynamic shared memory), by the kernels' core-matrix
+        addressing (module docstring): K-major (``trans`` 0) ``(k//8) LBO + (x//8) SBO + (x%8) 16 +
         (k%8) 2`` bytes from the start, MN-major (1) ``(k//8) LBO + (x//8) SBO + (k%8) 16 +
         (x%8) 2``."""
         desc = int(desc)
@@ -264,15 +264,11 @@ else:  # the simulator's twins: the same calls, computed at issue in NumPy
         """The warp's ``D [16, n]`` = C (its lanes' accumulators, or 0) + ``a [16, 16] b [16,
         n]``, k in order, each product and sum rounded to float32 (as the ``mma.sync``
         twin, so that a kernel on either gives the same bits here)."""
-        cs = np.array([lane[4:] for lane in lanes[:32]], dtype=np.float32)  # [32, n / 2]
         d = np.zeros((16, n), np.float32)
-        if accumulate:
-            for i in range(n // 8):
-                for g in range(8):
-                    for t in range(4):
-                        c = cs[4 * g + t, 4 * i:4 * i + 4]
-                        d[g, 8 * i + 2 * t:8 * i + 2 * t + 2] = c[:2]
-                        d[g + 8, 8 * i + 2 * t:8 * i + 2 * t + 2] = c[2:]
+        if accumulate:  # lane 4 g + t holds rows g, g + 8, columns 8 i + 2 t, + 1 of n-tile i
+            cs = np.array([lane[4:] for lane in lanes[:32]], dtype=np.float32)
+            c = cs.reshape(8, 4, n // 8, 2, 2)  # [g, t, i, row half, e]
+            d[:] = c.transpose(3, 0, 2, 1, 4).reshape(16, n)
         for kk in range(16):
             d = d + a[:, kk:kk + 1] * b[kk:kk + 1, :]
         return d
