@@ -37,7 +37,9 @@ def test_sparse_v1_matches_reference(lq, lk, hq, hkv, d, bk, topk, sel):
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,bk,topk,sel",
                          [c[1:] for c in SPARSE_CASES if c[0] in V2_CASES],
                          ids=[c[0] for c in SPARSE_CASES if c[0] in V2_CASES])
-@pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.sim_heavy), 3, V4])
+# the simulator runs v4 (its wgmma twins) in test_attention_partials and test_sparse_bf16
+@pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.sim_heavy), 3,
+                                     pytest.param(V4, marks=pytest.mark.sim_heavy)])
 def test_sparse_tensor_cores_match_reference(lq, lk, hq, hkv, d, bk, topk, sel, version):
     p, I = problem(lq, lk, hq, hkv, d, bk, topk, seed=sum(lk), **sel)
     run_sparse(p, I, "float16", version)
