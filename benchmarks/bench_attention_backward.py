@@ -73,7 +73,7 @@ def bench_backward(n, args):
     for version in (3, 2, 1):
         if version == 1 and n > args.v1_max_n:
             continue
-        if version == 3 and (_wgmma.why_not_available() or args.skip_v3):
+        if version == 3 and _wgmma.why_not_available():
             continue
         impl = f"msa.cuda backward v{version}"
         try:
@@ -149,7 +149,6 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=240.0)
     p.add_argument("--skip-fla", action="store_true", help="no fla-core baseline")
-    p.add_argument("--skip-v3", action="store_true", help="no version 3 (wgmma)")
     args = p.parse_args(argv)
     t_start = time.time()
     config = dict(Hq=HQ, Hkv=HKV, D=D, Bk=BK, K=TOPK, dtype="bfloat16", args=vars(args))

@@ -5,7 +5,7 @@
 
 ``bench_attention_backward``'s problem (paper configuration, bf16, uniform selection). A config
 is keyword arguments of ``msa.cuda.sparse_attention_backward`` (``part_size``,
-``max_partial_bytes``, ``version``) joined by ``,``; ``default`` passes none. Each config's ``dq, dk, dv``
+``max_partial_bytes``) joined by ``,``; ``default`` passes none. Each config's ``dq, dk, dv``
 must agree with the first config's (max |diff| / max |ref| below 1e-3: a part size changes the
 order of the dK/dV sums, hence the last bits) and be bitwise the same on a rerun (determinism);
 then the call is timed (median of ``--reps``, CUDA events) with its peak memory. Prints a table
@@ -27,8 +27,8 @@ def parse_config(text):
         if item == "default":
             continue
         name, value = item.split("=")
-        if name not in ("part_size", "max_partial_bytes", "version"):
-            raise ValueError(f"unknown knob {name!r}: part_size, max_partial_bytes or version")
+        if name not in ("part_size", "max_partial_bytes"):
+            raise ValueError(f"unknown knob {name!r}: part_size or max_partial_bytes")
         out[name] = int(value)
     return out
 

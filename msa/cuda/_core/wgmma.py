@@ -56,8 +56,6 @@ from numba import cuda, types
 
 from .arrays import SIMULATOR, require_gpu
 
-AVAILABLE = True  # on a GPU as inline PTX, in the simulator as NumPy twins
-
 
 def why_not_available():
     """Why ``wgmma`` cannot run on the current device, or None: on a GPU it needs compute
@@ -233,6 +231,7 @@ if not SIMULATOR:
 
 else:  # the simulator's twins: the same calls, computed at issue in NumPy
     from . import simwarp as _simwarp
+    from .memops import no_op
     from .mma import _A_LANE, _A_REG, _HALF_SHIFT
 
     def _to_f32(bits, is_bf16):
@@ -294,11 +293,7 @@ else:  # the simulator's twins: the same calls, computed at issue in NumPy
         ``dynamic_smem_u32()``)."""
         return np.uint32(4 * int(flat))
 
-    @cuda.jit(device=True)
-    def _no_op():
-        pass
-
-    wgmma_fence = wgmma_commit = fence_proxy_async = _no_op
+    wgmma_fence = wgmma_commit = fence_proxy_async = no_op
 
     @functools.lru_cache(maxsize=None)
     def make_wgmma_wait(nacc):

@@ -217,7 +217,6 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         if why_not_v3:
             raise ValueError(f"version=3 (wgmma) does not support {why_not_v3}; use version=1"
                              + ("" if why_not else " or 2"))
-        tc_rows = v3.TILE_ROWS
     smem = v1.dkdv_layout(bs, d, spec.g)[-1]
     if version == 1:
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),

@@ -98,6 +98,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
     EXP = uint32(0x7F80 if bf16_in else 0x7C00)
     QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
     copy16 = cp_async16 if use_async else copy16_plain3
+    wait_all = cp_async_wait_all if use_async else no_op
     log2e = float32(LOG2E)
     QB = R * LD  # words per sQ / sdO buffer
     DSB = Bk * LDS  # words per dSᵀ buffer
@@ -219,6 +220,23 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
                 smem[OFF_KC + e] = w
 
     @cuda.jit(device=True, inline=True)
+    def find_bad_keys(smem, s_kbad, s_kcol, tid):
+        """Masking by selection for dQ = dS K, once the K block's copies are issued: does the
+        block hold an inf or a NaN? Each thread looks at the pieces it copied, one barrier makes
+        the answer CTA-uniform (``s_kbad[Bk]``, and returned); only then are the bad keys and
+        columns found (``bad_keys``, a slow path of its own). The answers stay in shared memory
+        (read once a tile: no register held across the loop), and the loop's first barrier
+        publishes them."""
+        wait_all()
+        k_bad = cuda.syncthreads_or(int32(1) if k_nonfinite(smem, tid) else int32(0))
+        if tid == 0:
+            s_kbad[Bk] = k_bad
+        if k_bad != 0:
+            cuda.syncthreads()  # every thread's K copies landed
+            bad_keys(smem, s_kbad, s_kcol, tid)
+        return k_bad
+
+    @cuda.jit(device=True, inline=True)
     def inf_to_nan(word):
         """The two 16-bit halves of ``word``, each infinity made a NaN (its quiet bit set)."""
         w = uint32(word)
@@ -312,9 +330,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
 
     return SimpleNamespace(
         NW=NW, NT=NT, P=P, LD=LD, LDS=LDS, OFF_V=OFF_V, OFF_KC=OFF_KC, OFF_Q=OFF_Q,
-        OFF_DO=OFF_DO, OFF_DS=OFF_DS, DW=DW, NS=NS, NO=NO, QB=QB, DSB=DSB,
-        commit=cp_async_commit if use_async else no_op,
-        wait_all=cp_async_wait_all if use_async else no_op,
-        clean=clean, stage=stage, load_kv=load_kv, k_nonfinite=k_nonfinite,
-        bad_keys=bad_keys, nan_bad_ds=nan_bad_ds, probabilities=probabilities,
-        store_dkdv=store_dkdv)
+        OFF_DO=OFF_DO, OFF_DS=OFF_DS, NS=NS, NO=NO, QB=QB, DSB=DSB,
+        commit=cp_async_commit if use_async else no_op, wait_all=wait_all, clean=clean,
+        stage=stage, load_kv=load_kv, find_bad_keys=find_bad_keys, nan_bad_ds=nan_bad_ds,
+        probabilities=probabilities, store_dkdv=store_dkdv)

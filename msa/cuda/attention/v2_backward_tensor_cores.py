@@ -110,7 +110,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     mma_pair = make_mma_pair(mma)
     clean = T.clean
     commit, wait_all = T.commit, T.wait_all
-    stage, load_kv, k_nonfinite, bad_keys = T.stage, T.load_kv, T.k_nonfinite, T.bad_keys
+    stage, load_kv, find_bad_keys = T.stage, T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
@@ -285,18 +285,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
               e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         commit()
-        # Masking by selection for dQ = dS K: does the K block hold an inf or a NaN? Each
-        # thread looks at the pieces it copied, one barrier makes the answer CTA-uniform; only
-        # then are the bad keys and columns found (a slow path of its own). The answers stay in
-        # shared memory (read once a tile: no register held across the loop), and the loop's
-        # first barrier publishes them.
-        wait_all()
-        k_bad = cuda.syncthreads_or(int32(1) if k_nonfinite(smem, tid) else int32(0))
-        if tid == 0:
-            s_kbad[Bk] = k_bad
-        if k_bad != 0:
-            cuda.syncthreads()  # every thread's K copies landed
-            bad_keys(smem, s_kbad, s_kcol, tid)
+        find_bad_keys(smem, s_kbad, s_kcol, tid)  # masking by selection for dQ = dS K
         # One barrier a tile: tile i's dQ (which reads every warp's dSᵀ) runs in iteration
         # i + 1, after that iteration's barrier, from the other dSᵀ buffer and a third table.
         for c0 in range(e0, e1, P):

@@ -79,7 +79,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     wait_o = _wgmma.make_wgmma_wait(O_REGS)
     wait_q = _wgmma.make_wgmma_wait(Q_REGS)
     commit, wait_all = T.commit, T.wait_all
-    stage, load_kv, k_nonfinite, bad_keys = T.stage, T.load_kv, T.k_nonfinite, T.bad_keys
+    stage, load_kv, find_bad_keys = T.stage, T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
     BK1 = Bk + 1
@@ -172,23 +172,17 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
         ds_lane = ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 4
         key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
         key_bot = key_top + 8
-        base = _wgmma.shared_address(smem, 0)
-        k_desc = _wgmma.smem_desc(base, 128, ROW8) + uint64(grp * GROUP_A)
+        k_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, 0), 128, ROW8) \
+            + uint64(grp * GROUP_A)
         v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), 128, ROW8) \
             + uint64(grp * GROUP_A)
 
         stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
               e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         commit()
-        # Non-finite K: version 2's CTA-uniform test, then (the slow path) the bad keys and
-        # columns and the cleaned copy sKc, which dQ then reads instead of sK
-        wait_all()
-        k_bad = cuda.syncthreads_or(int32(1) if k_nonfinite(smem, tid) else int32(0))
-        if tid == 0:
-            s_kbad[Bk] = k_bad
-        if k_bad != 0:
-            cuda.syncthreads()  # every thread's K copies landed
-            bad_keys(smem, s_kbad, s_kcol, tid)
+        # non-finite K: version 2's test, then (the slow path) also the cleaned copy sKc,
+        # which dQ then reads instead of sK
+        k_bad = find_bad_keys(smem, s_kbad, s_kcol, tid)
         # dQ's B: this warpgroup's dims of K (or sKc), N-major
         n0 = grp * NDQ
         kq_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_KC if k_bad != 0 else 0),
