@@ -27,6 +27,10 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    both 16-byte aligned. Visible after ``cp_async_wait_all()``
                                    in the issuing thread and, after a ``syncthreads`` (or a
                                    ``syncwarp`` for the lanes of its warp), to the others
+``cp_async4(dst, d, src, s, n)``   ``cp.async.ca.shared.global`` of one 4-byte element: the
+                                   global ``src.flat[s]`` into the shared ``dst[d]`` (``n`` 4
+                                   or 0: zero-filled); both of a 4-byte dtype (int32, uint32,
+                                   float32), ``src`` C-contiguous; visible as ``cp_async16``'s
 ``cp_async_commit()``              closes the group of copies issued so far
 ``cp_async_wait_all()``            waits for every committed group of this thread
 ``cp_async_wait_group(n)``         waits until at most ``n`` (a literal) of this thread's
@@ -35,6 +39,8 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
                                    loads and stores, for a [T, H, W] / [T, W] ``src`` whose
                                    data is not 16-byte aligned; ``no_op`` stands in for commit
                                    and wait on that path
+``copy4_plain2``                   ``cp_async4``'s contract for a [T, W] ``src``, by a load and
+                                   a store
 ``ldmatrix_x4(a, flat)``           ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lane ``l``
                                    names, in ``flat`` (a uint32 index into the shared ``a``,
                                    16-byte aligned), row ``l % 8`` of 8x8 16-bit matrix ``l //
@@ -131,6 +137,11 @@ if SIMULATOR:
         fs = _flat16(src, s, "cp_async16 src") if nbytes > 0 else src.reshape(-1)
         for e in range(4):
             fd[d + e] = fs[s + e] if nbytes > 0 else 0
+
+    @cuda.jit(device=True)
+    def cp_async4(dst, d, src, s, nbytes):
+        """Simulator twin: an immediate copy (zero where ``nbytes`` is 0)."""
+        dst[d] = src.reshape(-1)[s] if nbytes > 0 else 0
 
     @cuda.jit(device=True)
     def cp_async_commit():
@@ -293,6 +304,34 @@ else:
 
         return sig, codegen
 
+    def _word_array(a):
+        return isinstance(a, types.Array) and a.dtype in (types.int32, types.uint32,
+                                                         types.float32)
+
+    @intrinsic
+    def cp_async4(typingctx, dst, d, src, s, nbytes):
+        """4 bytes from global ``src.flat[s]`` to shared ``dst[d]`` (cp.async.ca)."""
+        if not (_word_array(dst) and _word_array(src) and src.layout == "C"
+                and isinstance(d, types.Integer) and isinstance(s, types.Integer)
+                and isinstance(nbytes, types.Integer)):
+            return None
+        sig = types.void(dst, d, src, s, nbytes)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            dptr = _element_pointer(context, builder, a[0], args[0], args[1], a[1])
+            sptr = _element_pointer(context, builder, a[2], args[2], args[3], a[3])
+            gaddr = builder.ptrtoint(builder.addrspacecast(sptr, ir.IntType(8).as_pointer(1)),
+                                     _I64)
+            n = context.cast(builder, args[4], a[4], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
+            asm = ir.InlineAsm(fnty, "cp.async.ca.shared.global [$0], [$1], 4, $2;",
+                               "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [_shared_address(builder, dptr), gaddr, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     def _asm_statement(text):
         @intrinsic
         def _stmt(typingctx):
@@ -375,6 +414,15 @@ def copy16_plain2(dst, d, src, s, nbytes):
     w = s % src.shape[1]
     for e in range(4):
         dst[d + e] = src[row, w + e] if nbytes > 0 else np.uint32(0)
+
+
+@cuda.jit(device=True)
+def copy4_plain2(dst, d, src, s, nbytes):
+    """``cp_async4``'s contract by a load and a store, for a [T, W] ``src``."""
+    if nbytes > 0:
+        dst[d] = src[s // src.shape[1], s % src.shape[1]]
+    else:
+        dst[d] = 0
 
 
 @cuda.jit(device=True)

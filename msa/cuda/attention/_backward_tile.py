@@ -10,6 +10,13 @@ rows of ``D/2 + 4`` words (``padded_layout``, conflict-free ``ldmatrix``) or 8 x
 matrices (``core_layout``, the tensor cores' operand layout, ``msa.cuda._core.wgmma``). ``tile``
 builds the shared device functions for one of the two layouts; everything else (the dSᵀ
 buffers, the tables of a tile's rows, the register layouts) is the same.
+
+The staging pipeline (``stage_first``, then ``stage_next`` once a tile after its barrier):
+tile ``i + 2``'s CSR entries (query index, dQ slot) are copied into a ring of three slots
+(``fetch_entries``) while tile ``i + 1``'s rows are staged from theirs: each row's table entry
+(dq partial offset, mask limit) by plain stores, its LSE and D and its Q and dO by ``cp.async``.
+So no thread waits on a global load inside the loop; the tile barrier after ``wait_all`` makes
+everything visible.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from types import SimpleNamespace
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core.finite import clean_bf16x2, clean_f16x2, is_nonfinite_bf16, is_nonfinite_f16
-from .._core.memops import copy16_plain3, cp_async16, cp_async_commit, cp_async_wait_all, no_op
+from .._core.memops import (copy4_plain2, copy16_plain3, cp_async4, cp_async16, cp_async_commit,
+                            cp_async_wait_all, no_op)
 from .._core.mma import exp2, pack_bf16x2, pack_f16x2
 from .._core.packed import LOG2E
 from .._core.wgmma import core_word
@@ -73,6 +81,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
     NW = Bk // 16  # warps: 16 keys each
     NT = 32 * NW
     P = R // G  # CSR entries (query positions) per tile
+    FETCH_ROUNDS = -(-2 * P // NT)  # rounds of the CTA's threads over a tile's 2 P entry words
     if CORE:
         LDS, OFF_V, OFF_KC, OFF_Q, OFF_DO, OFF_DS, _ = core_layout(Bk, D, R)
         LD = D // 2  # (rows are not padded: only the sizes of the buffers use it)
@@ -98,54 +107,71 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
     EXP = uint32(0x7F80 if bf16_in else 0x7C00)
     QUIET = uint32(0x0040 if bf16_in else 0x0200)  # the quiet-NaN bit of a 16-bit half
     copy16 = cp_async16 if use_async else copy16_plain3
+    copy4 = cp_async4 if use_async else copy4_plain2
     wait_all = cp_async_wait_all if use_async else no_op
+    commit = cp_async_commit if use_async else no_op
     log2e = float32(LOG2E)
     QB = R * LD  # words per sQ / sdO buffer
     DSB = Bk * LDS  # words per dSᵀ buffer
 
     @cuda.jit(device=True, inline=True)
-    def stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, c0, e1,
-              buf, tbuf, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
-        """Start loading the tile of CSR entries ``c0 ..`` into Q/dO buffer ``buf`` and table
-        buffer ``tbuf``: ``TPR`` threads a row, each reading the row's CSR entry once; the
-        first of them writes the row's table (its dq partial's offset ``((slot Tq + t) Hq + h)
-        D`` or -1 without a query, mask limit, LSE log2 e, D) by plain stores, and all of them
-        start the row's Q and dO copies (zeros for rows without a query) by ``cp.async``,
-        pieces ``part, part + TPR, ...`` (the caller commits). Index arithmetic is unsigned
-        where it can be (power-of-two divisions become shifts); t and the slot are checked
-        before use."""
+    def fetch_entries(s_idx, q_indices, slots, r, c0, e1, ring, tid):
+        """Start copying the CSR entries ``c0 .. c0 + P - 1`` of row ``r`` (their query index and
+        dQ slot; zeros past ``e1``) into ring slot ``ring`` of ``s_idx`` (``[3][2][P]`` int32):
+        ``stage`` reads them two tiles later, after a wait and a barrier, so that no thread
+        waits on a global load inside the loop."""
+        for k in range(FETCH_ROUNDS):
+            x = tid + k * NT
+            if x >= 2 * P:
+                break
+            c = c0 + x % P
+            ok = c < e1
+            src = int32(r) * q_indices.shape[1] + (c if ok else 0)
+            at = ring * 2 * P + x
+            if x < P:
+                copy4(s_idx, at, q_indices, src, 4 if ok else 0)
+            else:
+                copy4(s_idx, at, slots, src, 4 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, tq, r, c0, e1, buf,
+              tbuf, ring, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """Start loading the tile of CSR entries ``c0 ..`` (fetched into ring slot ``ring`` by
+        ``fetch_entries``) into Q/dO buffer ``buf`` and table buffer ``tbuf``: ``TPR`` threads
+        a row; the first of them writes the row's dq partial offset ``((slot Tq + t) Hq + h)
+        D`` (-1 without a query) and mask limit by plain stores and starts the copies of its
+        LSE and D (zeros without a query), and all of them start the row's Q and dO copies
+        (zeros for rows without a query) by ``cp.async`` (the caller commits). A row whose LSE
+        is -inf sees nothing (``row_limit``). Index arithmetic is unsigned where it can be
+        (power-of-two divisions become shifts); t and the slot are checked before use."""
         hq = q.shape[1]
         for x in range(tid, R * TPR, NT):
             xu = uint32(x)
             w = xu // uint32(TPR)
             part = xu % uint32(TPR)
-            c = c0 + int32(w // uint32(G))
+            e = int32(w // uint32(G))
+            c = c0 + e
             h = r * G + int32(w % uint32(G))
             t = -1
             s = 0
             if c < e1:
-                t = q_indices[r, c]
-                s = slots[r, c]
+                t = s_idx[ring * 2 * P + e]
+                s = s_idx[ring * 2 * P + P + e]
                 if t < q_lo or t >= q_hi or s < 0 or s >= topk:
                     t = -1  # not a query of this sequence (unvalidated input): skipped
             ok = t >= 0
             if part == 0:
+                at = tbuf * R + int32(w)
                 lim = -1
-                l2 = float32(0.0)
-                dl = float32(0.0)
                 off = int64(-1)
                 if ok:
                     off = ((int64(s) * tq + t) * hq + h) * D
-                    lv = lse[t, h]
-                    if lv > _NEG_INF:  # else the query sees nothing: lim stays -1
-                        lim = min(pos0 + t - key_pos0, nk - 1)
-                        l2 = lv * log2e
-                        dl = delta[t, h]
-                at = tbuf * R + int32(w)
+                    lim = min(pos0 + t - key_pos0, nk - 1)
                 s_off[at] = off
                 s_lim[at] = lim
-                s_l2[at] = l2
-                s_dl[at] = dl
+                row = (t if ok else 0) * hq + h
+                copy4(s_lse, at, lse, row, 4 if ok else 0)
+                copy4(s_dl, at, delta, row, 4 if ok else 0)
             src = (uint64(t if ok else 0) * uint64(hq) + uint64(h)) * uint64(DW) \
                 + uint64(part * uint32(4))
             if CORE:  # row w's 16-byte piece u at (w / 8) 4 D + u 32 + (w % 8) 4 words
@@ -158,6 +184,44 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
                        src + uint64(4 * TPR * i), 16 if ok else 0)
                 copy16(smem, uint32(OFF_DO) + dst + uint32(PIECE_STEP * i), do,
                        src + uint64(4 * TPR * i), 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_first(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices, slots,
+                    tq, r, e0, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """The pipeline's start: the first two tiles' CSR entries (one wait, one barrier),
+        then the first tile's rows into buffer 0 and table 0 (committed)."""
+        fetch_entries(s_idx, q_indices, slots, r, e0, e1, 0, tid)
+        fetch_entries(s_idx, q_indices, slots, r, e0 + P, e1, 1, tid)
+        commit()
+        wait_all()
+        cuda.syncthreads()
+        stage(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, tq, r, e0, e1, 0, 0,
+              0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
+        commit()
+
+    @cuda.jit(device=True, inline=True)
+    def stage_next(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices, slots,
+                   tq, r, c0, it, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid):
+        """In the iteration of tile ``it`` (entries ``c0 ..``), after its barrier: fetch tile
+        ``it + 2``'s CSR entries and stage tile ``it + 1``'s rows into the other Q/dO buffer
+        and the next table (committed together; the next iteration's wait and barrier make
+        them visible)."""
+        if c0 + 2 * P < e1:
+            fetch_entries(s_idx, q_indices, slots, r, c0 + 2 * P, e1, (it + 2) % 3, tid)
+        if c0 + P < e1:
+            stage(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, tq, r, c0 + P, e1,
+                  1 - it % 2, (it + 1) % 3, (it + 1) % 3, q_lo, q_hi, pos0, key_pos0, nk, topk,
+                  tid)
+        commit()
+
+    @cuda.jit(device=True, inline=True)
+    def row_limit(s_lim, s_lse, w):
+        """Row ``w``'s mask limit: the last key it sees (its position, the block's end), -1
+        where it has no query or its LSE is -inf or NaN (it sees nothing)."""
+        lim = s_lim[w]
+        if not s_lse[w] > _NEG_INF:
+            lim = -1
+        return lim
 
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, k, v, key_base, nk, r, hkv, tid):
@@ -260,7 +324,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
                 smem[at] = inf_to_nan(smem[at])
 
     @cuda.jit(device=True, inline=True)
-    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+    def probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_lse, s_dl, row0, ds0,
                       key_top, key_bot, t4, scale_log2):
         """Pᵀ and dSᵀ = Pᵀ (dPᵀ - D), packed to 16-bit A fragments, dSᵀ also into shared
         memory: lane element (key_top or key_bot, row 8 i + 2 t4 + e). A key past a row's
@@ -276,8 +340,8 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
         for i in range(NS):
             for e in range(2):
                 w = at_w + uint32(8 * i + e)
-                lim = s_lim[w]
-                l2 = s_l2[w]
+                lim = row_limit(s_lim, s_lse, w)
+                l2 = s_lse[w] * log2e
                 dl = s_dl[w]
                 p0 = float32(0.0)
                 p1 = float32(0.0)
@@ -331,6 +395,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
     return SimpleNamespace(
         NW=NW, NT=NT, P=P, LD=LD, LDS=LDS, OFF_V=OFF_V, OFF_KC=OFF_KC, OFF_Q=OFF_Q,
         OFF_DO=OFF_DO, OFF_DS=OFF_DS, NS=NS, NO=NO, QB=QB, DSB=DSB,
-        commit=cp_async_commit if use_async else no_op, wait_all=wait_all, clean=clean,
-        stage=stage, load_kv=load_kv, find_bad_keys=find_bad_keys, nan_bad_ds=nan_bad_ds,
-        probabilities=probabilities, store_dkdv=store_dkdv)
+        commit=commit, wait_all=wait_all, clean=clean,
+        stage_first=stage_first, stage_next=stage_next, row_limit=row_limit, load_kv=load_kv,
+        find_bad_keys=find_bad_keys, nan_bad_ds=nan_bad_ds, probabilities=probabilities,
+        store_dkdv=store_dkdv)

@@ -19,9 +19,12 @@ keeps their dK and dV (16 x D fp32) in registers across the part's query tiles. 
   tile takes one CTA barrier, the one before it reads its staged rows.
 
 The bookkeeping is lean, since it runs once a tile beside ~320 ``mma`` a warp: ``TPR`` threads a
-row stage its Q and dO (one read of its CSR entry), the table keeps each row's dq partial offset
-(one 64-bit add a store), and indices are unsigned 32-bit where they can be. On an H100 (ncu,
-32K) integer instructions had been half of those executed, the dQ stores a quarter.
+row stage its Q and dO, the table keeps each row's dq partial offset (one 64-bit add a store),
+and indices are unsigned 32-bit where they can be. No thread waits on a global load inside the
+loop: a tile's CSR entries are copied into shared memory two tiles ahead, and its rows' LSE and
+D by ``cp.async`` with their Q and dO (``_backward_tile.stage_next``); waiting on those loads
+had been ~30% of version 3's stall samples (ncu, 32K, an H100). On an H100 (ncu, 32K) integer
+instructions had been half of those executed, the dQ stores a quarter.
 
 Masking by selection (docs/design.md §3): dSᵀ is 0 by selection at a key a row cannot see
 (not ``0 * dPᵀ``, which a non-finite V or D makes NaN); Sᵀ, dPᵀ, dV and dK never mix keys, and
@@ -110,9 +113,11 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     mma_pair = make_mma_pair(mma)
     clean = T.clean
     commit, wait_all = T.commit, T.wait_all
-    stage, load_kv, find_bad_keys = T.stage, T.load_kv, T.find_bad_keys
+    stage_first, stage_next, row_limit = T.stage_first, T.stage_next, T.row_limit
+    load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
+    IDX3 = 6 * T.P  # three tiles' CSR entries: query index and slot each
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
@@ -158,8 +163,8 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         return real, item // uint32(NO // 2), item % uint32(NO // 2)
 
     @cuda.jit(device=True, inline=True)
-    def dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, row0, warp, g4,
-                t4, ds_lane, t_lane):
+    def dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol, row0, warp,
+                g4, t4, ds_lane, t_lane):
         """dQ_tile = dS K into the rows' partial slots: units (m-tile, n-tile pair) dealt to
         the warps, ROUNDS each, all of a warp's units at once (``q_acc``: 8 accumulators a
         unit, so that 2 ROUNDS mma chains are in flight, and where the warp's units share their
@@ -214,7 +219,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                         x8 = q_acc[u + 4 + 2 * half]
                         x9 = q_acc[u + 5 + 2 * half]
                         if k_bad:
-                            lim = s_lim[w]
+                            lim = row_limit(s_lim, s_lse, w)
                             if lim >= s_kcol[dcol]:
                                 x0 = _NAN
                             if lim >= s_kcol[dcol + uint32(1)]:
@@ -232,11 +237,12 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                                  row_offsets, cu_q, cu_k, scale, scale_log2, part_ptr,
                                  part_size, dk, dv, dk_part, dv_part, dq_part):
         smem = dynamic_smem_u32()
-        # three tiles' rows: dq partial offset (or -1), mask limit, LSE log2 e, D = rowsum(dO O)
+        # three tiles' rows: dq partial offset (or -1), mask limit, LSE, D = rowsum(dO O)
         s_off = cuda.shared.array(R3, int64)
         s_lim = cuda.shared.array(R3, int32)
-        s_l2 = cuda.shared.array(R3, float32)
+        s_lse = cuda.shared.array(R3, float32)
         s_dl = cuda.shared.array(R3, float32)
+        s_idx = cuda.shared.array(IDX3, int32)  # three tiles' CSR entries (fetch_entries)
         # non-finite K values: per key, does its row hold one (and at Bk: does the block),
         # per dim, the first key that holds one there
         s_kbad = cuda.shared.array(BK1, int32)
@@ -282,9 +288,8 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
         key_top = 16 * warp + g4  # this lane's keys in the C layout of Sᵀ
         key_bot = key_top + 8
 
-        stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
-              e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
-        commit()
+        stage_first(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices, slots,
+                    tq, r, e0, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         find_bad_keys(smem, s_kbad, s_kcol, tid)  # masking by selection for dQ = dS K
         # One barrier a tile: tile i's dQ (which reads every warp's dSᵀ) runs in iteration
         # i + 1, after that iteration's barrier, from the other dSᵀ buffer and a third table.
@@ -296,29 +301,26 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
             # scores (its Q/dO buffer) and tile i - 2's dQ (its dSᵀ buffer and table); tile
             # i - 1's dSᵀ is complete
             cuda.syncthreads()
-            if c0 + P < e1:
-                stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq,
-                      r, c0 + P, e1, 1 - cur, (it + 1) % 3, q_lo, q_hi, pos0, key_pos0, nk,
-                      topk, tid)
-            commit()
+            stage_next(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices,
+                       slots, tq, r, c0, it, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
             qo = OFF_Q + cur * QB
             doo = OFF_DO + cur * QB
             row0 = (it % 3) * R  # this tile's rows in the tables
             ds0 = OFF_DS + cur * DSB
             scores(smem, s_acc, dp_acc, a_lane, b_lane, qo, doo)
-            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_lse, s_dl, row0, ds0,
                           key_top, key_bot, t4, scale_log2)
             accumulate(smem, dk_acc, dv_acc, p_frag, ds_frag, qo, doo, t_lane)
             if s_kbad[Bk] != 0:  # CTA-uniform: the block holds a non-finite K
                 nan_bad_ds(smem, s_kbad, ds0, warp, lane)
             if it > 0:  # the previous tile's dQ
-                dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol,
+                dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol,
                         ((it + 2) % 3) * R, warp, g4, t4, OFF_DS + (1 - cur) * DSB + ds_lane,
                         t_lane)
         last = (e1 - 1 - e0) // P
         cuda.syncthreads()  # the last tile's dSᵀ complete
-        dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, (last % 3) * R, warp, g4,
-                t4, OFF_DS + (last % 2) * DSB + ds_lane, t_lane)
+        dq_tile(smem, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol, (last % 3) * R,
+                warp, g4, t4, OFF_DS + (last % 2) * DSB + ds_lane, t_lane)
         store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
                    nparts, key_base, key_top, key_bot, nk, t4, scale)
 

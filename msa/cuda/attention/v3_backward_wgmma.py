@@ -79,9 +79,11 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     wait_o = _wgmma.make_wgmma_wait(O_REGS)
     wait_q = _wgmma.make_wgmma_wait(Q_REGS)
     commit, wait_all = T.commit, T.wait_all
-    stage, load_kv, find_bad_keys = T.stage, T.load_kv, T.find_bad_keys
+    stage_first, stage_next, row_limit = T.stage_first, T.stage_next, T.row_limit
+    load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
+    IDX3 = 6 * T.P  # three tiles' CSR entries: query index and slot each
     BK1 = Bk + 1
     # descriptors (byte offsets / 16): a [rows, D] core-matrix matrix is K-major with the next
     # 8 dims at +128 B and the next 8 rows at +16 D B, N-major the other way round
@@ -92,8 +94,8 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
     @cuda.jit(device=True, inline=True)
-    def dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, row0, kdesc, m,
-                n0, g4, t4, ds_lane):
+    def dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol, row0,
+                kdesc, m, n0, g4, t4, ds_lane):
         """``dQ_tile = dS K``: this warpgroup's dims ``n0 .. n0 + NDQ`` of the tile's 64 rows
         (the warp's m-tile ``m``), into the rows' partial slots; version 2's NaN patches where
         the block holds a non-finite K (``kdesc`` then names sKc)."""
@@ -114,7 +116,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
             w = uint32(row0) + uint32(16 * m + g4 + 8 * half)
             off = s_off[w]  # the row's dq partial (stage), -1: no query
             if off >= 0:
-                lim = s_lim[w]
+                lim = row_limit(s_lim, s_lse, w)
                 for i in range(NDQ // 8):
                     dcol = uint32(n0 + 8 * i + 2 * t4)
                     x0 = q_acc[4 * i + 2 * half]
@@ -133,8 +135,9 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
         smem = dynamic_smem_u32()
         s_off = cuda.shared.array(R3, int64)
         s_lim = cuda.shared.array(R3, int32)
-        s_l2 = cuda.shared.array(R3, float32)
+        s_lse = cuda.shared.array(R3, float32)
         s_dl = cuda.shared.array(R3, float32)
+        s_idx = cuda.shared.array(IDX3, int32)  # three tiles' CSR entries (fetch_entries)
         s_kbad = cuda.shared.array(BK1, int32)
         s_kcol = cuda.shared.array(D, int32)
         s_acc = cuda.local.array(S_REGS, float32)  # Sᵀ, then Pᵀ
@@ -177,9 +180,8 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
         v_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, OFF_V), 128, ROW8) \
             + uint64(grp * GROUP_A)
 
-        stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq, r, e0,
-              e1, 0, 0, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
-        commit()
+        stage_first(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices, slots,
+                    tq, r, e0, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
         # non-finite K: version 2's test, then (the slow path) also the cleaned copy sKc,
         # which dQ then reads instead of sK
         k_bad = find_bad_keys(smem, s_kbad, s_kcol, tid)
@@ -196,11 +198,8 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
             # (A) this tile's rows (and K/V) landed, and every warp is done with tile i - 1's
             # products (its Q/dO buffer) and tile i - 2's dQ (its dSᵀ buffer and table)
             cuda.syncthreads()
-            if c0 + P < e1:
-                stage(smem, s_off, s_lim, s_l2, s_dl, q, do, lse, delta, q_indices, slots, tq,
-                      r, c0 + P, e1, 1 - cur, (it + 1) % 3, q_lo, q_hi, pos0, key_pos0, nk,
-                      topk, tid)
-            commit()
+            stage_next(smem, s_off, s_lim, s_lse, s_dl, s_idx, q, do, lse, delta, q_indices,
+                       slots, tq, r, c0, it, e1, q_lo, q_hi, pos0, key_pos0, nk, topk, tid)
             qo = OFF_Q + cur * QB
             doo = OFF_DO + cur * QB
             row0 = (it % 3) * R  # this tile's rows in the tables
@@ -218,7 +217,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
             _wgmma.wgmma_commit()
             wait_s(s_acc)
             wait_s(dp_acc)
-            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_l2, s_dl, row0, ds0,
+            probabilities(smem, s_acc, dp_acc, p_frag, ds_frag, s_lim, s_lse, s_dl, row0, ds0,
                           key_top, key_bot, t4, scale_log2)
             # dV_g += Pᵀ dO, dK_g += dSᵀ Q
             q_n = _wgmma.smem_desc(_wgmma.shared_address(smem, qo), ROW8, 128)
@@ -236,13 +235,13 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
             if s_kbad[Bk] != 0:  # CTA-uniform: the block holds a non-finite K
                 nan_bad_ds(smem, s_kbad, ds0, warp, lane)
             if it > 0:  # the previous tile's dQ
-                dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol,
+                dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol,
                         ((it + 2) % 3) * R, kq_desc, m, n0, g4, t4,
                         OFF_DS + (1 - cur) * DSB + ds_lane)
         last = (e1 - 1 - e0) // P
         cuda.syncthreads()  # the last tile's dSᵀ complete
-        dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_kbad, s_kcol, (last % 3) * R,
-                kq_desc, m, n0, g4, t4, OFF_DS + (last % 2) * DSB + ds_lane)
+        dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol,
+                (last % 3) * R, kq_desc, m, n0, g4, t4, OFF_DS + (last % 2) * DSB + ds_lane)
         store_dkdv(dk, dv, dk_part, dv_part, dk_acc, dv_acc, part_ptr, hkv, r, row, part,
                    nparts, key_base, key_top, key_bot, nk, t4, scale)
 
