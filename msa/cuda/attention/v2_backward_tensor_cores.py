@@ -112,7 +112,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
     clean = T.clean
-    commit, wait_all = T.commit, T.wait_all
+    wait_all = T.wait_all
     stage_first, stage_next, row_limit = T.stage_first, T.stage_next, T.row_limit
     load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv

@@ -78,7 +78,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     wait_s = _wgmma.make_wgmma_wait(S_REGS)
     wait_o = _wgmma.make_wgmma_wait(O_REGS)
     wait_q = _wgmma.make_wgmma_wait(Q_REGS)
-    commit, wait_all = T.commit, T.wait_all
+    wait_all = T.wait_all
     stage_first, stage_next, row_limit = T.stage_first, T.stage_next, T.row_limit
     load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
