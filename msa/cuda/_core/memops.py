@@ -281,56 +281,43 @@ else:
     def _u32_array(a):
         return isinstance(a, types.Array) and a.dtype == types.uint32 and a.layout == "C"
 
-    @intrinsic
-    def cp_async16(typingctx, dst, d, src, s, nbytes):
-        """16 bytes from global ``src.flat[s:]`` to shared ``dst.flat[d:]`` (cp.async.cg)."""
-        if not (_u32_array(dst) and _u32_array(src) and isinstance(d, types.Integer)
-                and isinstance(s, types.Integer) and isinstance(nbytes, types.Integer)):
-            return None
-        sig = types.void(dst, d, src, s, nbytes)
-
-        def codegen(context, builder, signature, args):
-            a = signature.args
-            dptr = _element_pointer(context, builder, a[0], args[0], args[1], a[1])
-            sptr = _element_pointer(context, builder, a[2], args[2], args[3], a[3])
-            gaddr = builder.ptrtoint(builder.addrspacecast(sptr, ir.IntType(8).as_pointer(1)),
-                                     _I64)
-            n = context.cast(builder, args[4], a[4], types.int32)
-            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
-            asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-                               "r,l,r,~{memory}", side_effect=True)
-            builder.call(asm, [_shared_address(builder, dptr), gaddr, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
     def _word_array(a):
-        return isinstance(a, types.Array) and a.dtype in (types.int32, types.uint32,
-                                                         types.float32)
+        return (isinstance(a, types.Array) and a.layout == "C"
+                and a.dtype in (types.int32, types.uint32, types.float32))
 
-    @intrinsic
-    def cp_async4(typingctx, dst, d, src, s, nbytes):
-        """4 bytes from global ``src.flat[s]`` to shared ``dst[d]`` (cp.async.ca)."""
-        if not (_word_array(dst) and _word_array(src) and src.layout == "C"
-                and isinstance(d, types.Integer) and isinstance(s, types.Integer)
-                and isinstance(nbytes, types.Integer)):
-            return None
-        sig = types.void(dst, d, src, s, nbytes)
+    def _cp_async(size, qualifier, accepts):
+        """The ``cp.async.{qualifier}`` intrinsic of ``size`` bytes: ``(dst, d, src, s,
+        nbytes)``, ``dst``/``src`` arrays that ``accepts``, flat element indices ``d``/``s``."""
 
-        def codegen(context, builder, signature, args):
-            a = signature.args
-            dptr = _element_pointer(context, builder, a[0], args[0], args[1], a[1])
-            sptr = _element_pointer(context, builder, a[2], args[2], args[3], a[3])
-            gaddr = builder.ptrtoint(builder.addrspacecast(sptr, ir.IntType(8).as_pointer(1)),
-                                     _I64)
-            n = context.cast(builder, args[4], a[4], types.int32)
-            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
-            asm = ir.InlineAsm(fnty, "cp.async.ca.shared.global [$0], [$1], 4, $2;",
-                               "r,l,r,~{memory}", side_effect=True)
-            builder.call(asm, [_shared_address(builder, dptr), gaddr, n])
-            return context.get_dummy_value()
+        @intrinsic
+        def _copy(typingctx, dst, d, src, s, nbytes):
+            if not (accepts(dst) and accepts(src) and isinstance(d, types.Integer)
+                    and isinstance(s, types.Integer) and isinstance(nbytes, types.Integer)):
+                return None
+            sig = types.void(dst, d, src, s, nbytes)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                a = signature.args
+                dptr = _element_pointer(context, builder, a[0], args[0], args[1], a[1])
+                sptr = _element_pointer(context, builder, a[2], args[2], args[3], a[3])
+                gaddr = builder.ptrtoint(
+                    builder.addrspacecast(sptr, ir.IntType(8).as_pointer(1)), _I64)
+                n = context.cast(builder, args[4], a[4], types.int32)
+                fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
+                asm = ir.InlineAsm(
+                    fnty, f"cp.async.{qualifier}.shared.global [$0], [$1], {size}, $2;",
+                    "r,l,r,~{memory}", side_effect=True)
+                builder.call(asm, [_shared_address(builder, dptr), gaddr, n])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return _copy
+
+    # 16 bytes from global ``src.flat[s:]`` to shared ``dst.flat[d:]`` (uint32 arrays)
+    cp_async16 = _cp_async(16, "cg", _u32_array)
+    # one 4-byte element from global ``src.flat[s]`` to shared ``dst[d]``
+    cp_async4 = _cp_async(4, "ca", _word_array)
 
     def _asm_statement(text):
         @intrinsic
