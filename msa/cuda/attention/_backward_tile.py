@@ -395,7 +395,7 @@ def tile(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool, u
     return SimpleNamespace(
         NW=NW, NT=NT, P=P, LD=LD, LDS=LDS, OFF_V=OFF_V, OFF_KC=OFF_KC, OFF_Q=OFF_Q,
         OFF_DO=OFF_DO, OFF_DS=OFF_DS, NS=NS, NO=NO, QB=QB, DSB=DSB,
-        commit=commit, wait_all=wait_all, clean=clean,
+        wait_all=wait_all, clean=clean,
         stage_first=stage_first, stage_next=stage_next, row_limit=row_limit, load_kv=load_kv,
         find_bad_keys=find_bad_keys, nan_bad_ds=nan_bad_ds, probabilities=probabilities,
         store_dkdv=store_dkdv)

@@ -117,7 +117,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
-    IDX3 = 6 * T.P  # three tiles' CSR entries: query index and slot each
+    IDX3 = 6 * P  # three tiles' CSR entries: query index and slot each
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 

@@ -83,7 +83,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     load_kv, find_bad_keys = T.load_kv, T.find_bad_keys
     nan_bad_ds, probabilities, store_dkdv = T.nan_bad_ds, T.probabilities, T.store_dkdv
     R3 = 3 * R  # rows of the three tiles' tables (staged, computed, its dQ pending)
-    IDX3 = 6 * T.P  # three tiles' CSR entries: query index and slot each
+    IDX3 = 6 * P  # three tiles' CSR entries: query index and slot each
     BK1 = Bk + 1
     # descriptors (byte offsets / 16): a [rows, D] core-matrix matrix is K-major with the next
     # 8 dims at +128 B and the next 8 rows at +16 D B, N-major the other way round
