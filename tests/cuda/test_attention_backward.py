@@ -73,6 +73,15 @@ def rounding_bounds(q, k, v, o, lse, do, I, cu_q, cu_k, bk):
     return bq, bk_, bv
 
 
+def bf16_partial_bounds(bounds, kind):
+    """``rounding_bounds`` with bf16 dQ partials (``partial_dtype="bfloat16"``): each (query,
+    head, slot) share ``sum_j dS_j K_j`` is rounded once more, by at most bf16's unit roundoff
+    times ``sum_j |dS_j| |K_j|``, whose sum over the slots is dq's bound; ``check_backward``
+    allows ``2 u`` times a bound, so dq's grows by ``U16[bf16] / (2 u)``."""
+    bq, bk_, bv = bounds
+    return bq * (1.0 + U16["bfloat16"] / (2 * U16[kind])), bk_, bv
+
+
 def check_backward(got, oracle, baseline, factor, bounds, u=0.0):
     """(dq, dk, dv) against the float64 oracle: within ``factor`` x the float32 reference's
     error (``assert_close_to_oracle``) plus twice the rounding bound ``u * bounds`` elementwise
@@ -107,6 +116,8 @@ def run_backward(p, I, kind, factor=2.0, **kw):
                                      **kw)
     factor = factor if SIMULATOR else max(factor, 4.0)  # expf on the GPU: 2 ulp
     bounds = rounding_bounds(q32, k32, v32, o32, lse, do32, I, cu_q, cu_k, bk)
+    if kw.get("partial_dtype") == "bfloat16":
+        bounds = bf16_partial_bounds(bounds, kind)
     version = kw.get("version") or backward_version(Spec(q, k, v, bf16_bits=bf16), bk)
     check_backward(got, oracle, baseline, factor, bounds, U16[kind] if version >= 2 else 0.0)
     return tuple(to_numpy(x) for x in got)
@@ -172,6 +183,40 @@ def test_backward_v3_matches_reference_and_version_2(case):
     if SIMULATOR:
         for x, y in zip(a, b):
             assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("version,kind", [(2, "bfloat16"), (2, "float16"),
+                                          pytest.param(3, "bfloat16",
+                                                       marks=pytest.mark.sim_heavy)])
+def test_backward_bf16_dq_partials(version, kind):
+    """``partial_dtype="bfloat16"``: dq within the reference's error plus one bf16 rounding of
+    each slot's share (``bf16_partial_bounds``), not float32's dq bit for bit (the roundings
+    happen), and dk, dv bitwise float32 partials' (one chunk either way: the same sums). Version
+    3 in the simulator: bitwise version 2's."""
+    p, I = problem([20, 9], [40, 30], 4, 2, 16, 16 if version == 2 else 64, 3, seed=21,
+                   hot=(0,))
+    half = run_backward(p, I, kind, version=version, partial_dtype="bfloat16", part_size=2)
+    full = run_backward(p, I, kind, version=version, partial_dtype="float32", part_size=2)
+    assert half[0].tobytes() != full[0].tobytes()
+    for x, y in zip(half[1:], full[1:]):
+        assert x.tobytes() == y.tobytes()
+    if version == 3 and SIMULATOR:
+        v2 = run_backward(p, I, kind, version=2, partial_dtype="bfloat16", part_size=2)
+        for x, y in zip(half, v2):
+            assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("partial_dtype,version,match", [
+    ("float16", 2, "partial_dtype must be float32 or bfloat16"),
+    ("bfloat16", 1, "partial_dtype='bfloat16' needs version 2 or 3")])
+def test_backward_partial_dtype_errors(partial_dtype, version, match):
+    p, I = problem([9], [9], 2, 1, 16, 16, 2, seed=1)
+    q, k, v = (x.astype(np.float16) for x in (p.q, p.k, p.v))
+    o, lse = ref.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 16)
+    with pytest.raises(ValueError, match=match):
+        gpu.sparse_attention_backward(q, k, v, o.astype(np.float16), lse.astype(np.float32),
+                                      o.astype(np.float16), I, p.cu_seqlens_q, p.cu_seqlens_k,
+                                      16, version=version, partial_dtype=partial_dtype)
 
 
 @pytest.mark.sim_heavy  # ~7 min in the simulator
@@ -399,7 +444,8 @@ def _paper_config_backward_4k():
 def test_big_backward_paper_configuration(version):
     """Hq=64, Hkv=4, D=128, Bk=128, K=16, one 4K sequence, bf16 (torch), sink + random; and a
     rerun bitwise equal. Versions 2 and 3 also in query chunks of 1000 (dQ partials of 1000 queries),
-    which must give the same dq bitwise and dk, dv within the same bounds."""
+    which must give the same dq bitwise and dk, dv within the same bounds, and with bf16 dQ
+    partials (dq within one more rounding, dk and dv bitwise)."""
     torch = pytest.importorskip("torch")
     (q32, k32, v32, o32, lse, do32, I, cu_q, cu_k), oracle, baseline, bounds = (
         _paper_config_backward_4k())
@@ -417,6 +463,12 @@ def test_big_backward_paper_configuration(version):
         assert torch.equal(chunked[0], got[0])
         check_backward([x.cpu().numpy() for x in chunked], oracle, baseline, 4.0, bounds,
                        U16["bfloat16"])
+        # bf16 dQ partials: one more rounding of dq's slot shares; dk, dv float32 partials'
+        half = gpu.sparse_attention_backward(*args, version=version, validate=False,
+                                             partial_dtype="bfloat16")
+        check_backward([x.cpu().numpy() for x in half], oracle, baseline, 4.0,
+                       bf16_partial_bounds(bounds, "bfloat16"), U16["bfloat16"])
+        assert torch.equal(half[1], got[1]) and torch.equal(half[2], got[2])
 
 
 # --- masking by selection ----------------------------------------------------------------------

@@ -20,6 +20,8 @@ are here, each with a pure-Python twin of the same contract for ``NUMBA_ENABLE_C
 ``store_f32x2(a, flat, x0, x1)``    the two float32 ``a.flat[flat:flat+2] = x0, x1`` of a
                                    C-contiguous array in one 64-bit ``st.global.v2.f32``;
                                    ``flat`` even and ``a``'s data 8-byte aligned
+``store_u32(a, flat, w)``          the uint32 ``a.flat[flat] = w`` of a C-contiguous array of
+                                   any rank (one ``st.global.u32``), e.g. two bf16 values
 ``cp_async16(dst, d, src, s, n)``  ``cp.async.cg.shared.global``: 16 bytes (four uint32) of the
                                    global ``src.flat[s:s+4]`` into the shared ``dst.flat[d:d+4]``
                                    without passing through registers; ``n`` (0 or 16) bytes are
@@ -129,6 +131,11 @@ if SIMULATOR:
         f = a.reshape(-1)
         f[flat] = x0
         f[flat + 1] = x1
+
+    @cuda.jit(device=True)
+    def store_u32(a, flat, w):
+        """Simulator twin: one element store."""
+        a.reshape(-1)[flat] = w
 
     @cuda.jit(device=True)
     def cp_async16(dst, d, src, s, nbytes):
@@ -264,6 +271,14 @@ else:
                 and all(isinstance(x, types.Float) for x in (x0, x1))):
             return None
         return types.void(a, flat, x0, x1), _vector_store(ir.FloatType(), 8)
+
+    @intrinsic
+    def store_u32(typingctx, a, flat, w):
+        """``a.flat[flat] = w`` of a C-contiguous uint32 array (``st.global.u32``)."""
+        if not (_c_array_of(a, types.uint32) and isinstance(flat, types.Integer)
+                and isinstance(w, types.Integer)):
+            return None
+        return types.void(a, flat, w), _vector_store(ir.IntType(32), 4)
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)

@@ -27,7 +27,8 @@ from .._core.arrays import SIMULATOR
 from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
 from . import v3_backward_wgmma as v3
 from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
-from ._plan import MAX_PARTIAL_BYTES, Spec, element_view, selection_args
+from ._plan import (MAX_PARTIAL_BYTES, Spec, element_view, partials_are_bf16, query_chunk,
+                    selection_args)
 
 VERSIONS = (1, 2, 3)
 
@@ -64,6 +65,18 @@ def _why_not_v3(spec, block_size, why_not_v2):
     if smem > _mma.DYNAMIC_SMEM_LIMIT:
         return f"{smem} bytes of shared memory", smem
     return _wgmma.why_not_available(), smem
+
+
+def _bf16_dq_partials(partial_dtype, version) -> bool:
+    """``partial_dtype`` of the backward (``None``: float32) -> bf16 dQ partials? Checked
+    against the version (1 has no partials)."""
+    if partial_dtype is None:
+        return False
+    bf16 = partials_are_bf16(partial_dtype, None)
+    if bf16 and version == 1:
+        raise ValueError("partial_dtype='bfloat16' needs version 2 or 3 (version 1 sums dQ "
+                         "without partials)")
+    return bf16
 
 
 def default_backward_version(q, k, v, block_size) -> int:
@@ -124,7 +137,7 @@ def _cut_rows(ctx, row_ptr, hkv, rows, part_size, entries):
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
                               block_size, *, scale=None, version=None, part_size=None,
-                              max_partial_bytes=None, validate=True):
+                              max_partial_bytes=None, partial_dtype=None, validate=True):
     """The gradient of eq 8 on the GPU: ``(dq, dk, dv)`` given ``dO`` (the main branch's backward).
 
     Same function as ``msa.reference.attention.sparse_attention_backward`` (read it for the
@@ -165,7 +178,12 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
             change the last bits). Default: per query chunk, its ``Tq Hkv K`` entries over
             ~1024 parts (``default_part_size``: a power of two in ``[256, 2*K*Bk]``), so that
             the SMs share the work evenly; a function of the shapes, not of the GPU.
-        max_partial_bytes: version 2's memory for one query chunk's dQ partials.
+        max_partial_bytes: versions 2 and 3's memory for one query chunk's dQ partials.
+        partial_dtype: ``"float32"`` (the default) or ``"bfloat16"`` dQ partials (versions 2
+            and 3). bf16 partials halve the bytes the kernel writes and ``dq_sum`` reads (and
+            the memory of a chunk, so chunks twice as long), at the cost of one bf16 rounding
+            of each (query, head, slot) share before the float32 sum, as the forward's
+            ``partial_dtype="bfloat16"`` rounds its ``O_s``; ``dk`` and ``dv`` do not change.
         validate: check ``block_indices`` and ``lse`` on host copies first, as the reference
             does (``lse`` finite wherever the support is non-empty: ``msa._checks.check_lse``);
             ``False`` skips it (invalid entries are then skipped by the kernels: memory safe,
@@ -184,12 +202,13 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     return _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
                                       cu_seqlens_k, block_size, scale, version=version,
                                       part_size=part_size, max_partial_bytes=max_partial_bytes,
-                                      validate=validate)
+                                      partial_dtype=partial_dtype, validate=validate)
 
 
 def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
                                block_size, scale=None, *, version=None, part_size=None,
-                               max_partial_bytes=None, validate=True, bf16_bits=False):
+                               max_partial_bytes=None, partial_dtype=None, validate=True,
+                               bf16_bits=False):
     """``sparse_attention_backward``; ``bf16_bits``: int16/uint16 inputs hold bf16 bits."""
     spec = Spec(q, k, v, bf16_bits=bf16_bits)
     tq, hq, d = spec.tq, spec.hq, spec.d
@@ -217,6 +236,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         if why_not_v3:
             raise ValueError(f"version=3 (wgmma) does not support {why_not_v3}; use version=1"
                              + ("" if why_not else " or 2"))
+    bf16_dq = _bf16_dq_partials(partial_dtype, version)
     smem = v1.dkdv_layout(bs, d, spec.g)[-1]
     if version == 1:
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
@@ -249,7 +269,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)
     else:
         _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size,
-                      max_partial_bytes, version, tc_rows, tc_smem, *arrays)
+                      max_partial_bytes, version, tc_rows, tc_smem, bf16_dq, *arrays)
     return ctx.output(dq), ctx.output(dk), ctx.output(dv)
 
 
@@ -282,21 +302,25 @@ def _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, l
 
 
 def _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_partial_bytes,
-                  version, tc_rows, tc_smem, lse_a, delta_a, dq_a, dk_a, dv_a):
+                  version, tc_rows, tc_smem, bf16_dq, lse_a, delta_a, dq_a, dk_a, dv_a):
     """Backward version 2 or 3 per query chunk whose dQ partials fit ``max_partial_bytes`` (as
-    ``sparse_attention``): the same launches and partials, version 3's kernel on ``wgmma``."""
+    ``sparse_attention``): the same launches and partials, version 3's kernel on ``wgmma``;
+    ``bf16_dq``: the partials in bf16, pairs of them in the uint32 words of ``dq_buf``."""
     bs, d, hq, hkv = batch.block_size, spec.d, spec.hq, spec.hkv
     qw, kw, vw, dow = (ctx.input(name, x).view(np.uint32)
                        for name, x in (("q", q), ("k", k), ("v", v), ("do", do)))
     aligned = all(is_aligned16(x) for x in (qw, kw, vw, dow))
     if version == 3:
-        k_tc = v3.backward_kernel_v3(bs, d, spec.g, spec.bf16, aligned)
+        k_tc = v3.backward_kernel_v3(bs, d, spec.g, spec.bf16, aligned, bf16_dq)
     else:
-        k_tc = v2.backward_kernel_v2(bs, d, spec.g, tc_rows, spec.bf16, aligned)
+        k_tc = v2.backward_kernel_v2(bs, d, spec.g, tc_rows, spec.bf16, aligned, bf16_dq)
     k_sum = dkdv_sum_kernel(bs, d, THREADS)
-    k_dq_sum = v2.dq_sum_kernel(d, spec.g)
-    q_chunk = max(1, min(spec.tq, max_partial_bytes // (topk * hq * d * 4)))
-    dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * d,), np.float32))
+    k_dq_sum = v2.dq_sum_kernel(d, spec.g, bf16_dq)
+    q_chunk = query_chunk(spec, topk, 2 if bf16_dq else 4, max_partial_bytes)
+    dw = d // 2 if bf16_dq else d  # words of a partial row
+    dq_buf = ctx.arg(ctx.empty((topk * q_chunk * hq * dw,), np.float32))
+    if bf16_dq:
+        dq_buf = dq_buf.view(np.uint32)
     words = mask_words(topk)
     mask_buf = ctx.arg(ctx.empty((q_chunk * hkv * words,), np.int32))
     # Every chunk's offsets go to the device before the first launch (a host-to-device copy
@@ -306,7 +330,7 @@ def _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_
     for t0, t1, k_lo, k_hi, sub, d_row_offsets, d_cu_q, d_cu_k in chunks:
         tc = t1 - t0
         I_c = I[t0:t1]
-        dq_part = dq_buf[:topk * tc * hq * d].reshape(topk, tc, hq, d)
+        dq_part = dq_buf[:topk * tc * hq * dw].reshape(topk, tc, hq, dw)
         if sub.rows:
             row_ptr, q_indices, slots = launch_build_csr(sub, I_c, ctx)
             d_row_ptr = kernel_array(row_ptr)
@@ -327,5 +351,5 @@ def _tensor_cores(ctx, spec, batch, topk, q, k, v, do, I, scale, part_size, max_
         # every (query, head) row of dq: the sum of the slots the kernel wrote (none: 0)
         mask = mask_buf[:tc * hkv * words].reshape(tc, hkv, words)
         launch_slot_mask(kernel_array(I_c), d_cu_q, d_cu_k, bs, mask)
-        k_dq_sum[-(-(tc * hq * (d // 4)) // THREADS), THREADS, stream()](
+        k_dq_sum[-(-(tc * hq * (dw // 4)) // THREADS), THREADS, stream()](
             mask, dq_part, np.float32(scale), dq_a[t0:t1])

@@ -65,8 +65,9 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
 from .._core.memops import (dynamic_smem_u32, ldmatrix_x4, ldmatrix_x4_trans, load_f32x4,
-                            store_f32x2)
-from .._core.mma import make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16
+                            load_u32x4, store_f32x2, store_u32)
+from .._core.mma import (bf16_to_f32, make_mma_pair, mma_bf16_m16n8k16, mma_f16_m16n8k16,
+                         pack_bf16x2)
 from ..csr import is_entry
 from ._backward_parts import bwd_part
 from ._backward_tile import padded_layout, tile
@@ -86,13 +87,14 @@ layout = padded_layout  # (the launcher sizes version 2's shared memory by it)
 
 @functools.lru_cache(maxsize=None)
 def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf16_in: bool,
-                       use_async: bool):
+                       use_async: bool, bf16_dq: bool = False):
     """The dK/dV/dQ kernel for (Bk, D, G, R, input kind, ``cp.async`` or plain loads); see
     the module docstring. Arguments: q, k, v, do as uint32 views [T, H, D/2]; lse, delta
     float32 [Tq, Hq]; the CSR (``row_ptr``, ``q_indices``, ``slots``), ``row_offsets``,
     ``cu_q``, ``cu_k``; ``scale`` and ``scale log2 e``; ``part_ptr``, ``part_size``; dk, dv
     float32 [Tk, Hkv, D]; the scratch ``dk_part``, ``dv_part`` [slots, Bk*D]; ``dq_part``
-    float32 [K, Tq, Hq, D]."""
+    float32 [K, Tq, Hq, D], or with ``bf16_dq`` its bf16 values in pairs, uint32 [K, Tq, Hq,
+    D/2] (round to nearest even)."""
     Bk, D, G, R = block_size, head_dim, group, rows
     assert Bk % 16 == 0 and D % 16 == 0 and R % 16 == 0 and R % G == 0
     T = tile(Bk, D, G, R, bf16_in, use_async, core_matrices=False)
@@ -120,6 +122,7 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
     IDX3 = 6 * P  # three tiles' CSR entries: query index and slot each
     BK1 = Bk + 1  # the per-key flags of non-finite K, and the block's
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    BF16_DQ = bf16_dq
 
     @cuda.jit(device=True, inline=True)
     def scores(smem, s_acc, dp_acc, a_lane, b_lane, qo, doo):
@@ -229,8 +232,13 @@ def backward_kernel_v2(block_size: int, head_dim: int, group: int, rows: int, bf
                             if lim >= s_kcol[dcol + uint32(9)]:
                                 x9 = _NAN
                         at = uint64(off) + uint64(dcol)
-                        store_f32x2(dq_part, at, x0, x1)
-                        store_f32x2(dq_part, at + uint64(8), x8, x9)
+                        if BF16_DQ:  # one word of the uint32 view a pair of dims
+                            store_u32(dq_part, at >> uint64(1), pack_bf16x2(x0, x1))
+                            store_u32(dq_part, (at + uint64(8)) >> uint64(1),
+                                      pack_bf16x2(x8, x9))
+                        else:
+                            store_f32x2(dq_part, at, x0, x1)
+                            store_f32x2(dq_part, at + uint64(8), x8, x9)
 
     @kernel_jit(**jit)
     def _attention_bwd_kernel_tc(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
@@ -331,24 +339,30 @@ DQ_SUM_SLOTS = 4  # slots whose loads a thread has in flight at once
 
 
 @functools.lru_cache(maxsize=None)
-def dq_sum_kernel(head_dim: int, group: int):
+def dq_sum_kernel(head_dim: int, group: int, bf16_parts: bool = False):
     """``dq[t, h, :] = scale * sum_s dq_part[s, t, h, :]`` over the slots ``s`` that are CSR
     entries (bits of ``slot_mask`` [Tq, Hkv, words], ``msa.cuda.csr.launch_slot_mask``: the
     slots the tensor-core kernel wrote), in slot order.
 
-    A thread per four dims of a (t, h) row (``D % 4 == 0``; launch ``T Hq D / 4`` threads):
-    the slots go by in groups of ``DQ_SUM_SLOTS``, each group's 16-byte loads issued before any
-    of them is added, so that several are in flight (one at a time, the kernel ran at ~60% of
-    the copy bandwidth). The additions keep slot order: the sum is bitwise the same."""
+    A thread per ``W`` dims of a (t, h) row, one 16-byte load a slot: four float32 partials
+    (``W = 4``, ``D % 4 == 0``), or with ``bf16_parts`` eight bf16 ones, ``dq_part`` then a
+    uint32 view [K, Tq, Hq, D/2] (``W = 8``, ``D % 8 == 0``); launch ``T Hq D / W`` threads.
+    The slots go by in groups of ``DQ_SUM_SLOTS``, each group's loads issued before any of them
+    is added, so that several are in flight (one at a time, the kernel ran at ~60% of the copy
+    bandwidth). The additions keep slot order: the sum is bitwise the same."""
 
     D, G, U = head_dim, group, DQ_SUM_SLOTS
-    NV = D // 4
-    UV = 4 * U  # local array sizes must be plain constants on the GPU
+    BF16 = bf16_parts
+    W = 8 if BF16 else 4  # dims a thread
+    NV = D // W
+    UV = W * U  # local array sizes must be plain constants on the GPU
+    WD = D // 2 if BF16 else D  # elements of dq_part a row
 
     @kernel_jit
     def _attention_bwd_kernel_dq_sum(slot_mask, dq_part, scale, dq):
         vals = cuda.local.array(UV, float32)
         ok = cuda.local.array(U, int32)
+        acc = cuda.local.array(W, float32)
         i = cuda.grid(1)
         tq = dq.shape[0]
         hq = dq.shape[1]
@@ -359,31 +373,32 @@ def dq_sum_kernel(head_dim: int, group: int):
         t = row // hq
         h = row % hq
         topk = dq_part.shape[0]
-        stride = int64(tq) * hq * D  # elements from one slot to the next
-        at = int64(row) * D + 4 * v
-        a0 = float32(0.0)
-        a1 = float32(0.0)
-        a2 = float32(0.0)
-        a3 = float32(0.0)
+        stride = int64(tq) * hq * WD  # elements from one slot to the next
+        at = int64(row) * WD + 4 * v
+        for x in range(W):
+            acc[x] = float32(0.0)
         for s0 in range(0, topk, U):
             for u in range(U):
                 s = s0 + u
                 ok[u] = 1 if s < topk and is_entry(slot_mask, t, h // G, s) else 0
                 if ok[u]:
-                    w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
-                    vals[4 * u] = w0
-                    vals[4 * u + 1] = w1
-                    vals[4 * u + 2] = w2
-                    vals[4 * u + 3] = w3
+                    if BF16:  # eight bf16 values, low half first
+                        w0, w1, w2, w3 = load_u32x4(dq_part, s * stride + at)
+                        for y in range(4):
+                            w = w0 if y == 0 else (w1 if y == 1 else (w2 if y == 2 else w3))
+                            vals[W * u + 2 * y] = bf16_to_f32(w & uint32(0xFFFF))
+                            vals[W * u + 2 * y + 1] = bf16_to_f32(w >> uint32(16))
+                    else:
+                        w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
+                        vals[W * u] = w0
+                        vals[W * u + 1] = w1
+                        vals[W * u + 2] = w2
+                        vals[W * u + 3] = w3
             for u in range(U):
                 if ok[u]:
-                    a0 += vals[4 * u]
-                    a1 += vals[4 * u + 1]
-                    a2 += vals[4 * u + 2]
-                    a3 += vals[4 * u + 3]
-        dq[t, h, 4 * v] = a0 * scale
-        dq[t, h, 4 * v + 1] = a1 * scale
-        dq[t, h, 4 * v + 2] = a2 * scale
-        dq[t, h, 4 * v + 3] = a3 * scale
+                    for x in range(W):
+                        acc[x] += vals[W * u + x]
+        for x in range(W):
+            dq[t, h, W * v + x] = acc[x] * scale
 
     return _attention_bwd_kernel_dq_sum

@@ -41,7 +41,8 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core import wgmma as _wgmma
 from .._core.arrays import SIMULATOR
-from .._core.memops import dynamic_smem_u32, ldmatrix_x4_trans, store_f32x2
+from .._core.memops import dynamic_smem_u32, ldmatrix_x4_trans, store_f32x2, store_u32
+from .._core.mma import pack_bf16x2
 from ._backward_parts import bwd_part
 from ._backward_tile import core_layout, tile
 from .._core.diskcache import kernel_jit
@@ -57,9 +58,10 @@ layout = core_layout  # (the launcher sizes version 3's shared memory by it)
 
 @functools.lru_cache(maxsize=None)
 def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool,
-                       use_async: bool):
-    """The dK/dV/dQ kernel for (Bk, D, G, input kind, ``cp.async`` or plain loads), with version
-    2's arguments (``backward_kernel_v2``) and launch (``Bk / 16`` warps a CTA)."""
+                       use_async: bool, bf16_dq: bool = False):
+    """The dK/dV/dQ kernel for (Bk, D, G, input kind, ``cp.async`` or plain loads, bf16 dQ
+    partials), with version 2's arguments (``backward_kernel_v2``) and launch (``Bk / 16``
+    warps a CTA)."""
     Bk, D, G, R = block_size, head_dim, group, TILE_ROWS
     assert Bk in BLOCK_SIZES and D % 16 == 0 and D <= MAX_HEAD_DIM and R % G == 0
     T = tile(Bk, D, G, R, bf16_in, use_async, core_matrices=True)
@@ -92,6 +94,7 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
     RSTEP = (2 * ROW8) >> 4  # dV, dK, dQ: the next 16 rows (keys)
     GROUP_A = (64 * 2 * D) >> 4  # the next warpgroup's 64 keys of K, V
     jit = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    BF16_DQ = bf16_dq
 
     @cuda.jit(device=True, inline=True)
     def dq_tile(smem, a_frag, q_acc, dq_part, s_off, s_lim, s_lse, s_kbad, s_kcol, row0,
@@ -126,7 +129,11 @@ def backward_kernel_v3(block_size: int, head_dim: int, group: int, bf16_in: bool
                             x0 = _NAN
                         if lim >= s_kcol[dcol + uint32(1)]:
                             x1 = _NAN
-                    store_f32x2(dq_part, uint64(off) + uint64(dcol), x0, x1)
+                    if BF16_DQ:  # (dims dcol, dcol + 1: one word of the uint32 view)
+                        store_u32(dq_part, (uint64(off) + uint64(dcol)) >> uint64(1),
+                                  pack_bf16x2(x0, x1))
+                    else:
+                        store_f32x2(dq_part, uint64(off) + uint64(dcol), x0, x1)
 
     @kernel_jit(**jit)
     def _attention_bwd_kernel_wgmma(q, k, v, do, lse, delta, row_ptr, q_indices, slots,
