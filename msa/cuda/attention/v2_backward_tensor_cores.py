@@ -352,17 +352,15 @@ def dq_sum_kernel(head_dim: int, group: int, bf16_parts: bool = False):
     bandwidth). The additions keep slot order: the sum is bitwise the same."""
 
     D, G, U = head_dim, group, DQ_SUM_SLOTS
-    BF16 = bf16_parts
-    W = 8 if BF16 else 4  # dims a thread
-    NV = D // W
-    UV = W * U  # local array sizes must be plain constants on the GPU
-    WD = D // 2 if BF16 else D  # elements of dq_part a row
+    if bf16_parts:
+        return _dq_sum_bf16(D, G, U)
+    NV = D // 4
+    UV = 4 * U  # local array sizes must be plain constants on the GPU
 
     @kernel_jit
     def _attention_bwd_kernel_dq_sum(slot_mask, dq_part, scale, dq):
         vals = cuda.local.array(UV, float32)
         ok = cuda.local.array(U, int32)
-        acc = cuda.local.array(W, float32)
         i = cuda.grid(1)
         tq = dq.shape[0]
         hq = dq.shape[1]
@@ -373,32 +371,77 @@ def dq_sum_kernel(head_dim: int, group: int, bf16_parts: bool = False):
         t = row // hq
         h = row % hq
         topk = dq_part.shape[0]
-        stride = int64(tq) * hq * WD  # elements from one slot to the next
-        at = int64(row) * WD + 4 * v
-        for x in range(W):
+        stride = int64(tq) * hq * D  # elements from one slot to the next
+        at = int64(row) * D + 4 * v
+        a0 = float32(0.0)
+        a1 = float32(0.0)
+        a2 = float32(0.0)
+        a3 = float32(0.0)
+        for s0 in range(0, topk, U):
+            for u in range(U):
+                s = s0 + u
+                ok[u] = 1 if s < topk and is_entry(slot_mask, t, h // G, s) else 0
+                if ok[u]:
+                    w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
+                    vals[4 * u] = w0
+                    vals[4 * u + 1] = w1
+                    vals[4 * u + 2] = w2
+                    vals[4 * u + 3] = w3
+            for u in range(U):
+                if ok[u]:
+                    a0 += vals[4 * u]
+                    a1 += vals[4 * u + 1]
+                    a2 += vals[4 * u + 2]
+                    a3 += vals[4 * u + 3]
+        dq[t, h, 4 * v] = a0 * scale
+        dq[t, h, 4 * v + 1] = a1 * scale
+        dq[t, h, 4 * v + 2] = a2 * scale
+        dq[t, h, 4 * v + 3] = a3 * scale
+
+    return _attention_bwd_kernel_dq_sum
+
+
+def _dq_sum_bf16(D, G, U):
+    """``dq_sum_kernel`` of bf16 partials: eight a thread, ``dq_part`` uint32 [K, Tq, Hq, D/2]
+    (two bf16 values a word, the lower dim in the low half)."""
+    NV = D // 8
+    UV = 8 * U
+    DW = D // 2  # words of a partial row
+
+    @kernel_jit
+    def _attention_bwd_kernel_dq_sum_bf16(slot_mask, dq_part, scale, dq):
+        vals = cuda.local.array(UV, float32)
+        ok = cuda.local.array(U, int32)
+        acc = cuda.local.array(8, float32)
+        i = cuda.grid(1)
+        tq = dq.shape[0]
+        hq = dq.shape[1]
+        row = i // NV
+        if row >= tq * hq:
+            return
+        v = i % NV
+        t = row // hq
+        h = row % hq
+        topk = dq_part.shape[0]
+        stride = int64(tq) * hq * DW  # words from one slot to the next
+        at = int64(row) * DW + 4 * v
+        for x in range(8):
             acc[x] = float32(0.0)
         for s0 in range(0, topk, U):
             for u in range(U):
                 s = s0 + u
                 ok[u] = 1 if s < topk and is_entry(slot_mask, t, h // G, s) else 0
                 if ok[u]:
-                    if BF16:  # eight bf16 values, low half first
-                        w0, w1, w2, w3 = load_u32x4(dq_part, s * stride + at)
-                        for y in range(4):
-                            w = w0 if y == 0 else (w1 if y == 1 else (w2 if y == 2 else w3))
-                            vals[W * u + 2 * y] = bf16_to_f32(w & uint32(0xFFFF))
-                            vals[W * u + 2 * y + 1] = bf16_to_f32(w >> uint32(16))
-                    else:
-                        w0, w1, w2, w3 = load_f32x4(dq_part, s * stride + at)
-                        vals[W * u] = w0
-                        vals[W * u + 1] = w1
-                        vals[W * u + 2] = w2
-                        vals[W * u + 3] = w3
+                    w0, w1, w2, w3 = load_u32x4(dq_part, s * stride + at)
+                    for y in range(4):
+                        w = w0 if y == 0 else (w1 if y == 1 else (w2 if y == 2 else w3))
+                        vals[8 * u + 2 * y] = bf16_to_f32(w & uint32(0xFFFF))
+                        vals[8 * u + 2 * y + 1] = bf16_to_f32(w >> uint32(16))
             for u in range(U):
                 if ok[u]:
-                    for x in range(W):
-                        acc[x] += vals[W * u + x]
-        for x in range(W):
-            dq[t, h, W * v + x] = acc[x] * scale
+                    for x in range(8):
+                        acc[x] += vals[8 * u + x]
+        for x in range(8):
+            dq[t, h, 8 * v + x] = acc[x] * scale
 
-    return _attention_bwd_kernel_dq_sum
+    return _attention_bwd_kernel_dq_sum_bf16

@@ -101,6 +101,13 @@ def variants():
     for d, g in ((128, 16), (32, 2)):
         yield (f"bwd.v2.dq_sum.d{d}.g{g}", v2_backward_tensor_cores.dq_sum_kernel(d, g),
                (i32[:, :, ::1], f32[:, :, :, ::1], f32, f3))
+    # bf16 dQ partials (partial_dtype="bfloat16"): the paper configuration's kernel and sum
+    yield ("bwd.v2.tc.bf16.bk128.d128.g16.r64.dq_bf16",
+           v2_backward_tensor_cores.backward_kernel_v2(128, 128, 16, 64, True, True, True),
+           (w3, w3, w3, w3, f2, f2, i32[:, ::1], i32[:, ::1], i32[:, ::1], cu, cu, cu, f32, f32,
+            i32[:, ::1], i64, f3, f3, f2, f2, u32[:, :, :, ::1]))
+    yield ("bwd.v2.dq_sum.d128.g16.dq_bf16", v2_backward_tensor_cores.dq_sum_kernel(128, 16, True),
+           (i32[:, :, ::1], u32[:, :, :, ::1], f32, f3))
 
     # backward v3 (wgmma): the dK/dV/dQ kernel (the dQ sum is version 2's)
     for dt, bk, d, g, aligned in (("bf16", 128, 128, 16, True), ("f16", 64, 32, 2, True),
@@ -109,6 +116,10 @@ def variants():
                v3_backward_wgmma.backward_kernel_v3(bk, d, g, dt == "bf16", aligned),
                (w3, w3, w3, w3, f2, f2, i32[:, ::1], i32[:, ::1], i32[:, ::1], cu, cu, cu, f32,
                 f32, i32[:, ::1], i64, f3, f3, f2, f2, f32[:, :, :, ::1]))
+    yield ("bwd.v3.wg.bf16.bk128.d128.g16.dq_bf16",
+           v3_backward_wgmma.backward_kernel_v3(128, 128, 16, True, True, True),
+           (w3, w3, w3, w3, f2, f2, i32[:, ::1], i32[:, ::1], i32[:, ::1], cu, cu, cu, f32, f32,
+            i32[:, ::1], i64, f3, f3, f2, f2, u32[:, :, :, ::1]))
 
     # K1 on K/V in pages (``sparse_attention(..., block_table=...)``; the caches viewed as
     # [P*Hkv*Bk, 1, D], arrays of the packed variants' types), and the kernel that writes each
