@@ -246,19 +246,21 @@ def check_main(p, stages, idx_ref, work, q_ind, slots, report, attempt, bf, dev)
     if "backward" in stages:
         # Versions 2 and 3 (tensor cores, wgmma; bf16) against the reference on the bf16-rounded
         # inputs, relative to the largest reference value; in two query chunks, with split hot
-        # rows. Version 3 where it runs: Bk of 64 or 128 (--paper) on compute capability 9.0.
+        # rows, and so with bf16 dQ partials. Version 3 where it runs: Bk of 64 or 128 (--paper)
+        # on compute capability 9.0.
         from msa.cuda._core.wgmma import why_not_available
 
         qb, kb, vb, ob, dob = rb(p.q), rb(p.k), rb(p.v), rb(o_ref), rb(do_ref)
         grads_ref = R.sparse_attention_backward(qb, kb, vb, ob, lse_ref, dob, idx_ref, cq, ck, bk)
         versions = (2, 3) if bk in (64, 128) and why_not_available() is None else (2,)
         for version in versions:
-            for part_size, budget in ((None, None), (5, k * 300 * 8 * 64 * 4)):
+            for part_size, budget, pdt in ((None, None, None), (5, k * 300 * 8 * 64 * 4, None),
+                                           (5, k * 300 * 8 * 64 * 2, "bfloat16")):
                 grads = C.sparse_attention_backward(
                     bf(p.q), bf(p.k), bf(p.v), bf(o_ref), dev(lse_ref), bf(do_ref),
                     dev(idx_ref), dev(cq), dev(ck), bk, version=version, part_size=part_size,
-                    max_partial_bytes=budget)
-                report(f"backward v{version} part_size={part_size}", all(
+                    max_partial_bytes=budget, partial_dtype=pdt)
+                report(f"backward v{version} part_size={part_size} partials={pdt or 'f32'}", all(
                     float(np.abs(g.cpu().numpy() - w).max()) <= 2e-2 * float(np.abs(w).max())
                     for g, w in zip(grads, grads_ref)))
 
