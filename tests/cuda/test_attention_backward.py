@@ -341,6 +341,13 @@ def test_backward_hot_rows_cut_into_parts(case, part_size):
         assert x.tobytes() == y.tobytes()
 
 
+def test_backward_hot_rows_of_a_head_dim_not_a_multiple_of_4():
+    """D = 6: the parts' sum one element at a time (``dkdv_sum_kernel`` takes four at a time
+    where D is a multiple of 4): the reference's gradient, a sink row in parts of 2."""
+    p, I = problem([21], [21], 2, 1, 6, 8, 2, seed=9, hot=(0,))
+    run_backward(p, I, "float32", part_size=2)
+
+
 @pytest.mark.parametrize("how", ["past-the-end", "below-minus-one", "duplicates", "holes"])
 def test_backward_unvalidated_bad_indices_stay_in_bounds(how):
     """With ``validate=False`` a malformed selection gives an unspecified but finite result and

@@ -16,6 +16,7 @@ import functools
 from numba import cuda, float32, int64
 
 from .._core.arrays import SIMULATOR
+from .._core.memops import load_f32x4
 from .._core.mma import bf16_to_f32
 from .._core.packed import last_le
 from .._core.diskcache import kernel_jit
@@ -69,7 +70,8 @@ def bwd_part(row_ptr, part_ptr, row_offsets, cu_k, part_size, num_entries, block
 @functools.lru_cache(maxsize=None)
 def delta_kernel(head_dim: int, bf16_in: bool):
     """``delta [Tq, Hq] = rowsum(dO * O)`` for ``o, do [Tq, Hq, D]`` (one value an element,
-    bf16 as its bits), specialised for D and the input kind."""
+    bf16 as its bits), specialised for D and the input kind. Launch ``delta_grid(Tq Hq)``
+    CTAs of ``THREADS``: each warp takes every ``warps``-th row."""
     D = head_dim
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
 
@@ -77,36 +79,53 @@ def delta_kernel(head_dim: int, bf16_in: bool):
     def _attention_bwd_kernel_delta(o, do, delta):
         """A warp per (t, h) row: lane l sums dims l, l + 32, ... (coalesced reads), then the
         warp's partial sums meet by shuffles. (A thread per row, its reads strided by a row,
-        took 43 ms at 128K in the paper configuration.)"""
+        took 43 ms at 128K in the paper configuration; a CTA per four rows, 3.3 ms on an H100:
+        two million CTAs, each started for 2 KB of reads.)"""
         i = cuda.grid(1)
-        row = i // 32
         lane = i % 32
         hq = o.shape[1]
-        if row >= o.shape[0] * hq:
-            return  # the whole warp: rows are warp-uniform
-        t = row // hq
-        h = row % hq
-        acc = float32(0.0)
-        for d in range(lane, D, 32):
-            acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
-        for width in (16, 8, 4, 2, 1):
-            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
-        if lane == 0:
-            delta[t, h] = acc
+        warps = cuda.gridDim.x * (cuda.blockDim.x // 32)
+        for row in range(i // 32, o.shape[0] * hq, warps):  # warp-uniform
+            t = row // hq
+            h = row % hq
+            acc = float32(0.0)
+            for d in range(lane, D, 32):
+                acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
+            for width in (16, 8, 4, 2, 1):
+                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
+            if lane == 0:
+                delta[t, h] = acc
 
     return _attention_bwd_kernel_delta
+
+
+DELTA_CTAS = 8192  # at most (a function of the shapes, not of the GPU)
+
+
+def delta_grid(rows: int) -> int:
+    """CTAs of ``delta_kernel`` for ``rows`` (t, h) rows: a warp a row up to ``DELTA_CTAS``."""
+    return max(1, min(DELTA_CTAS, -(-(rows * 32) // THREADS)))
+
+
+SUM_PARTS = 4  # parts whose loads a thread of dkdv_sum_kernel has in flight at once
 
 
 @functools.lru_cache(maxsize=None)
 def dkdv_sum_kernel(block_size: int, head_dim: int, threads: int):
     """dK, dV of the rows cut into several parts: the parts' scratch slots ``dk_part,
     dv_part [slots, Bk*D]`` added to ``dk, dv [Tk, Hkv, D]`` in part order; a CTA of
-    ``threads`` per (head, row)."""
-    Bk, D, NT = block_size, head_dim, threads
+    ``threads`` per (head, row). Where ``D % 4 == 0`` a thread takes four elements of a key at
+    a time (16-byte loads), ``SUM_PARTS`` parts' loads issued before any is added (one part
+    at a time, the sums at 32K took 1.5 ms of an H100's backward: a chunk's first rows hold
+    many parts); the additions keep part order either way (the same bits)."""
+    Bk, D, NT, U = block_size, head_dim, threads, SUM_PARTS
+    VEC = D % 4 == 0
+    UV = 8 * U  # (a local array's size must be a plain constant)
 
     @kernel_jit
     def _attention_bwd_kernel_dkdv_sum(part_ptr, row_offsets, cu_k, dk_part, dv_part, dk, dv):
         """dK, dV of a row cut into several parts: their sums added in part order."""
+        vals = cuda.local.array(UV, float32)
         hkv = part_ptr.shape[0] // 2
         rows = part_ptr.shape[1] - 1
         r = cuda.blockIdx.x // rows
@@ -119,14 +138,56 @@ def dkdv_sum_kernel(block_size: int, head_dim: int, threads: int):
         key_base = cu_k[b] + j * Bk
         nk = min(Bk, cu_k[b + 1] - cu_k[b] - j * Bk)
         slot0 = split_slot(part_ptr, hkv, r, row)
-        for i in range(cuda.threadIdx.x, nk * D, NT):
-            ak = float32(0.0)
-            av = float32(0.0)
-            for part in range(nparts):
-                ak += dk_part[slot0 + part, i]
-                av += dv_part[slot0 + part, i]
-            dk[key_base + i // D, r, i % D] += ak  # dk, dv start at 0; query chunks add up
-            dv[key_base + i // D, r, i % D] += av
+        if not VEC:
+            for i in range(cuda.threadIdx.x, nk * D, NT):
+                ak = float32(0.0)
+                av = float32(0.0)
+                for part in range(nparts):
+                    ak += dk_part[slot0 + part, i]
+                    av += dv_part[slot0 + part, i]
+                dk[key_base + i // D, r, i % D] += ak  # dk, dv start at 0; chunks add up
+                dv[key_base + i // D, r, i % D] += av
+            return
+        stride = int64(Bk * D)  # elements from one slot to the next
+        base = int64(slot0) * stride
+        for i4 in range(cuda.threadIdx.x, nk * (D // 4), NT):
+            i = 4 * i4
+            ak0 = ak1 = ak2 = ak3 = float32(0.0)
+            av0 = av1 = av2 = av3 = float32(0.0)
+            for p0 in range(0, nparts, U):
+                for u in range(U):
+                    if p0 + u < nparts:
+                        at = base + (p0 + u) * stride + i
+                        x0, x1, x2, x3 = load_f32x4(dk_part, at)
+                        vals[8 * u] = x0
+                        vals[8 * u + 1] = x1
+                        vals[8 * u + 2] = x2
+                        vals[8 * u + 3] = x3
+                        x0, x1, x2, x3 = load_f32x4(dv_part, at)
+                        vals[8 * u + 4] = x0
+                        vals[8 * u + 5] = x1
+                        vals[8 * u + 6] = x2
+                        vals[8 * u + 7] = x3
+                for u in range(U):
+                    if p0 + u < nparts:
+                        ak0 += vals[8 * u]
+                        ak1 += vals[8 * u + 1]
+                        ak2 += vals[8 * u + 2]
+                        ak3 += vals[8 * u + 3]
+                        av0 += vals[8 * u + 4]
+                        av1 += vals[8 * u + 5]
+                        av2 += vals[8 * u + 6]
+                        av3 += vals[8 * u + 7]
+            key = key_base + i // D
+            d = i % D
+            dk[key, r, d] += ak0
+            dk[key, r, d + 1] += ak1
+            dk[key, r, d + 2] += ak2
+            dk[key, r, d + 3] += ak3
+            dv[key, r, d] += av0
+            dv[key, r, d + 1] += av1
+            dv[key, r, d + 2] += av2
+            dv[key, r, d + 3] += av3
 
     return _attention_bwd_kernel_dkdv_sum
 
