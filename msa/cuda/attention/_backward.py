@@ -26,7 +26,7 @@ from .._core import wgmma as _wgmma
 from .._core.arrays import SIMULATOR
 from . import v1_backward_cuda_cores as v1, v2_backward_tensor_cores as v2
 from . import v3_backward_wgmma as v3
-from ._backward_parts import THREADS, delta_grid, delta_kernel, dkdv_sum_kernel, parts_kernel
+from ._backward_parts import THREADS, delta_kernel, dkdv_sum_kernel, parts_kernel
 from ._plan import (MAX_PARTIAL_BYTES, Spec, element_view, partials_are_bf16, query_chunk,
                     selection_args)
 
@@ -263,7 +263,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
     delta = ctx.empty((tq, hq), np.float32)
     arrays = (ctx.input("lse", lse), ctx.arg(delta), ctx.arg(dq), ctx.arg(dk), ctx.arg(dv))
     # D = rowsum(dO O), a warp per row
-    delta_kernel(d, spec.bf16)[delta_grid(tq * hq), THREADS, stream()](
+    delta_kernel(d, spec.bf16)[-(-(tq * hq * 32) // THREADS), THREADS, stream()](
         oa, doa, arrays[1])
     if version == 1:
         _version1(ctx, spec, batch, topk, q, k, v, doa, I, scale, part_size, smem, *arrays)

@@ -70,8 +70,7 @@ def bwd_part(row_ptr, part_ptr, row_offsets, cu_k, part_size, num_entries, block
 @functools.lru_cache(maxsize=None)
 def delta_kernel(head_dim: int, bf16_in: bool):
     """``delta [Tq, Hq] = rowsum(dO * O)`` for ``o, do [Tq, Hq, D]`` (one value an element,
-    bf16 as its bits), specialised for D and the input kind. Launch ``delta_grid(Tq Hq)``
-    CTAs of ``THREADS``: each warp takes every ``warps``-th row."""
+    bf16 as its bits), specialised for D and the input kind."""
     D = head_dim
     to_f32 = bf16_to_f32 if bf16_in else cuda.jit(device=True)(_identity_f32)
 
@@ -79,32 +78,24 @@ def delta_kernel(head_dim: int, bf16_in: bool):
     def _attention_bwd_kernel_delta(o, do, delta):
         """A warp per (t, h) row: lane l sums dims l, l + 32, ... (coalesced reads), then the
         warp's partial sums meet by shuffles. (A thread per row, its reads strided by a row,
-        took 43 ms at 128K in the paper configuration; a CTA per four rows, 3.3 ms on an H100:
-        two million CTAs, each started for 2 KB of reads.)"""
+        took 43 ms at 128K in the paper configuration.)"""
         i = cuda.grid(1)
+        row = i // 32
         lane = i % 32
         hq = o.shape[1]
-        warps = cuda.gridDim.x * (cuda.blockDim.x // 32)
-        for row in range(i // 32, o.shape[0] * hq, warps):  # warp-uniform
-            t = row // hq
-            h = row % hq
-            acc = float32(0.0)
-            for d in range(lane, D, 32):
-                acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
-            for width in (16, 8, 4, 2, 1):
-                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
-            if lane == 0:
-                delta[t, h] = acc
+        if row >= o.shape[0] * hq:
+            return  # the whole warp: rows are warp-uniform
+        t = row // hq
+        h = row % hq
+        acc = float32(0.0)
+        for d in range(lane, D, 32):
+            acc += to_f32(do[t, h, d]) * to_f32(o[t, h, d])
+        for width in (16, 8, 4, 2, 1):
+            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, width)
+        if lane == 0:
+            delta[t, h] = acc
 
     return _attention_bwd_kernel_delta
-
-
-DELTA_CTAS = 8192  # at most (a function of the shapes, not of the GPU)
-
-
-def delta_grid(rows: int) -> int:
-    """CTAs of ``delta_kernel`` for ``rows`` (t, h) rows: a warp a row up to ``DELTA_CTAS``."""
-    return max(1, min(DELTA_CTAS, -(-(rows * 32) // THREADS)))
 
 
 SUM_PARTS = 4  # parts whose loads a thread of dkdv_sum_kernel has in flight at once
