@@ -74,7 +74,11 @@ memory, between 4 and 16 GiB): each chunk is a smaller problem of the same kind 
 against all the keys they can see, the ``Lq < Lk`` path, ``msa._batch.Batch.chunks``), with its
 own CSR, schedule, K1 and K2 writing straight into its rows of the output. With bf16 inputs the
 partials are bf16 by default (``partial_dtype``), which halves both that memory and the bytes
-K1 writes and K2 reads (at 128K: 34 GB instead of 69 GB each way); the LSEs stay fp32.
+K1 writes and K2 reads (at 128K: 34 GB instead of 69 GB each way); the LSEs stay fp32. The
+backward's dQ partials (versions 2 and 3, ``K*Tq*Hq*D`` values too, summed by ``dq_sum``) are
+fp32 by default; ``sparse_attention_backward(..., partial_dtype="bfloat16")`` halves them the
+same way (16% of the backward at 32K and 128K on an H100, for one more bf16 rounding of each
+slot's share of dq: docs/performance.md).
 
 K and V in pages: ``sparse_attention(..., block_table=...)`` takes them as the pages of a KV
 cache, ``[P, Hkv, Bk, D]`` (docs/design.md §8), read where they lie. Every rung has the option
