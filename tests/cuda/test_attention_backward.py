@@ -206,16 +206,17 @@ def test_backward_bf16_dq_partials(version, kind):
             assert x.tobytes() == y.tobytes()
 
 
-@pytest.mark.parametrize("partial_dtype,version,match", [
-    ("float16", 2, "partial_dtype must be float32 or bfloat16"),
-    ("bfloat16", 1, "partial_dtype='bfloat16' needs version 2 or 3")])
-def test_backward_partial_dtype_errors(partial_dtype, version, match):
+@pytest.mark.parametrize("partial_dtype,version,kind,match", [
+    ("float16", 2, np.float16, "partial_dtype must be float32 or bfloat16"),
+    ("bfloat16", 1, np.float16, "partial_dtype='bfloat16' needs version 2 or 3 .* here version=1"),
+    ("bfloat16", None, np.float32, "needs version 2 or 3 .* version 2 does not support float32")])
+def test_backward_partial_dtype_errors(partial_dtype, version, kind, match):
     p, I = problem([9], [9], 2, 1, 16, 16, 2, seed=1)
-    q, k, v = (x.astype(np.float16) for x in (p.q, p.k, p.v))
+    q, k, v = (x.astype(kind) for x in (p.q, p.k, p.v))
     o, lse = ref.sparse_attention(p.q, p.k, p.v, I, p.cu_seqlens_q, p.cu_seqlens_k, 16)
     with pytest.raises(ValueError, match=match):
-        gpu.sparse_attention_backward(q, k, v, o.astype(np.float16), lse.astype(np.float32),
-                                      o.astype(np.float16), I, p.cu_seqlens_q, p.cu_seqlens_k,
+        gpu.sparse_attention_backward(q, k, v, o.astype(kind), lse.astype(np.float32),
+                                      o.astype(kind), I, p.cu_seqlens_q, p.cu_seqlens_k,
                                       16, version=version, partial_dtype=partial_dtype)
 
 

@@ -67,15 +67,16 @@ def _why_not_v3(spec, block_size, why_not_v2):
     return _wgmma.why_not_available(), smem
 
 
-def _bf16_dq_partials(partial_dtype, version) -> bool:
+def _bf16_dq_partials(partial_dtype, version, why_not_v2) -> bool:
     """``partial_dtype`` of the backward (``None``: float32) -> bf16 dQ partials? Checked
-    against the version (1 has no partials)."""
+    against the version (1 has no partials; ``why_not_v2``: why it runs, if not asked for)."""
     if partial_dtype is None:
         return False
     bf16 = partials_are_bf16(partial_dtype, None)
     if bf16 and version == 1:
-        raise ValueError("partial_dtype='bfloat16' needs version 2 or 3 (version 1 sums dQ "
-                         "without partials)")
+        why = f"version 2 does not support {why_not_v2}" if why_not_v2 else "version=1"
+        raise ValueError(f"partial_dtype='bfloat16' needs version 2 or 3 (version 1 sums dQ "
+                         f"without partials; here {why})")
     return bf16
 
 
@@ -158,11 +159,12 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     2. tensor cores (float16/bfloat16, ``D`` and ``Bk`` multiples of 16 up to 128; the
        default where it applies and version 3 does not): one kernel does all five products
        per tile of ``64/G`` queries x G heads with ``mma.sync``, dK and dV in registers, and
-       writes each (query, head, slot)'s ``dQ`` share to a float32 partial that a second
-       kernel sums in slot order (as K2 sums the forward's). The partials take
-       ``K*Tq*Hq*D*4`` bytes, so the queries go in chunks of at most ``max_partial_bytes``
-       (default 4 GiB), each with its own CSR, adding to ``dk, dv`` in turn. P and dS are
-       rounded to the inputs' 16-bit type before their products (FlashAttention's backward).
+       writes each (query, head, slot)'s ``dQ`` share to a float32 (or ``partial_dtype``)
+       partial that a second kernel sums in slot order (as K2 sums the forward's). The
+       partials take ``K*Tq*Hq*D*4`` bytes (2 in bf16), so the queries go in chunks of at
+       most ``max_partial_bytes`` (default 4 GiB), each with its own CSR, adding to ``dk, dv``
+       in turn. P and dS are rounded to the inputs' 16-bit type before their products
+       (FlashAttention's backward).
     3. version 2 on Hopper's ``wgmma`` (also ``Bk`` 64 or 128; the default on compute
        capability 9.0): the same tiles, partials and results (bitwise version 2's on an H100
        at the paper's sizes), the products' B operands read once a warpgroup.
@@ -236,7 +238,7 @@ def _sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q,
         if why_not_v3:
             raise ValueError(f"version=3 (wgmma) does not support {why_not_v3}; use version=1"
                              + ("" if why_not else " or 2"))
-    bf16_dq = _bf16_dq_partials(partial_dtype, version)
+    bf16_dq = _bf16_dq_partials(partial_dtype, version, why_not)
     smem = v1.dkdv_layout(bs, d, spec.g)[-1]
     if version == 1:
         for kernel, need, limit in (("dK/dV", smem, _mma.DYNAMIC_SMEM_LIMIT),
