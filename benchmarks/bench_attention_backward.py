@@ -7,9 +7,11 @@ tokens, the ``uniform`` selection of ``bench_attention``). For each N, side by s
 
 * ``msa.cuda.attention.sparse_attention_backward`` version 3 (``wgmma``, where the GPU has
   it) and version 2 (tensor cores by ``mma.sync``), each one KV-outer kernel for dK, dV and the
-  dQ partials, then their sum, and version 1 (CUDA cores, dQ Q-outer, dK/dV KV-outer; up to
-  ``--v1-max-n``), timed alone on the forward's ``o, lse``, with whether version 3's outputs
-  equal version 2's bitwise;
+  dQ partials, then their sum, version 3 (else 2) with bf16 dQ partials
+  (``partial_dtype="bfloat16"``, with dq's max difference to float32 partials' relative to its
+  max), and version 1 (CUDA cores, dQ Q-outer, dK/dV KV-outer; up to ``--v1-max-n``), timed
+  alone on the forward's ``o, lse``, with whether version 3's outputs equal version 2's
+  bitwise;
 * ``msa.torch.sparse_attention_backward``, the PyTorch backward ``msa.torch`` uses by default
   (gathered K/V per chunk of queries, batched matmuls, ``index_add_``);
 * fla-core's Triton NSA backward (``parallel_nsa_bwd``) on the same selection, given its own
@@ -70,23 +72,28 @@ def bench_backward(n, args):
     torch_ms = next((r["ms"] for r in rows if r.get("impl", "").startswith("PyTorch")
                      and r.get("ms")), None)
     outs = {}
-    for version in (3, 2, 1):
+    best = 2 if _wgmma.why_not_available() else 3
+    for version, pdt in ((3, None), (best, "bfloat16"), (2, None), (1, None)):
         if version == 1 and n > args.v1_max_n:
             continue
         if version == 3 and _wgmma.why_not_available():
             continue
-        impl = f"msa.cuda backward v{version}"
+        impl = f"msa.cuda backward v{version}" + (", bf16 dQ partials" if pdt else "")
         try:
             def run_msa():
                 return msa_backward(q, k, v, o, lse, do, I, cu, cu, BK, version=version,
-                                    validate=False)
+                                    partial_dtype=pdt, validate=False)
             got, peak = _peak_and_first(run_msa)
             errs = [_rel_err(a, b) for a, b in zip(got, want)] if want is not None else []
             if errs and max(errs) > GATE_REL:
                 raise AssertionError(f"gate: rel errors (dq, dk, dv) {errs} > {GATE_REL}")
             ms = cuda_time_ms(run_msa, warmup=0, reps=args.reps if version >= 2 else 1)
             extra = {}
-            if version == 3:  # kept on the host, out of version 2's peak memory
+            if pdt:  # dq against float32 partials' (the row before), relative to its max
+                if outs:
+                    ref_dq = next(iter(outs.values()))[0]
+                    extra["dq_rel_err_vs_f32_partials"] = _rel_err(got[0].cpu(), ref_dq)
+            elif version == 3:  # kept on the host, out of version 2's peak memory
                 outs[3] = [x.cpu() for x in got]
             elif version == 2 and 3 in outs:
                 extra["v3_equals_v2_bitwise"] = all(

@@ -79,7 +79,8 @@ def plot(path: str) -> str:
     ax.set_ylabel("ms (log scale, lower is better)")
     stem = os.path.splitext(os.path.basename(path))[0]
     head = payload.get("header", {})
-    ax.set_title(f"{TITLES.get(stem, stem)} on an {head.get('gpu', '?')}\n{CONFIG}, "
+    title = TITLES.get(stem, TITLES.get(stem.rsplit("_", 1)[0], stem))  # (bench_x_h100: x's)
+    ax.set_title(f"{title} on an {head.get('gpu', '?')}\n{CONFIG}, "
                  f"run at commit {str(head.get('commit', '?'))[:7]}", fontsize=9)
     ax.legend(fontsize=7, ncol=min(len(impls), 4), loc="upper center",
               bbox_to_anchor=(0.5, -0.2), frameon=False)
