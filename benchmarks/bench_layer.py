@@ -366,7 +366,7 @@ class Run:
 
     def est_sparse(self, n: int):
         ms = self.step_ms(IMPL_SPARSE, n, 1.0)
-        return None if ms is None else (self.args.reps + 2) * ms / 1e3 + 2.0
+        return None if ms is None else (2 * self.args.reps + 3) * ms / 1e3 + 2.0
 
     def est_dense(self, n: int):
         ms = self.step_ms(IMPL_DENSE, n, 2.0)
@@ -438,10 +438,17 @@ def bench_size(run: Run, n: int, *, role: str = "sweep"):
         out = None
         reset_peak(dev)
         ms = time_ms(lambda: sparse_step(layer, x, cu, g), dev, args.reps)
+        peak = peak_gib(dev)
+        # the same step with the main backward's dQ partials in bf16 (an option of the layer)
+        layer.main_backward_partials = "bfloat16"
+        sparse_step(layer, x, cu, g)
+        bf16_ms = time_ms(lambda: sparse_step(layer, x, cu, g), dev, args.reps)
+        layer.main_backward_partials = "float32"
         run.add(dict(case=case, n=n, impl=IMPL_SPARSE, ms=ms,
-                     tflops=sparse_flops(cfg, n, pairs) / ms / 1e9, peak_gib=peak_gib(dev),
-                     pairs=pairs, first_step_s=first_s, finite=finite, loss_kl=loss_kl,
-                     reps=args.reps, role=role, process=args.process))
+                     tflops=sparse_flops(cfg, n, pairs) / ms / 1e9, peak_gib=peak,
+                     bf16_partials_ms=bf16_ms, pairs=pairs, first_step_s=first_s,
+                     finite=finite, loss_kl=loss_kl, reps=args.reps, role=role,
+                     process=args.process))
     except Exception as exc:  # recorded, not fatal: the next size may still run
         run.add(dict(case=case, n=n, impl=IMPL_SPARSE, role=role, process=args.process,
                      **failure(exc, dev)))

@@ -113,6 +113,7 @@ def context_parallel_msa(layer: MSAAttention, x_local: torch.Tensor, cu_seqlens,
         else:
             o, lse = sparse_attention(q[rows], k_r, v_r, idx, cu_q, cu_k, layer.block_size,
                                       scale=layer.scale, backward=layer.main_backward,
+                                      backward_partials=layer.main_backward_partials,
                                       validate=False)
         _, loss_r = kl_loss(q[rows], k_r, q_idx[rows], ki_r, None if layer.warmup else idx, lse,
                             cu_q, cu_k, layer.block_size, scale=layer.scale,

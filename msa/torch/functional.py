@@ -151,10 +151,11 @@ def _checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
 # -- main branch ---------------------------------------------------------------------------------
 
 BACKWARDS = ("auto", "torch", "cuda")  # sparse_attention's ``backward=`` choices
+BACKWARD_PARTIALS = ("float32", "bfloat16")  # its ``backward_partials=`` choices
 
 
 def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, *,
-                     scale=None, backward="auto", validate=True):
+                     scale=None, backward="auto", backward_partials="float32", validate=True):
     """Paper eq 8 with autograd: ``(o [Tq, Hq, D], lse [Tq, Hq])``, differentiable in q, k, v.
 
     Args:
@@ -175,6 +176,12 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
             ``"torch"``: ``sparse_attention_backward`` below, PyTorch on any device;
             ``"cuda"``: ``msa.cuda``'s backward on CUDA tensors whatever its version (the
             CUDA-core version 1 is slower than PyTorch), the PyTorch path elsewhere.
+        backward_partials: keyword-only. The dtype of the per-slot ``dQ`` shares that
+            ``msa.cuda``'s tensor-core backward writes and then sums (its ``partial_dtype``):
+            ``"float32"`` (default) or ``"bfloat16"``, which halves their traffic (a 128K
+            backward 16% faster on an H100) for a ``dq`` within ~0.3% of its largest value
+            of the float32 one's (``docs/performance.md``). The PyTorch backward and the
+            CUDA-core version 1 have no partials: they sum in float32 whatever this says.
         validate: keyword-only. ``True`` (default): the CUDA launcher checks ``block_indices``
             on a host copy (a device-to-host copy and a wait for the GPU); ``False`` trusts a
             selection msa made itself (``MSAAttention`` passes its own), so that a training step
@@ -194,9 +201,17 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     scale = _check_scale("scale", scale, 1.0 / math.sqrt(d))
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    check_backward_partials("backward_partials", backward_partials)
     cu_q, cu_k = _checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
     return ops.sparse_attention(q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward,
-                                check_flag("validate", validate))
+                                backward_partials, check_flag("validate", validate))
+
+
+def check_backward_partials(name, value) -> str:
+    """One of ``BACKWARD_PARTIALS`` (a string, not a dtype object): ValueError naming ``name``."""
+    if not isinstance(value, str) or value not in BACKWARD_PARTIALS:
+        raise ValueError(f"{name} must be one of {BACKWARD_PARTIALS}, got {value!r}")
+    return value
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -233,7 +248,7 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
     check_lse(ops._to_numpy(lse), nonempty_supports(I, cu_q, cu_k, block_size))
     return ops.sparse_attention_backward(q, k, v, o, lse, do, block_indices,
                                          torch.from_numpy(cu_q), torch.from_numpy(cu_k),
-                                         block_size, scale, "torch")
+                                         block_size, scale, "torch", "float32")
 
 
 def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):

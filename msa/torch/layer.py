@@ -69,6 +69,10 @@ class MSAAttention(nn.Module):
         main_backward: the main branch's backward, ``"auto"`` (default), ``"torch"`` or
             ``"cuda"`` (the ``backward`` argument of ``msa.torch.sparse_attention``); an
             attribute.
+        main_backward_partials: ``"float32"`` (default) or ``"bfloat16"``: the dQ partials of
+            the main branch's tensor-core backward (the ``backward_partials`` argument of
+            ``msa.torch.sparse_attention``: half the traffic, a dq within ~0.3% of its largest
+            value of the float32 one's); an attribute.
         process_group: a ``torch.distributed`` group for context parallelism (``None``: one
             device). ``forward`` then takes this rank's rows of ``x`` (``msa.distributed.
             shard_tokens``) and runs ``msa.distributed.context_parallel_msa``; an attribute.
@@ -76,8 +80,8 @@ class MSAAttention(nn.Module):
         device, dtype: of the weights (normal with variance ``1/fan_in``, as
             ``msa.reference.init_params``); a float dtype, a device this torch can use.
 
-    ``block_size``, ``topk``, ``warmup``, ``main_backward``, ``process_group`` and
-    ``cp_chunk_size`` are properties: a value set later is checked as the constructor checks
+    ``block_size``, ``topk``, ``warmup``, ``main_backward``, ``main_backward_partials``,
+    ``process_group`` and ``cp_chunk_size`` are properties: a value set later is checked as the constructor checks
     it (``layer.warmup = "no"`` is a TypeError at once). Every argument is checked before a
     weight is allocated: a TypeError or ValueError naming it.
 
@@ -90,7 +94,8 @@ class MSAAttention(nn.Module):
     def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  index_dim: int, *, block_size: int = 128, topk: int = 16, scale=None,
                  index_scale=None, warmup: bool = False, main_backward: str = "auto",
-                 process_group=None, cp_chunk_size=None, device=None, dtype=None):
+                 main_backward_partials: str = "float32", process_group=None,
+                 cp_chunk_size=None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("head_dim", head_dim),
                             ("index_dim", index_dim)):
@@ -106,6 +111,7 @@ class MSAAttention(nn.Module):
         index_scale = None if index_scale is None else check_scale("index_scale", index_scale, 1.0)
         self.scale, self.index_scale = scale, index_scale
         self.warmup, self.main_backward = warmup, main_backward
+        self.main_backward_partials = main_backward_partials
         # context parallelism (msa.distributed): this rank's queries against all ranks' keys
         self.process_group, self.cp_chunk_size = process_group, cp_chunk_size
         kw = dict(device=device, dtype=dtype)
@@ -163,6 +169,16 @@ class MSAAttention(nn.Module):
         self._main_backward = value
 
     @property
+    def main_backward_partials(self) -> str:
+        """The dQ partials of the main branch's tensor-core backward: ``"float32"`` or
+        ``"bfloat16"``."""
+        return self._main_backward_partials
+
+    @main_backward_partials.setter
+    def main_backward_partials(self, value):
+        self._main_backward_partials = F.check_backward_partials("main_backward_partials", value)
+
+    @property
     def process_group(self):
         """None or a ``torch.distributed.ProcessGroup`` (context parallelism)."""
         return self._process_group
@@ -210,7 +226,8 @@ class MSAAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, "
                 f"D={self.head_dim}, Didx={self.index_dim}, block_size={self.block_size}, "
-                f"topk={self.topk}, warmup={self.warmup}, main_backward={self.main_backward}")
+                f"topk={self.topk}, warmup={self.warmup}, main_backward={self.main_backward}, "
+                f"main_backward_partials={self.main_backward_partials}")
 
     def select(self, q_idx, k_idx, cu_seqlens):
         """Lines 3-4: ``I [T, Hkv, K]`` int32 from the index branch (no gradient):
@@ -268,7 +285,9 @@ class MSAAttention(nn.Module):
         else:
             # the layer's own selection: not checked on the host again (no wait for the GPU)
             o, lse = F.sparse_attention(q, k, v, idx, cu, cu, self.block_size, scale=self.scale,
-                                        backward=self.main_backward, validate=False)
+                                        backward=self.main_backward,
+                                        backward_partials=self.main_backward_partials,
+                                        validate=False)
         # line 6
         output = o.reshape(t, hq * d) @ self.w_o
         # line 7: the KL on the selected support (the full causal support in the warmup)

@@ -15,10 +15,10 @@ The ops (``torch.ops.msa.<name>``; ``cu_*`` the offsets, ``I`` the selection):
   tensors. No gradient.
 - ``select_blocks(q_idx, k_idx, cu_q, cu_k, block_size, topk, index_scale) -> I``: int32
   ``[Tq, Hkv, K]`` (lines 3-4). No gradient (top-k).
-- ``sparse_attention(q, k, v, I, cu_q, cu_k, block_size, scale, backward, validate) ->
-  (o, lse)``: eq 8, ``o [Tq, Hq, D]`` in q's dtype, ``lse [Tq, Hq]``. Gradient into q, k, v
+- ``sparse_attention(q, k, v, I, cu_q, cu_k, block_size, scale, backward, backward_partials,
+  validate) -> (o, lse)``: eq 8, ``o [Tq, Hq, D]`` in q's dtype, ``lse [Tq, Hq]``. Gradient into q, k, v
   by ``sparse_attention_backward(q, k, v, o, lse, grad_o, I, cu_q, cu_k, block_size, scale,
-  backward) -> (dq, dk, dv)``.
+  backward, partials) -> (dq, dk, dv)``.
 - ``dense_attention(q, k, v, cu_q, cu_k, scale) -> (o, lse)``: the warmup's main branch.
   Gradient by ``dense_attention_backward(q, k, v, o, lse, grad_o, cu_q, cu_k, scale) ->
   (dq, dk, dv)``.
@@ -155,10 +155,11 @@ def _(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, index_scale):
 @torch.library.custom_op("msa::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                      cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_size: int, scale: float,
-                     backward: str, validate: bool) -> tuple[Tensor, Tensor]:
+                     backward: str, backward_partials: str, validate: bool) -> tuple[Tensor, Tensor]:
     """Eq 8: ``(o, lse)``, ``msa.cuda.attention.sparse_attention`` on CUDA tensors (its
     ``validate``), the reference on CPU tensors (which always checks the selection).
-    ``backward`` is only read by the backward (``"auto"``, ``"torch"``, ``"cuda"``)."""
+    ``backward`` (``"auto"``, ``"torch"``, ``"cuda"``) and ``backward_partials``
+    (``"float32"``, ``"bfloat16"``) are only read by the backward."""
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     if q.is_cuda:
         from ..cuda.attention import sparse_attention as gpu_sparse_attention
@@ -177,15 +178,15 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
 
 @sparse_attention.register_fake
 def _(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale, backward,
-      validate):
+      backward_partials, validate):
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=_float_dtype(q))
 
 
 def _sparse_attention_setup(ctx, inputs, output):
-    q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward, _ = inputs
+    q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward, partials, _ = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, block_indices, o, lse, cu_q, cu_k)
-    ctx.knobs = (block_size, scale, backward)
+    ctx.knobs = (block_size, scale, backward, partials)
     ctx.mark_non_differentiable(lse)
 
 
@@ -195,7 +196,7 @@ def _sparse_attention_grad(ctx, grad_o, _grad_lse):
     if grad_o is not None:
         grads = torch.ops.msa.sparse_attention_backward(q, k, v, o, lse, grad_o, block_indices,
                                                         cu_q, cu_k, *ctx.knobs)
-    return tuple(grads) + (None,) * 7
+    return tuple(grads) + (None,) * 8
 
 
 sparse_attention.register_autograd(_sparse_attention_grad, setup_context=_sparse_attention_setup)
@@ -205,39 +206,45 @@ sparse_attention.register_autograd(_sparse_attention_grad, setup_context=_sparse
 def sparse_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                               grad_o: Tensor, block_indices: Tensor, cu_seqlens_q: Tensor,
                               cu_seqlens_k: Tensor, block_size: int, scale: float,
-                              backward: str) -> tuple[Tensor, Tensor, Tensor]:
+                              backward: str, partials: str) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of eq 8: ``backward="auto"`` runs ``msa.cuda``'s tensor-core backward
     (version 3 on ``wgmma``, or 2) on CUDA tensors where it applies, else the PyTorch backward (``_backward``);
     ``"cuda"`` runs ``msa.cuda``'s backward on CUDA tensors whatever its version; ``"torch"``
-    the PyTorch one. The forward's own selection and LSE: nothing is checked again."""
+    the PyTorch one. ``partials="bfloat16"``: the tensor-core versions' dQ partials in bf16
+    (their ``partial_dtype``); version 1 and the PyTorch backward have none and sum in float32.
+    The forward's own selection and LSE: nothing is checked again."""
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     how = backward
-    if how == "auto" and q.is_cuda:
+    if how in ("auto", "cuda") and q.is_cuda:
         from ..cuda.attention import default_backward_version
 
-        how = "cuda" if default_backward_version(q, k, v, block_size) >= 2 else "torch"
+        version = default_backward_version(q, k, v, block_size)
+        if how == "auto":
+            how = "cuda" if version >= 2 else "torch"
     if how == "cuda" and q.is_cuda:
         from ..cuda.attention import sparse_attention_backward as gpu_backward
 
         with _on_device(q):
             return _kernel_backward(gpu_backward, q, k, v, o, lse, grad_o, block_indices, cu_q,
-                                    cu_k, block_size, scale)
+                                    cu_k, block_size, scale,
+                                    partials if version >= 2 else "float32")
     return _backward(q, k, v, o, lse, grad_o, block_indices, cu_q, cu_k, block_size, scale)
 
 
 @sparse_attention_backward.register_fake
 def _(q, k, v, o, lse, grad_o, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, scale,
-      backward):
+      backward, partials):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, block_size, scale):
+def _kernel_backward(kernel, q, k, v, o, lse, do, block_indices, cu_q, cu_k, block_size, scale,
+                     partials="float32"):
     """``(dq, dk, dv)`` in q's, k's, v's dtypes from ``msa.cuda``'s backward (``kernel``):
-    contiguous inputs, ``dO`` in q's dtype, float32 gradients cast back. The forward's own
-    selection and LSE: nothing is validated again."""
+    contiguous inputs, ``dO`` in q's dtype, float32 gradients cast back, ``partials`` its
+    ``partial_dtype``. The forward's own selection and LSE: nothing is validated again."""
     grads = kernel(q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
                    lse.contiguous(), do.to(q.dtype).contiguous(), _kernel_indices(block_indices),
-                   cu_q, cu_k, block_size, scale=scale, validate=False)
+                   cu_q, cu_k, block_size, scale=scale, partial_dtype=partials, validate=False)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 

@@ -164,6 +164,8 @@ def test_f9_cache_sizes_and_dtype(kw, error, match):
 @pytest.mark.parametrize("name, value, error", [
     ("warmup", "no", TypeError), ("warmup", 0, TypeError), ("warmup", None, TypeError),
     ("main_backward", "fast", ValueError), ("main_backward", None, ValueError),
+    ("main_backward_partials", "float16", ValueError),
+    ("main_backward_partials", torch.bfloat16, ValueError),
 ])
 @pytest.mark.parametrize("when", ["construction", "set later"])
 def test_f10_flags_are_checked_when_set(name, value, error, when):
@@ -177,8 +179,9 @@ def test_f10_flags_are_checked_when_set(name, value, error, when):
 def test_f10_good_flags_set_later_take_effect():
     m = layer(warmup=np.bool_(True))
     assert m.warmup is True
-    m.warmup, m.main_backward = False, "torch"
-    assert (m.warmup, m.main_backward) == (False, "torch")
+    m.warmup, m.main_backward, m.main_backward_partials = False, "torch", "bfloat16"
+    assert (m.warmup, m.main_backward, m.main_backward_partials) == (False, "torch", "bfloat16")
+    assert "main_backward_partials=bfloat16" in repr(m)
 
 
 def _params(**change):

@@ -286,9 +286,19 @@ def test_sparse_attention_backward_choice():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
+    # the PyTorch backward has no partials: bf16 partials change nothing there
+    qkv = [T(x).requires_grad_() for x in (p.q, p.k, p.v)]
+    o, _ = sparse_attention(*qkv, I, p.cu_seqlens_q, p.cu_seqlens_k, 8,
+                            backward_partials="bfloat16")
+    for a, b in zip(grads[0], torch.autograd.grad(o.sum(), qkv)):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="backward"):
         sparse_attention(T(p.q), T(p.k), T(p.v), I, p.cu_seqlens_q, p.cu_seqlens_k, 8,
                          backward="triton")
+    for bad in ("float16", torch.bfloat16, None):
+        with pytest.raises(ValueError, match="backward_partials"):
+            sparse_attention(T(p.q), T(p.k), T(p.v), I, p.cu_seqlens_q, p.cu_seqlens_k, 8,
+                             backward_partials=bad)
     from msa.torch import MSAAttention
 
     with pytest.raises(ValueError, match="main_backward"):
@@ -296,14 +306,14 @@ def test_sparse_attention_backward_choice():
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("dtype,block_size", [("float32", 8),
-                                              pytest.param("float16", 8,
-                                                           marks=pytest.mark.sim_heavy),
-                                              ("float16", 16)])
-def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
+@pytest.mark.parametrize("dtype,block_size,partials", [
+    ("float32", 8, "float32"), pytest.param("float16", 8, "float32", marks=pytest.mark.sim_heavy),
+    ("float16", 16, "float32"), ("float16", 16, "bfloat16")])
+def test_cuda_backward_wiring_in_the_simulator(dtype, block_size, partials):
     """The ``backward="cuda"`` branch (``_kernel_backward``) drives msa.cuda's backward kernels
     (here in the simulator, on NumPy copies of the CPU tensors; version 1, and version 2 for
-    float16 with Bk = 16) to the PyTorch backward's gradients, in the inputs' dtypes."""
+    float16 with Bk = 16, with float32 or bf16 dQ partials) to the PyTorch backward's
+    gradients, in the inputs' dtypes."""
     from msa.cuda.attention import sparse_attention_backward as kernel
     from msa.torch.ops import _kernel_backward
 
@@ -323,15 +333,21 @@ def test_cuda_backward_wiring_in_the_simulator(dtype, block_size):
                               p.cu_seqlens_k, bk)
     do = torch.randn(q.shape, dtype=torch.float64).to(dt)
     got = _kernel_backward(on_numpy, q, k, v, o.to(dt), lse.float(), do, I.long(),
-                           p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25)
+                           p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25, partials)
     want = sparse_attention_backward(q.float(), k.float(), v.float(), o.to(dt).float(), lse,
                                      do.float(), I, p.cu_seqlens_q, p.cu_seqlens_k, bk, scale=0.25)
-    tol = 1e-5 if dtype == "float32" else 2e-3
+    # bf16 partials: each slot's share of dq rounded once more (2**-9 of it, 3 slots)
+    tol = 1e-5 if dtype == "float32" else 2e-3 if partials == "float32" else 4e-3
     for name, a, b in zip("qkv", got, want):
         assert a.dtype == dt, name
         scale = float(b.abs().max())
         np.testing.assert_allclose(a.float().numpy(), b.numpy(), rtol=0, atol=tol * scale,
                                    err_msg=f"d{name}")
+    if partials == "bfloat16":  # the option reached the kernel: dq moved, dk and dv did not
+        f32 = _kernel_backward(on_numpy, q, k, v, o.to(dt), lse.float(), do, I.long(),
+                               p.cu_seqlens_q, p.cu_seqlens_k, bk, 0.25, "float32")
+        assert not torch.equal(got[0], f32[0])
+        assert torch.equal(got[1], f32[1]) and torch.equal(got[2], f32[2])
 
 
 def test_kl_loss_without_grad_mode_computes_the_loss_only():

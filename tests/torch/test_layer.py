@@ -140,3 +140,32 @@ def test_cuda_layer_trains_in_bf16(main_backward):
     assert float(out.loss_kl) < first
     for name, w in layer.named_parameters():
         assert w.grad is not None and bool(torch.isfinite(w.grad).all()), name
+
+
+@pytest.mark.gpu
+def test_cuda_layer_bf16_backward_partials():
+    """``main_backward_partials="bfloat16"``: the same forward, and the same gradients wherever
+    dq does not enter (dk, dv and the KL's are the float32 partials' bit for bit); ``w_q``'s
+    and ``x``'s gradients move by the bf16 rounding of dq's per-slot shares only."""
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 600, 1000], dtype=torch.int32)
+    layer = MSAAttention(256, 16, 4, 64, 64, block_size=64, topk=4, device="cuda",
+                         dtype=torch.bfloat16)
+    x0 = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for partials in ("float32", "bfloat16"):
+        layer.main_backward_partials = partials
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        out = layer(x, cu)
+        ((out.output * g).sum() + out.loss_kl).backward()
+        grads.append({"output": out.output.detach(), "x": x.grad,
+                      **{n: w.grad for n, w in layer.named_parameters()}})
+    f32, bf16 = grads
+    for name in ("output", "w_k", "w_v", "w_o", "w_q_idx", "w_k_idx"):
+        assert torch.equal(f32[name], bf16[name]), name
+    for name in ("w_q", "x"):
+        assert not torch.equal(f32[name], bf16[name]), name
+        diff = (f32[name].float() - bf16[name].float()).abs().max()
+        assert float(diff) <= 1e-2 * float(f32[name].float().abs().max()), name
