@@ -167,7 +167,7 @@ def op_case(name):
     cu_q, cu_k = T(p.cu_seqlens_q.astype(np.int64)), T(p.cu_seqlens_k.astype(np.int64))
     q, k, v, qi, ki = (T(x).requires_grad_() for x in (p.q, p.k, p.v, p.q_idx, p.k_idx))
     I = ops.select_blocks(qi.detach(), ki.detach(), cu_q, cu_k, 4, 2, None)
-    o, lse = ops.sparse_attention(q, k, v, I, cu_q, cu_k, 4, 0.5, "auto", True)
+    o, lse = ops.sparse_attention(q, k, v, I, cu_q, cu_k, 4, 0.5, "auto", "float32", True)
     do = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(0))
     s = make_problem((13, 11), num_q_heads=4, num_kv_heads=2, head_dim=4, seed=3)  # Lq = Lk
     cu = T(s.cu_seqlens_q.astype(np.int64))
@@ -182,10 +182,10 @@ def op_case(name):
         "select_blocks": lambda: (msa.select_blocks,
                                   (qi.detach(), ki.detach(), cu_q, cu_k, 4, 2, 0.5)),
         "sparse_attention": lambda: (msa.sparse_attention,
-                                     (q, k, v, I, cu_q, cu_k, 4, 0.5, "torch", True)),
+                                     (q, k, v, I, cu_q, cu_k, 4, 0.5, "torch", "float32", True)),
         "sparse_attention_backward": lambda: (
             msa.sparse_attention_backward, (q.detach(), k.detach(), v.detach(), o.detach(), lse,
-                                            do, I, cu_q, cu_k, 4, 0.5, "torch")),
+                                            do, I, cu_q, cu_k, 4, 0.5, "torch", "float32")),
         "dense_attention": lambda: (msa.dense_attention, (qs, ks, vs, cu, cu, 0.5)),
         "dense_attention_backward": lambda: (
             msa.dense_attention_backward, (qs.detach(), ks.detach(), vs.detach(), o_d.detach(),
