@@ -299,8 +299,8 @@ class Plan:
                     ds, dq_part)
 
     def teacher_wgmma(self) -> bool:
-        """Whether v3's grad pass computes the teacher's ``S = Q Kᵀ`` on ``wgmma``
-        (``v3.TEACHER_WGMMA``; by default where it runs and the tile is whole warpgroups)."""
+        """Whether v3's grad pass computes the teacher's ``S = Q Kᵀ`` on ``wgmma``: where the
+        tile is whole warpgroups and ``v3.TEACHER_WGMMA`` says so (None: where wgmma runs)."""
         if self.rows % 64:
             return False
         if v3.TEACHER_WGMMA is not None:

@@ -8,13 +8,13 @@ item loads the key block once and walks the item's queries in tiles. Three passe
   normalisers, the slot states ``(m, l, 0, 0)`` merged in slot order.
 * the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of ``P``
   positions x ``G`` heads, at least 64 rows and 8 positions, ``ldmatrix``; the paper's G = 16:
-  128 rows, 8 warps; on compute capability 9.0 by ``wgmma`` as K1 v4, each 4 warps a warpgroup
-  reading K once from shared memory, ``TEACHER_WGMMA``), the heads' ``exp(S - LSE_h)`` summed by
-  a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term on
-  the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact 16-bit
-  planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the paper's sizes:
-  one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
-  ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
+  128 rows, 8 warps; or, opt-in on compute capability 9.0, by ``wgmma`` as K1 v4, each 4 warps a
+  warpgroup reading K once from shared memory, ``TEACHER_WGMMA``), the heads' ``exp(S - LSE_h)``
+  summed by a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the
+  KL term on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three
+  exact 16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the
+  paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
+  only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
   block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
   ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
@@ -76,10 +76,13 @@ MAX_BLOCK_SIZE = 256
 # --rows 64,128 --min-positions 1)
 TILE_ROWS = 16 if SIMULATOR else 64
 MIN_POSITIONS = 1 if SIMULATOR else 8
-# The teacher's S = Q Kᵀ on wgmma (kl_kernel_grad's teacher_wgmma): None runs it wherever
-# wgmma runs (compute capability 9.0) and the tile's warps form warpgroups (rows a multiple of
-# 64); True / False force it (a dev knob for A/B runs and the simulator's twins, read per call).
-TEACHER_WGMMA = None
+# The teacher's S = Q Kᵀ on wgmma (kl_kernel_grad's teacher_wgmma), where the tile's warps form
+# warpgroups (rows a multiple of 64): True forces it, False (the default) keeps mma.sync, None
+# runs it wherever wgmma runs (compute capability 9.0). A dev knob read per call, for A/B runs
+# (benchmarks.dev.kl_tiles --teacher mma,wgmma) and the simulator's twins. Off by default until
+# a GPU has run it: it equals the mma path bitwise in the simulator, and ptxas builds the paper
+# configuration's kernel in 196 registers (the mma path's 174) with no spills; not yet timed.
+TEACHER_WGMMA = False
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
