@@ -197,8 +197,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     # layout is mma.sync's, so steps 2-5 do not change (as K1 v4 over v3).
     WGMMA = teacher_wgmma
     assert not WGMMA or NW % 4 == 0
-    wg_s = _wgmma.make_wgmma_rs(Bk, "bf16" if bf16_in else "f16", 0)  # B = Kᵀ, K-major
-    wait_s = _wgmma.make_wgmma_wait(S_REGS)
+    scores = _wgmma.make_scores_rs(Bk, "bf16" if bf16_in else "f16", KSTEPS)  # B = Kᵀ
     Q_REGS = 4 * KSTEPS
     K_GROUP_BYTES = 16 * D  # core matrices: the next 8 dims +128 B, the next 8 keys +16 D B
 
@@ -360,18 +359,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         the bottom row half added into the top: the same position)."""
         qa = OFF_Q + a_lane
         if WGMMA:  # the warpgroup's 64 x Bk scores in KSTEPS wgmma, K from shared memory
-            for ks in range(KSTEPS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
-                q_frag[4 * ks] = a0
-                q_frag[4 * ks + 1] = a1
-                q_frag[4 * ks + 2] = a2
-                q_frag[4 * ks + 3] = a3
-            _wgmma.wgmma_fence()
-            for ks in range(KSTEPS):
-                wg_s(s_acc, q_frag[4 * ks], q_frag[4 * ks + 1], q_frag[4 * ks + 2],
-                     q_frag[4 * ks + 3], k_desc + uint64(16 * ks), int32(ks > 0))
-            _wgmma.wgmma_commit()
-            wait_s(s_acc)
+            scores(smem, q_frag, s_acc, qa, k_desc)
         else:
             for i in range(4 * NS):
                 s_acc[i] = float32(0.0)
