@@ -179,7 +179,7 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
         backward_partials: keyword-only. The dtype of the per-slot ``dQ`` shares that
             ``msa.cuda``'s tensor-core backward writes and then sums (its ``partial_dtype``):
             ``"float32"`` (default) or ``"bfloat16"``, which halves their traffic (a 128K
-            backward 16% faster on an H100) for a ``dq`` within ~0.3% of its largest value
+            backward 16-22% faster on an H100) for a ``dq`` within ~0.3% of its largest value
             of the float32 one's (``docs/performance.md``). The PyTorch backward and the
             CUDA-core version 1 have no partials: they sum in float32 whatever this says.
         validate: keyword-only. ``True`` (default): the CUDA launcher checks ``block_indices``

@@ -81,9 +81,9 @@ class MSAAttention(nn.Module):
             ``msa.reference.init_params``); a float dtype, a device this torch can use.
 
     ``block_size``, ``topk``, ``warmup``, ``main_backward``, ``main_backward_partials``,
-    ``process_group`` and ``cp_chunk_size`` are properties: a value set later is checked as the constructor checks
-    it (``layer.warmup = "no"`` is a TypeError at once). Every argument is checked before a
-    weight is allocated: a TypeError or ValueError naming it.
+    ``process_group`` and ``cp_chunk_size`` are properties: a value set later is checked as the
+    constructor checks it (``layer.warmup = "no"`` is a TypeError at once). Every argument is
+    checked before a weight is allocated: a TypeError or ValueError naming it.
 
     On a GPU use bf16 or fp16 activations for the tensor-core kernels (float32 runs the
     CUDA-core versions). The main branch's backward is ``msa.cuda``'s tensor-core kernel on

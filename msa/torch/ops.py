@@ -16,9 +16,9 @@ The ops (``torch.ops.msa.<name>``; ``cu_*`` the offsets, ``I`` the selection):
 - ``select_blocks(q_idx, k_idx, cu_q, cu_k, block_size, topk, index_scale) -> I``: int32
   ``[Tq, Hkv, K]`` (lines 3-4). No gradient (top-k).
 - ``sparse_attention(q, k, v, I, cu_q, cu_k, block_size, scale, backward, backward_partials,
-  validate) -> (o, lse)``: eq 8, ``o [Tq, Hq, D]`` in q's dtype, ``lse [Tq, Hq]``. Gradient into q, k, v
-  by ``sparse_attention_backward(q, k, v, o, lse, grad_o, I, cu_q, cu_k, block_size, scale,
-  backward, partials) -> (dq, dk, dv)``.
+  validate) -> (o, lse)``: eq 8, ``o [Tq, Hq, D]`` in q's dtype, ``lse [Tq, Hq]``. Gradient
+  into q, k, v by ``sparse_attention_backward(q, k, v, o, lse, grad_o, I, cu_q, cu_k,
+  block_size, scale, backward, partials) -> (dq, dk, dv)``.
 - ``dense_attention(q, k, v, cu_q, cu_k, scale) -> (o, lse)``: the warmup's main branch.
   Gradient by ``dense_attention_backward(q, k, v, o, lse, grad_o, cu_q, cu_k, scale) ->
   (dq, dk, dv)``.
@@ -155,7 +155,8 @@ def _(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, block_size, topk, index_scale):
 @torch.library.custom_op("msa::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                      cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, block_size: int, scale: float,
-                     backward: str, backward_partials: str, validate: bool) -> tuple[Tensor, Tensor]:
+                     backward: str, backward_partials: str,
+                     validate: bool) -> tuple[Tensor, Tensor]:
     """Eq 8: ``(o, lse)``, ``msa.cuda.attention.sparse_attention`` on CUDA tensors (its
     ``validate``), the reference on CPU tensors (which always checks the selection).
     ``backward`` (``"auto"``, ``"torch"``, ``"cuda"``) and ``backward_partials``
