@@ -71,6 +71,14 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
+def check_choice(name: str, value, choices) -> str:
+    """One of the strings ``choices``; anything else (another string, a dtype object, None) is a
+    ValueError naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
 def check_version(name: str, value, versions) -> int | None:
     """A kernel rung ``value`` among ``versions`` (``None`` passes: the launcher picks). A
     ValueError otherwise, ``True`` and ``1.0`` included (``True == 1``, but it is no version)."""

@@ -49,8 +49,8 @@ import numbers
 import numpy as np
 import torch
 
-from .._checks import (check_block_size, check_cu_seqlens, check_flag, check_gqa, check_lse,
-                       check_offsets, check_scale, cu_to_host)
+from .._checks import (check_block_size, check_choice, check_cu_seqlens, check_flag, check_gqa,
+                       check_lse, check_offsets, check_scale, cu_to_host)
 from ..reference.select import check_block_indices, nonempty_supports
 from . import ops
 
@@ -199,19 +199,11 @@ def sparse_attention(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, block_s
     _same_device(q=q, block_indices=block_indices)
     block_size = check_block_size(block_size)
     scale = _check_scale("scale", scale, 1.0 / math.sqrt(d))
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    check_backward_partials("backward_partials", backward_partials)
+    check_choice("backward", backward, BACKWARDS)
+    check_choice("backward_partials", backward_partials, BACKWARD_PARTIALS)
     cu_q, cu_k = _checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tq, k.shape[0])
     return ops.sparse_attention(q, k, v, block_indices, cu_q, cu_k, block_size, scale, backward,
                                 backward_partials, check_flag("validate", validate))
-
-
-def check_backward_partials(name, value) -> str:
-    """One of ``BACKWARD_PARTIALS`` (a string, not a dtype object): ValueError naming ``name``."""
-    if not isinstance(value, str) or value not in BACKWARD_PARTIALS:
-        raise ValueError(f"{name} must be one of {BACKWARD_PARTIALS}, got {value!r}")
-    return value
 
 
 def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, cu_seqlens_k,

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_block_size, check_flag, check_gqa, check_positive_int, check_scale
+from .._checks import (check_block_size, check_choice, check_flag, check_gqa, check_positive_int,
+                       check_scale)
 from . import functional as F
 from . import ops
 # the device and dtype checks live in cache.py, which this module imports (not the reverse)
@@ -164,9 +165,7 @@ class MSAAttention(nn.Module):
 
     @main_backward.setter
     def main_backward(self, value):
-        if not isinstance(value, str) or value not in F.BACKWARDS:
-            raise ValueError(f"main_backward must be one of {F.BACKWARDS}, got {value!r}")
-        self._main_backward = value
+        self._main_backward = check_choice("main_backward", value, F.BACKWARDS)
 
     @property
     def main_backward_partials(self) -> str:
@@ -176,7 +175,8 @@ class MSAAttention(nn.Module):
 
     @main_backward_partials.setter
     def main_backward_partials(self, value):
-        self._main_backward_partials = F.check_backward_partials("main_backward_partials", value)
+        self._main_backward_partials = check_choice("main_backward_partials", value,
+                                                    F.BACKWARD_PARTIALS)
 
     @property
     def process_group(self):
