@@ -136,8 +136,8 @@ def check_array(name: str, x, *, ndim: int | None = None, dtypes=None, shape=Non
     """Check rank, dtype family and (partially) the shape of an array.
 
     ``shape`` is a tuple whose entries are ints (must match) or ``None`` (any size).
-    ``dtypes`` is a tuple of NumPy dtypes or the strings ``"float"`` / ``"int"``.
-    Returns the array unchanged.
+    ``dtypes`` is a tuple of NumPy dtypes or the strings ``"float"`` (float16/32/64) / ``"int"``
+    (any integer dtype; a torch bfloat16 tensor is not one). Returns the array unchanged.
     """
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -145,16 +145,18 @@ def check_array(name: str, x, *, ndim: int | None = None, dtypes=None, shape=Non
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None:
         dt = dtype_of(x)
+        bf16 = "bfloat16" in str(x.dtype)  # dtype_of reads a torch bf16 tensor as uint16
         ok = False
         for want in dtypes:
             if want == "float":
-                ok |= dt.kind == "f"
+                ok |= dt in FLOAT_DTYPES
             elif want == "int":
-                ok |= dt.kind in "iu"
+                ok |= dt.kind in "iu" and not bf16
             else:
                 ok |= dt == np.dtype(want)
         if not ok:
-            raise TypeError(f"{name} must have dtype in {list(map(str, dtypes))}, got {dt}")
+            raise TypeError(f"{name} must have dtype in {list(map(str, dtypes))}, got "
+                            f"{'bfloat16' if bf16 else dt}")
     if shape is not None:
         got = tuple(int(s) for s in x.shape)
         if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):

@@ -872,7 +872,21 @@ PINNED = {
         P.params, w_k=P.params.w_k[:, :1]), ValueError, "w_k"),
     "reference combine: out_dtype 'bfloat16'": (lambda P: R.combine_partials(
         P.o_part, P.lse_part, out_dtype="bfloat16"), TypeError, "out_dtype.*NumPy"),
+    "reference sparse: bf16 torch offsets": (lambda P: R.sparse_attention(
+        P.q, P.k, P.v, P.I, T(P.cu_q).bfloat16(), P.cu_k, P.bk), TypeError,
+        r"^cu_seqlens_q must have dtype in \['int'\], got bfloat16"),
+    "torch sparse: bf16 offsets": (lambda P: MT.sparse_attention(
+        **_torch_args(P, cu_seqlens_q=T(P.cu_q).bfloat16())), TypeError,
+        r"^cu_seqlens_q must have dtype in \['int'\], got bfloat16"),
 }
+if np.dtype(np.longdouble).itemsize > 8:  # an extended float (x86), not float16/32/64
+    PINNED.update({
+        "reference combine: out_dtype longdouble": (lambda P: R.combine_partials(
+            P.o_part, P.lse_part, out_dtype=np.longdouble), TypeError, "out_dtype.*NumPy"),
+        "reference sparse: longdouble q, k, v": (lambda P: R.sparse_attention(
+            *(np.asarray(x, np.longdouble) for x in (P.q, P.k, P.v)), P.I, P.cu_q, P.cu_k, P.bk),
+            TypeError, r"^q must have dtype in \['float'\], got float(80|96|128)"),
+    })
 
 
 @pytest.mark.parametrize("case", list(PINNED), ids=list(PINNED))
@@ -931,6 +945,12 @@ def _cuda_pinned():
         "build_csr: uint64 selection": (lambda P: C.csr.build_csr(
             np.maximum(P.I, 0).astype(np.uint64)[:, :, :1], P.cu_q, P.cu_k, P.bk), TypeError,
             r"\bblock_indices\.dtype.*" + unsupported),
+        "build_csr: uint32 selection": (lambda P: C.csr.build_csr(
+            np.maximum(P.I, 0).astype(np.uint32)[:, :, :1], P.cu_q, P.cu_k, P.bk), TypeError,
+            r"\bblock_indices\.dtype = 'uint32'.*" + unsupported),
+        "sparse_attention: int16 selection": (lambda P: C.attention.sparse_attention(
+            P.q, P.k, P.v, P.I.astype(np.int16), P.cu_q, P.cu_k, P.bk), TypeError,
+            r"\bblock_indices\.dtype = 'int16'.*" + unsupported),
         "msa_prefill: float64 q_idx beside float32 q": (lambda P: C.attention.msa_prefill(
             P.q, P.k, P.v, P.q_idx.astype(np.float64), P.k_idx.astype(np.float64), P.cu_q,
             P.cu_k, P.bk, P.topk), TypeError, r"\bq_idx\b"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_array, cu_to_host, dtype_of
+from .._checks import FLOAT_DTYPES, check_array, cu_to_host, dtype_of
 
 
 def combine_partials(o_part, lse_part, *, out_dtype=None):
@@ -66,7 +66,7 @@ def combine_partials(o_part, lse_part, *, out_dtype=None):
             out_dtype = np.dtype(out_dtype)
         except TypeError:
             raise TypeError(f"{want}, got {out_dtype!r}") from None
-        if out_dtype.kind != "f":
+        if out_dtype not in FLOAT_DTYPES:
             raise TypeError(f"{want}, got {out_dtype}")
     f64 = np.dtype(np.float64)
     compute = f64 if f64 in (dtype_of(o_part), dtype_of(lse_part)) else np.dtype(np.float32)

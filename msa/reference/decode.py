@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._checks import (FLOAT_DTYPES, check_array, check_cu_seqlens, check_gqa,
+from .._checks import (FLOAT_DTYPES, check_array, check_cu_seqlens, check_gqa, check_offsets,
                        check_positive_int, check_same_dtype, check_scale, cu_to_host, dtype_of)
 from .attention import sparse_attention
 from .index import block_scores
@@ -69,6 +69,13 @@ class CacheLayout(NamedTuple):
     max_pages: int  # columns of block_table
     seqlens: np.ndarray  # int64 [B], host copy of cache_seqlens
     table: np.ndarray  # int64 [B, max_pages], host copy of block_table
+
+
+def require_arrays(**named) -> None:
+    """Each named argument is an array (a TypeError naming the first that is not, None
+    included): the functions that need all of q, q_idx and the caches say so first."""
+    for name, x in named.items():
+        check_array(name, x)
 
 
 def check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, block_size=None,
@@ -272,11 +279,10 @@ def new_token_slots(layout: CacheLayout, total: int, cu_seqlens=None):
                              f"tokens for every request) when cu_seqlens is None, got {total}")
         cu = np.arange(b + 1, dtype=np.int64) * (total // b)
     else:
-        check_array("cu_seqlens", cu_seqlens, ndim=1, dtypes=("int",), shape=(b + 1,))
-        cu = np.asarray(cu_to_host(cu_seqlens), dtype=np.int64)
-        if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at the number "
-                             f"of new tokens {total}, got {cu.tolist()}")
+        cu = check_offsets("cu_seqlens", cu_seqlens, total)  # an integer array or a list
+        if cu.shape[0] != b + 1:
+            raise ValueError(f"cu_seqlens must have B+1 = {b + 1} entries (one request a "
+                             f"block_table row), got {cu.shape[0]}")
     n_new = np.diff(cu)  # [B]
     over = np.nonzero(n_new > layout.seqlens)[0]
     if over.size:
@@ -306,6 +312,7 @@ def decode_block_indices(q_idx, k_idx_cache, block_table, cache_seqlens, block_s
     causal block max (ties to the smaller block id, NaN and -inf never chosen), ascending, -1
     padded. ``index_scale`` defaults to ``1 / sqrt(Didx)``.
     """
+    require_arrays(q_idx=q_idx, k_idx_cache=k_idx_cache)
     layout = check_cache(None, None, k_idx_cache, block_table, cache_seqlens,
                          block_size=block_size)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
@@ -331,8 +338,7 @@ def decode_attention(q, k_cache, v_cache, block_indices, block_table, cache_seql
     ``msa.reference.select.check_block_indices``). Float32 results for float16/32 input,
     float64 for float64; a query with an empty support gets ``o = 0`` and ``lse = -inf``.
     """
-    if v_cache is None:
-        raise TypeError("v_cache must be an array, got None")
+    require_arrays(q=q, k_cache=k_cache, v_cache=v_cache)
     layout = check_cache(k_cache, v_cache, None, block_table, cache_seqlens, block_size=block_size)
     lq = check_queries(q, None, layout, dtype_of(k_cache))
     check_array("block_indices", block_indices, ndim=3, dtypes=("int",),
@@ -372,8 +378,7 @@ def decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seql
         ``block_size`` not the page size, ``Lq`` not a whole number or above a request's length,
         a used page id out of range, ``cache_seqlens`` above ``max_pages * Bk``, bad scales.
     """
-    if v_cache is None or k_idx_cache is None:
-        raise TypeError("decode_step needs v_cache and k_idx_cache arrays, got None")
+    require_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache, k_idx_cache=k_idx_cache)
     layout = check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                          block_size=block_size)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
@@ -396,12 +401,11 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
     sequences; a decode step is the case ``Lq_b = Lq`` for all. Returns ``(o, lse,
     block_indices)`` as ``decode_step``.
     """
-    if v_cache is None or k_idx_cache is None:
-        raise TypeError("prefill_chunk needs v_cache and k_idx_cache arrays, got None")
+    require_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache, k_idx_cache=k_idx_cache)
     layout = check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                          block_size=block_size)
     topk = check_positive_int("topk", topk, high=MAX_TOPK)
-    cu_q, cu_k = chunk_offsets(layout, cu_seqlens_q, q, q_idx)
+    cu_q, cu_k = chunk_offsets(layout, cu_seqlens_q, q, q_idx, dtype_of(k_cache))
     k, v, k_idx, _ = gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
     M = block_scores(q_idx, k_idx, cu_q, cu_k, layout.block_size, scale=index_scale)
     I = select_blocks(M, cu_q, cu_k, topk=topk, block_size=layout.block_size)
@@ -409,18 +413,24 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
     return o, lse, I
 
 
-def chunk_offsets(layout: CacheLayout, cu_seqlens_q, q, q_idx, dtypes=FLOAT_DTYPES):
-    """Validated ``(cu_q, cu_k)`` int64 of a chunked prefill: ``q``/``q_idx`` rows, the chunk
-    offsets and the cache lengths agree (``Lq_b <= cache_seqlens[b]``)."""
+def chunk_offsets(layout: CacheLayout, cu_seqlens_q, q, q_idx, dtype, dtypes=FLOAT_DTYPES):
+    """Validated ``(cu_q, cu_k)`` int64 of a chunked prefill: ``q [Tq, Hq, D]`` and ``q_idx
+    [Tq, Hkv, Didx]`` fit the cache (its ``dtype``, heads and dims), and their rows, the chunk
+    offsets ``cu_seqlens_q [B+1]`` (an integer array or a list) and the cache lengths agree
+    (``Lq_b <= cache_seqlens[b]``)."""
     for name, x in (("q", q), ("q_idx", q_idx)):
         check_array(name, x, ndim=3, dtypes=dtypes)
-    if int(q_idx.shape[0]) != int(q.shape[0]):
-        raise ValueError(f"q_idx must have as many rows as q ({int(q.shape[0])}), got "
-                         f"{int(q_idx.shape[0])}")
-    check_array("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=("int",), shape=(layout.batch + 1,))
+        if dtype_of(x) != dtype:
+            raise TypeError(f"{name} must have the dtype of the cache ({dtype}), got {dtype_of(x)}")
+    check_gqa(int(q.shape[1]), layout.num_kv_heads)
+    check_array("q", q, shape=(None, None, layout.head_dim))
+    check_array("q_idx", q_idx, shape=(int(q.shape[0]), layout.num_kv_heads, layout.index_dim))
+    cu_q = check_offsets("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
+    if cu_q.shape[0] != layout.batch + 1:
+        raise ValueError(f"cu_seqlens_q must have B+1 = {layout.batch + 1} entries (one request a "
+                         f"block_table row), got {cu_q.shape[0]}")
     cu_k = np.concatenate([[0], np.cumsum(layout.seqlens)]).astype(np.int64)
-    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_k, int(q.shape[0]), int(cu_k[-1]))
-    return cu_q, cu_k
+    return check_cu_seqlens(cu_q, cu_k, int(q.shape[0]), int(cu_k[-1]))
 
 
 __all__ = ["append_to_cache", "check_cache", "decode_attention", "decode_block_indices",

@@ -15,10 +15,10 @@ table ``[max_requests, max_pages_per_request]`` int32 (-1 where no page is mappe
 lengths ``[max_requests]`` int32, on ``device``, and their host mirrors: page allocation is
 host bookkeeping (a free list), done in ``reserve`` (``append`` reserves what it needs), and
 the device copies are written only there, so that a decode step on reserved pages touches no
-host memory. CUDA tensors run ``msa.cuda.decode``; CPU tensors (float32/float64) the NumPy
+host memory. CUDA tensors run ``msa.cuda.decode``; CPU tensors (float16/32/64) the NumPy
 reference, with the same results.
 
-For serving with CUDA graphs, ``capture(slots, lq, topk)`` returns a :class:`CapturedDecode`:
+For serving with CUDA graphs, ``capture(slots, lq, num_q_heads, topk)`` returns a :class:`CapturedDecode`:
 static input buffers for the step's new tokens and queries, and ``replay()``, one graph that
 advances the lengths by ``lq``, appends the new tokens and runs the decode step; its outputs
 equal eager steps bit for bit. Reserve the pages the replays will need first
@@ -35,8 +35,8 @@ import numbers
 import numpy as np
 import torch
 
-from .._checks import (INT32_MAX, check_array, check_block_size, check_gqa, check_offsets,
-                       check_positive_int, check_scale, cu_to_host)
+from .._checks import (GQA_GROUP_SIZES, INT32_MAX, check_array, check_block_size, check_gqa,
+                       check_offsets, check_positive_int, check_scale, check_topk, cu_to_host)
 from ..reference import decode as _ref
 from .functional import FLOAT_DTYPES, _check_tensor
 
@@ -211,8 +211,9 @@ class PagedKVCache:
         return slot
 
     def _slots(self, slots) -> np.ndarray:
-        out = np.array([self._slot(s) for s in np.atleast_1d(np.asarray(slots)).tolist()],
-                       dtype=np.int64)
+        items = (list(slots) if isinstance(slots, (list, tuple))  # no bool -> int on the way
+                 else np.atleast_1d(np.asarray(slots)).tolist())
+        out = np.array([self._slot(s) for s in items], dtype=np.int64)
         if out.size == 0 or np.unique(out).size != out.size:
             raise ValueError(f"slots must be distinct active requests, got {out.tolist()}")
         return out
@@ -465,10 +466,11 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
     slots)``.
 
     Raises TypeError/ValueError naming the argument before the cache changes: ``x`` as
-    ``MSAAttention.forward`` takes it, a cache whose heads, dims, dtype or device are not the
-    layer's, slots that are not distinct active requests, ``x`` not ``B*Lq`` rows with ``Lq >=
-    1``, the layer's ``topk`` above the backend's limit; ``reserve``'s RuntimeError when pages
-    run out.
+    ``MSAAttention.forward`` takes it, a cache whose heads, dims, block size, dtype or device are
+    not the layer's, slots that are not distinct active requests, ``x`` not ``B*Lq`` rows with
+    ``Lq >= 1``, the layer's ``topk`` above the backend's limit (the reference's ``max(NB,
+    64)`` on the lengths after the append), a group size the GPU's chunked prefill does not
+    take; ``reserve``'s RuntimeError when pages run out.
     """
     from .layer import MSAAttention  # here: layer.py imports this module
 
@@ -489,14 +491,24 @@ def decode_attention_step(layer, x: torch.Tensor, cache: PagedKVCache, slots):
     if cache.k_cache.device != layer.w_q.device:
         raise ValueError(f"cache must be on the layer's device {layer.w_q.device}, got "
                          f"{cache.k_cache.device}")
-    t, b = int(x.shape[0]), cache._slots(slots).size
+    if cache.block_size != layer.block_size:
+        raise ValueError(f"cache must have the layer's block_size {layer.block_size}, got "
+                         f"{cache.block_size}")
+    slot_ids = cache._slots(slots)
+    t, b = int(x.shape[0]), slot_ids.size
     lq = t // b
     if t % b or lq < 1:
         raise ValueError(f"x must have B*Lq rows (B = {b} slots, Lq >= 1), got {t} rows")
     # a decode step up to msa.cuda.decode's Lq limit, a chunked prefill above it
     step = cache.decode if lq <= _MAX_DECODE_QUERIES else cache.prefill
-    check_positive_int("topk", layer.topk,
-                       high=_gpu().MAX_TOPK if cache.k_cache.is_cuda else _ref.MAX_TOPK)
+    if cache.k_cache.is_cuda:
+        check_positive_int("topk", layer.topk, high=_gpu().MAX_TOPK)
+        if lq > _MAX_DECODE_QUERIES:  # the chunked prefill's attention kernels
+            check_gqa(hq, hkv, allowed=GQA_GROUP_SIZES, what="the layer's G = Hq/Hkv")
+    else:  # the reference's bounds, on the lengths after the append
+        check_positive_int("topk", layer.topk, high=_ref.MAX_TOPK)
+        longest = int((cache._lens[slot_ids] + lq).max())
+        check_topk(layer.topk, -(-longest // cache.block_size), cache.block_size)
     with torch.no_grad():
         q = (x @ layer.w_q).view(t, hq, d)
         k = (x @ layer.w_k).view(t, hkv, d)

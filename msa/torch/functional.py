@@ -246,10 +246,11 @@ def sparse_attention_backward(q, k, v, o, lse, do, block_indices, cu_seqlens_q, 
 def dense_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None):
     """Paper eq 1 with autograd: causal GQA attention over every visible key.
 
-    The indexer warmup's main branch (Algorithm 1 line 5 without a selection). Shapes as
-    :func:`sparse_attention` (float dtypes only; ``scale`` keyword-only, finite and > 0);
-    bottom-right causal alignment. Returns ``(o, lse)``, ``lse`` without gradient (float32,
-    float64 for float64 input).
+    The indexer warmup's main branch (Algorithm 1 line 5 without a selection): ``q [Tq, Hq,
+    D]``, ``k, v [Tk, Hkv, D]`` packed by ``cu_seqlens_q, cu_seqlens_k [B+1]`` (float dtypes
+    only; ``scale`` keyword-only, finite and > 0); bottom-right causal alignment. Returns ``(o
+    [Tq, Hq, D], lse [Tq, Hq])``, ``lse`` without gradient (float32, float64 for float64
+    input).
 
     On CUDA fp16/bf16 self-attention (``Lq == Lk`` per sequence, ``D % 8 == 0``, ``D <= 256``)
     PyTorch's fused flash attention and its backward, one sequence at a time (memory ``O(T)``);

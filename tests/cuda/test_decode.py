@@ -535,6 +535,18 @@ def test_bad_inputs_raise_named_errors():
         t[1, 0] = t[0, 1]
         gpu.append_to_cache(p.k[:2], p.v[:2], p.k_idx[:2], *p.cache[:3], t,
                             np.array([20, 4], np.int32))  # both at slot 3 of one page
+    # what the kernels add to the reference's checks, before anything is allocated
+    strided = np.repeat(p.q, 2, axis=0)[::2]
+    with pytest.raises(ValueError, match=r"^q must be C-contiguous"):
+        gpu.plan(strided, *step[1:], 16, 3)
+    for name, bad in (("cache_seqlens", p.cache_seqlens.astype(np.int64)),
+                      ("block_table", p.block_table.astype(np.int16))):
+        cache = dict(zip(("block_table", "cache_seqlens"), p.cache[3:]), **{name: bad})
+        with pytest.raises(TypeError, match=rf"^{name} must have dtype int32"):
+            gpu.decode_step(*step[:5], cache["block_table"], cache["cache_seqlens"], 16, 3)
+    with pytest.raises(ValueError, match=r"^q's heads over k_cache's, G = Hq/Hkv = 3"):
+        q3 = np.ascontiguousarray(np.repeat(p.q[:, :1], 6, axis=1))  # Hq 6 over Hkv 2
+        gpu.prefill_chunk(q3, *step[1:], [0, 2, 4], 16, 3)
 
 
 # -- offline PTX (no GPU needed; not the simulator) --------------------------------------------

@@ -225,3 +225,53 @@ def test_append_rejects_bad_input():
     with pytest.raises(ValueError, match="at least one"):
         decode.append_to_cache(None, None, None, p.k_cache, p.v_cache, p.k_idx_cache,
                                p.block_table, p.cache_seqlens)
+
+
+def test_prefill_chunk_names_the_argument_that_is_wrong():
+    """The chunk's q and q_idx are checked against the cache before anything is gathered, so
+    the error names them (not the gathered k the user never passed); offsets may be a list."""
+    p = paged_problem([20, 9], 1, hq=4, hkv=2, bk=16, topk=3, seed=11)
+    args = (p.q, p.q_idx, *p.cache)
+    cu = np.array([0, 1, 2])
+    for bad, exc, match in [
+            ((p.q.astype(np.float32),) + args[1:], TypeError, r"^q must have the dtype of the cache"),
+            ((p.q[..., :8],) + args[1:], ValueError, r"^q must have shape"),
+            (args[:1] + (p.q_idx[:, :1],) + args[2:], ValueError, r"^q_idx must have shape"),
+            (args[:2] + (None,) + args[3:], TypeError, r"^k_cache must be an array"),
+            ((None,) + args[1:], TypeError, r"^q must be an array")]:
+        with pytest.raises(exc, match=match):
+            decode.prefill_chunk(*bad, cu, p.bk, p.topk)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must have B\+1 = 3 entries"):
+        decode.prefill_chunk(*args, np.array([0, 2]), p.bk, p.topk)
+    got = decode.prefill_chunk(*args, [0, 1, 2], p.bk, p.topk)
+    want = decode.prefill_chunk(*args, cu, p.bk, p.topk)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_functions_name_a_missing_array():
+    p = paged_problem([20], 1, seed=12)
+    I = np.zeros((1, p.cache[0].shape[1], 1), np.int32)
+    with pytest.raises(TypeError, match=r"^q must be an array, got NoneType"):
+        decode.decode_attention(None, *p.cache[:2], I, *p.cache[3:], p.bk)
+    with pytest.raises(TypeError, match=r"^q_idx must be an array, got NoneType"):
+        decode.decode_step(p.q, None, *p.cache, p.bk, p.topk)
+    with pytest.raises(TypeError, match=r"^k_idx_cache must be an array, got NoneType"):
+        decode.decode_block_indices(p.q_idx, None, *p.cache[3:], p.bk, p.topk)
+
+
+def test_append_takes_offsets_as_a_list():
+    p = paged_problem([6, 6], 2, bk=4, seed=8)
+    caches = [np.array(c) for c in p.cache[:3]]
+    decode.append_to_cache(p.k[:4], None, None, *caches, p.block_table,
+                           np.array([7, 7], np.int32), cu_seqlens=[0, 1, 4])
+    want = [np.array(c) for c in p.cache[:3]]
+    decode.append_to_cache(p.k[:4], None, None, *want, p.block_table,
+                           np.array([7, 7], np.int32), cu_seqlens=np.array([0, 1, 4]))
+    np.testing.assert_array_equal(caches[0], want[0])
+    with pytest.raises(ValueError, match=r"cu_seqlens must have B\+1 = 3 entries"):
+        decode.append_to_cache(p.k[:4], None, None, *caches, p.block_table,
+                               np.array([7, 7], np.int32), cu_seqlens=[0, 4])
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers"):
+        decode.append_to_cache(p.k[:4], None, None, *caches, p.block_table,
+                               np.array([7, 7], np.int32), cu_seqlens=[0, 1.0, 4])

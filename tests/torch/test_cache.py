@@ -232,3 +232,27 @@ def test_the_layer_takes_a_decode_step_up_to_msa_cuda_decodes_limit():
     from msa.torch import cache as cache_module
 
     assert cache_module._MAX_DECODE_QUERIES == gpu.MAX_QUERIES
+
+
+def test_a_refused_layer_step_leaves_the_cache_as_it_was():
+    """``MSAAttention.decode`` checks what the step would refuse before it appends: a ``topk``
+    above the reference's ``max(NB, 64)`` on the lengths after the append, a layer whose
+    block size is not the cache's; slots are integers (no bool read as slot 1)."""
+    c = small_cache()
+    slots = [c.add_request(), c.add_request()]
+    x = torch.randn(2, 16, dtype=torch.float64)
+    layer = MSAAttention(16, 4, 2, 8, 8, block_size=4, topk=2, dtype=torch.float64)
+    layer.decode(x, c, slots)
+    for bad, exc, match in [
+            (MSAAttention(16, 4, 2, 8, 8, block_size=4, topk=65, dtype=torch.float64),
+             ValueError, r"^topk must be in \[1, max\(NB, 64\)\] = \[1, 64\]"),
+            (MSAAttention(16, 4, 2, 8, 8, block_size=8, topk=2, dtype=torch.float64),
+             ValueError, r"^cache must have the layer's block_size 8, got 4")]:
+        bad.load_state_dict(layer.state_dict())
+        with pytest.raises(exc, match=match):
+            bad.decode(x, c, slots)
+        assert [c.seqlen(s) for s in slots] == [1, 1]
+    with pytest.raises(TypeError, match="^slot must be an integer, got bool"):
+        c.append([True, 0], *(torch.zeros(2, 2, 8, dtype=torch.float64),) * 2,
+                  torch.zeros(2, 8, dtype=torch.float64))
+    assert [c.seqlen(s) for s in slots] == [1, 1]

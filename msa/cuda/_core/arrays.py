@@ -26,7 +26,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from ..._checks import dtype_of, unsupported
+from ..._checks import FLOAT_DTYPES, dtype_of, unsupported
 from .diskcache import kernel_jit
 from .streams import launch_handle, set_launch_stream, stream
 
@@ -56,6 +56,7 @@ def is_bf16(x) -> bool:
 
 
 FLOAT_KINDS = ("bfloat16", "float16", "float32", "float64")
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> str:
@@ -69,7 +70,7 @@ def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> s
         kind = "bfloat16"
     else:
         dt = dtype_of(x)
-        kind = dt.name if dt.kind == "f" else None
+        kind = dt.name if dt in FLOAT_DTYPES else None
     if kind not in kinds:
         want = ", ".join(kinds[:-1]) + (" or " if len(kinds) > 1 else "") + kinds[-1]
         if kind is not None:  # a float dtype msa.reference takes (float64, say)
@@ -79,17 +80,17 @@ def float_kind(name: str, x, kinds=FLOAT_KINDS, *, bf16_bits: bool = False) -> s
 
 
 def index_dtype(name: str, x) -> np.dtype:
-    """The dtype of an integer array a kernel indexes with (a selection, a CSR, a schedule):
-    any signed integer or an unsigned one of up to 32 bits; a TypeError naming ``name``
-    otherwise. uint64 is refused (the reference takes it): Numba types uint64 with int64
-    arithmetic as float64, which no index may be."""
+    """The dtype of an integer array a kernel indexes with (a selection, a CSR, a schedule, a
+    block table): int32 or int64; a TypeError naming ``name`` otherwise. The reference takes any
+    integer dtype; the kernels' warp shuffles and matches take 32- and 64-bit words only, and
+    Numba types uint64 with int64 arithmetic as float64, which no index may be."""
     dt = dtype_of(x)
-    if dt.kind not in "iu":
-        raise TypeError(f"{name} must have an integer dtype, got {dt}")
-    if dt.kind == "u" and dt.itemsize > 4:
-        raise unsupported(f"{name}.dtype", dt.name, "msa.cuda",
-                          "signed integers and unsigned ones up to uint32", exc=TypeError,
-                          why="uint64 with int64 arithmetic is float64 in Numba")
+    if dt.kind not in "iu" or is_bf16(x):
+        raise TypeError(f"{name} must have an integer dtype, got "
+                        f"{'bfloat16' if is_bf16(x) else dt}")
+    if dt not in INDEX_DTYPES:
+        raise unsupported(f"{name}.dtype", dt.name, "msa.cuda", "int32 and int64",
+                          exc=TypeError, why="a kernel shuffles ids as 32- or 64-bit words")
     return dt
 
 

@@ -80,8 +80,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..._checks import (check_array, check_flag, check_positive_int, check_scale, check_version,
-                        cu_to_host, dtype_of)
+from ..._checks import (GQA_GROUP_SIZES, check_array, check_flag, check_gqa, check_offsets,
+                        check_positive_int, check_scale, check_version, dtype_of)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
@@ -121,11 +121,39 @@ class _Step:
         return self.hq // self.layout.num_kv_heads if self.hq else 0
 
 
+def _c_contiguous(x) -> bool:
+    if isinstance(x, np.ndarray):
+        return x.flags.c_contiguous
+    if hasattr(x, "is_contiguous"):  # torch
+        return x.is_contiguous()
+    if hasattr(x, "is_c_contiguous"):  # Numba
+        return x.is_c_contiguous()
+    return x.flags.c_contiguous  # CuPy
+
+
+def _check_kernel_arrays(**named) -> None:
+    """What the kernels add to ``check_cache``'s checks: int32 ``block_table`` and
+    ``cache_seqlens`` (as the kernels read them) and C-contiguous arrays, each error naming its
+    argument (``None`` entries are skipped)."""
+    for name in ("block_table", "cache_seqlens"):
+        x = named.get(name)
+        if x is not None and dtype_of(x) != np.int32:
+            raise TypeError(f"{name} must have dtype int32 in msa.cuda, got "
+                            f"{'bfloat16' if 'bfloat16' in str(x.dtype) else dtype_of(x)}")
+    for name, x in named.items():
+        if x is not None and not _c_contiguous(x):
+            raise ValueError(f"{name} must be C-contiguous (a strided view: pass a contiguous "
+                             f"copy), got shape {tuple(x.shape)}")
+
+
 def _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, block_size,
               topk, scale, index_scale, validate: bool) -> _Step:
     validate = check_flag("validate", validate)
     layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                               block_size=block_size, dtypes=_FLOAT_OR_BF16, values=validate)
+    _check_kernel_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache,
+                         k_idx_cache=k_idx_cache, block_table=block_table,
+                         cache_seqlens=cache_seqlens)
     arrays = [x for x in (q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
               if x is not None]
     ctx = ArrayContext(*arrays)
@@ -215,6 +243,7 @@ class DecodePlan:
     steps: list = field(default_factory=list)
 
     def workspace_bytes(self) -> int:
+        """Device bytes the plan holds besides its outputs (split candidates, partials, LSEs)."""
         return sum(int(np.prod(x.shape)) * _itemsize(x) for x in self.workspace.values())
 
 
@@ -399,8 +428,8 @@ def decode_step(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seql
                 topk, *, scale=None, index_scale=None, version=None, stream=None):
     """``msa.reference.decode.decode_step`` on the GPU: ``(o [B*Lq, Hq, D] in q's dtype, lse
     [B*Lq, Hq] float32, block_indices [B*Lq, Hkv, K] int32)``; ``plan`` then ``run``."""
-    if v_cache is None or k_idx_cache is None:
-        raise TypeError("decode_step needs v_cache and k_idx_cache arrays, got None")
+    _ref.require_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache,
+                        k_idx_cache=k_idx_cache)
     step = _validate(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                      block_size, topk, scale, index_scale, True)
     ctx = ArrayContext(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens)
@@ -416,6 +445,7 @@ def decode_block_indices(q_idx, k_idx_cache, block_table, cache_seqlens, block_s
                          index_scale=None, version=None, stream=None):
     """``msa.reference.decode.decode_block_indices`` on the GPU: ``I [B*Lq, Hkv, K]`` int32,
     equal to the reference's where the index scores are exact (ties included)."""
+    _ref.require_arrays(q_idx=q_idx, k_idx_cache=k_idx_cache)
     step = _validate(None, q_idx, None, None, k_idx_cache, block_table, cache_seqlens,
                      block_size, topk, None, index_scale, True)
     step.layout = step.layout._replace(num_kv_heads=int(q_idx.shape[1]))
@@ -432,8 +462,7 @@ def decode_attention(q, k_cache, v_cache, block_indices, block_table, cache_seql
                      scale=None, version=None, stream=None):
     """``msa.reference.decode.decode_attention`` on the GPU: ``(o, lse)`` for a given selection
     ``block_indices [B*Lq, Hkv, K]`` (validated on the host like the reference's)."""
-    if v_cache is None:
-        raise TypeError("v_cache must be an array, got None")
+    _ref.require_arrays(q=q, k_cache=k_cache, v_cache=v_cache)
     step = _validate(q, None, k_cache, v_cache, None, block_table, cache_seqlens, block_size,
                      None, scale, None, True)
     lay = step.layout
@@ -473,6 +502,7 @@ def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cac
     _ref.new_token_slots(layout, t_new, cu_seqlens)
     named = dict(k=k, v=v, k_idx=k_idx, k_cache=k_cache, v_cache=v_cache,
                  k_idx_cache=k_idx_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+    _check_kernel_arrays(**named)
     for name, x, cache, per_head in (("k", k, k_cache, True), ("v", v, v_cache, True),
                                      ("k_idx", k_idx, k_idx_cache, False)):
         if x is None:
@@ -490,7 +520,7 @@ def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cac
         raise TypeError("append_to_cache writes device caches in place: pass torch, CuPy or "
                         "Numba arrays on a GPU")
     cu = (np.arange(layout.batch + 1) * (t_new // layout.batch) if cu_seqlens is None
-          else np.asarray(cu_to_host(cu_seqlens)))
+          else check_offsets("cu_seqlens", cu_seqlens, t_new))
     cu_dev = _device_ints(ctx, cu.astype(np.int32))
     # stand-ins for what is not appended (their element counts are 0)
     stand = next(x for x in (k_cache, v_cache, k_idx_cache) if x is not None)
@@ -515,6 +545,8 @@ def gather_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, *, s
     packed sequences (any cache None: None), copies in the cache's dtype."""
     layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                               dtypes=_FLOAT_OR_BF16)
+    _check_kernel_arrays(k_cache=k_cache, v_cache=v_cache, k_idx_cache=k_idx_cache,
+                         block_table=block_table, cache_seqlens=cache_seqlens)
     return _gather(layout, k_cache, v_cache, k_idx_cache, block_table, cache_seqlens, stream)
 
 
@@ -558,12 +590,18 @@ def prefill_chunk(q, q_idx, k_cache, v_cache, k_idx_cache, block_table, cache_se
     through the block table, with no copy (``msa.cuda.attention.sparse_attention(...,
     block_table=...)``: the KV-outer path, each K1 block one page). Returns ``(o, lse,
     block_indices)``."""
-    if v_cache is None or k_idx_cache is None:
-        raise TypeError("prefill_chunk needs v_cache and k_idx_cache arrays, got None")
+    _ref.require_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache,
+                        k_idx_cache=k_idx_cache)
     layout = _ref.check_cache(k_cache, v_cache, k_idx_cache, block_table, cache_seqlens,
                               block_size=block_size, dtypes=_FLOAT_OR_BF16)
     check_positive_int("topk", topk, high=MAX_TOPK)
-    cu_q, cu_k = _ref.chunk_offsets(layout, cu_seqlens_q, q, q_idx, _FLOAT_OR_BF16)
+    cu_q, cu_k = _ref.chunk_offsets(layout, cu_seqlens_q, q, q_idx, dtype_of(k_cache),
+                                    _FLOAT_OR_BF16)
+    check_gqa(int(q.shape[1]), layout.num_kv_heads, allowed=GQA_GROUP_SIZES,
+              what="q's heads over k_cache's, G = Hq/Hkv")  # sparse_attention's, before the gather
+    _check_kernel_arrays(q=q, q_idx=q_idx, k_cache=k_cache, v_cache=v_cache,
+                         k_idx_cache=k_idx_cache, block_table=block_table,
+                         cache_seqlens=cache_seqlens)
     _, _, k_idx, _ = _gather(layout, None, None, k_idx_cache, block_table, cache_seqlens)
     block_indices = select_blocks_fused(q_idx, k_idx, cu_q, cu_k, block_size, topk,
                                         scale=index_scale)
