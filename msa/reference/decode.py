@@ -253,6 +253,8 @@ def append_to_cache(k, v, k_idx, k_cache, v_cache, k_idx_cache, block_table, cac
             continue
         if cache is None:
             raise ValueError(f"{name} given but its cache is None")
+        if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+            raise ValueError(f"{name}_cache must be writeable: append_to_cache writes it in place")
         if per_head:
             check_array(name, x, ndim=3, dtypes=("float",),
                         shape=(pages.size, layout.num_kv_heads, layout.head_dim))

@@ -225,6 +225,11 @@ def test_append_rejects_bad_input():
     with pytest.raises(ValueError, match="at least one"):
         decode.append_to_cache(None, None, None, p.k_cache, p.v_cache, p.k_idx_cache,
                                p.block_table, p.cache_seqlens)
+    frozen = np.array(p.v_cache)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="^v_cache must be writeable"):
+        decode.append_to_cache(p.k[:2], p.v[:2], None, p.k_cache, frozen, p.k_idx_cache,
+                               p.block_table, p.cache_seqlens)
 
 
 def test_prefill_chunk_names_the_argument_that_is_wrong():
