@@ -18,11 +18,11 @@ the device copies are written only there, so that a decode step on reserved page
 host memory. CUDA tensors run ``msa.cuda.decode``; CPU tensors (float16/32/64) the NumPy
 reference, with the same results.
 
-For serving with CUDA graphs, ``capture(slots, lq, num_q_heads, topk)`` returns a :class:`CapturedDecode`:
-static input buffers for the step's new tokens and queries, and ``replay()``, one graph that
-advances the lengths by ``lq``, appends the new tokens and runs the decode step; its outputs
-equal eager steps bit for bit. Reserve the pages the replays will need first
-(``reserve(slots, n_steps * lq)``).
+For serving with CUDA graphs, ``capture(slots, lq, num_q_heads, topk)`` returns a
+:class:`CapturedDecode`: static input buffers for the step's new tokens and queries, and
+``replay()``, one graph that advances the lengths by ``lq``, appends the new tokens and runs
+the decode step; its outputs equal eager steps bit for bit. Reserve the pages the replays will
+need first (``reserve(slots, n_steps * lq)``).
 
 ``decode_attention_step(layer, x, cache, slots)`` is what ``MSAAttention`` calls to generate:
 the projections of the new tokens, the append, the decode step and the output projection.

@@ -239,7 +239,8 @@ def test_prefill_chunk_names_the_argument_that_is_wrong():
     args = (p.q, p.q_idx, *p.cache)
     cu = np.array([0, 1, 2])
     for bad, exc, match in [
-            ((p.q.astype(np.float32),) + args[1:], TypeError, r"^q must have the dtype of the cache"),
+            ((p.q.astype(np.float32),) + args[1:], TypeError,
+             r"^q must have the dtype of the cache"),
             ((p.q[..., :8],) + args[1:], ValueError, r"^q must have shape"),
             (args[:1] + (p.q_idx[:, :1],) + args[2:], ValueError, r"^q_idx must have shape"),
             (args[:2] + (None,) + args[3:], TypeError, r"^k_cache must be an array"),
