@@ -52,6 +52,12 @@ def dtype_of(x) -> np.dtype:
         return np.dtype(name)
 
 
+def dtype_name(x) -> str:
+    """``x``'s dtype as an error names it: ``'bfloat16'`` for a torch bf16 tensor (which
+    ``dtype_of`` reads as uint16), else ``dtype_of``'s name."""
+    return "bfloat16" if "bfloat16" in str(getattr(x, "dtype", "")) else str(dtype_of(x))
+
+
 def check_positive_int(name: str, value, *, low: int = 1, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high]``; TypeError for non-integers, ValueError out of range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -145,7 +151,7 @@ def check_array(name: str, x, *, ndim: int | None = None, dtypes=None, shape=Non
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None:
         dt = dtype_of(x)
-        bf16 = "bfloat16" in str(x.dtype)  # dtype_of reads a torch bf16 tensor as uint16
+        bf16 = dtype_name(x) == "bfloat16"  # dtype_of reads a torch bf16 tensor as uint16
         ok = False
         for want in dtypes:
             if want == "float":
@@ -156,7 +162,7 @@ def check_array(name: str, x, *, ndim: int | None = None, dtypes=None, shape=Non
                 ok |= dt == np.dtype(want)
         if not ok:
             raise TypeError(f"{name} must have dtype in {list(map(str, dtypes))}, got "
-                            f"{'bfloat16' if bf16 else dt}")
+                            f"{dtype_name(x)}")
     if shape is not None:
         got = tuple(int(s) for s in x.shape)
         if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):

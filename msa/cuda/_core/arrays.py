@@ -26,7 +26,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from ..._checks import FLOAT_DTYPES, dtype_of, unsupported
+from ..._checks import FLOAT_DTYPES, dtype_name, dtype_of, unsupported
 from .diskcache import kernel_jit
 from .streams import launch_handle, set_launch_stream, stream
 
@@ -86,8 +86,7 @@ def index_dtype(name: str, x) -> np.dtype:
     Numba types uint64 with int64 arithmetic as float64, which no index may be."""
     dt = dtype_of(x)
     if dt.kind not in "iu" or is_bf16(x):
-        raise TypeError(f"{name} must have an integer dtype, got "
-                        f"{'bfloat16' if is_bf16(x) else dt}")
+        raise TypeError(f"{name} must have an integer dtype, got {dtype_name(x)}")
     if dt not in INDEX_DTYPES:
         raise unsupported(f"{name}.dtype", dt.name, "msa.cuda", "int32 and int64",
                           exc=TypeError, why="a kernel shuffles ids as 32- or 64-bit words")

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._checks import (GQA_GROUP_SIZES, check_array, check_flag, check_gqa, check_offsets,
-                        check_positive_int, check_scale, check_version, dtype_of)
+                        check_positive_int, check_scale, check_version, dtype_name, dtype_of)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
 from .._core.arrays import SIMULATOR, ArrayContext, float_kind
@@ -138,8 +138,7 @@ def _check_kernel_arrays(**named) -> None:
     for name in ("block_table", "cache_seqlens"):
         x = named.get(name)
         if x is not None and dtype_of(x) != np.int32:
-            raise TypeError(f"{name} must have dtype int32 in msa.cuda, got "
-                            f"{'bfloat16' if 'bfloat16' in str(x.dtype) else dtype_of(x)}")
+            raise TypeError(f"{name} must have dtype int32 in msa.cuda, got {dtype_name(x)}")
     for name, x in named.items():
         if x is not None and not _c_contiguous(x):
             raise ValueError(f"{name} must be C-contiguous (a strided view: pass a contiguous "
