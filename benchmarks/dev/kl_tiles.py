@@ -1,15 +1,17 @@
-"""The KL's grad pass under several tile heights (rows = positions x G), in one process (GPU).
+"""The KL's grad pass under several tile heights (rows = positions x G) and teachers
+(``mma.sync`` or ``wgmma``), in one process (GPU).
 
     source .gpu/env.sh && python3 -m benchmarks.dev.kl_tiles --sizes 32768,131072 --rows 64,128 \
         --min-positions 1
 
 ``bench_kl``'s problem (paper configuration, bf16, the local block and 15 earlier blocks drawn
-uniformly). For each height ``msa.cuda.kl.v3_tensor_cores.TILE_ROWS`` is set before the plan
-is made (a dev knob, not an API: ``tensor_core_tiles`` reads it per call); the tile also keeps
-at least ``MIN_POSITIONS`` positions (8 by default: 128 rows at G = 16 whatever ``--rows``
-says), which ``--min-positions`` sets, 1 to compare 4 positions with 8. A tile's rows are
-independent in every ``mma`` and every sum runs in the same order whatever the height, so each
-config's ``kl, loss, dq_idx, dk_idx`` must equal the first config's **bitwise**; then
+uniformly). For each height ``msa.cuda.kl.v3_tensor_cores.TILE_ROWS`` is set before the plan is
+made (a dev knob, not an API: ``tensor_core_tiles`` reads it per call), and for each
+``--teacher`` ``v3.TEACHER_WGMMA`` (``mma``: False, ``wgmma``: True, ``auto``: None); the tile
+also keeps at least ``MIN_POSITIONS`` positions (8 by default: 128 rows at G = 16 whatever
+``--rows`` says), which ``--min-positions`` sets, 1 to compare 4 positions with 8. A tile's rows
+are independent in every ``mma`` and every sum runs in the same order whatever the height, so
+each config's ``kl, loss, dq_idx, dk_idx`` must equal the first config's **bitwise**; then
 ``kl_loss_and_backward`` is timed (median of ``--reps``, CUDA events) and, with ``--table``,
 torch.profiler's kernel table is printed. ``--save DIR`` writes the first config's outputs per N
 (``torch.save``) and ``--against DIR`` compares with such files bitwise (two versions of the
@@ -36,6 +38,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="32768,131072")
     ap.add_argument("--rows", default="64,128", help="tile heights, the first the reference")
+    ap.add_argument("--teacher", default="auto",
+                    help="comma-separated teacher products per height: mma, wgmma, auto")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--min-positions", type=int, default=None,
                     help="positions a tile at least (default: the module's)")
@@ -46,6 +50,8 @@ def main(argv=None):
                                                   "kl_tiles.json"))
     args = ap.parse_args(argv)
     heights = [int(r) for r in args.rows.split(",")]
+    teachers = args.teacher.split(",")
+    knob = {"mma": False, "wgmma": True, "auto": None}
     if args.min_positions is not None:
         v3.MIN_POSITIONS = args.min_positions
     rows = []
@@ -61,9 +67,10 @@ def main(argv=None):
                                         x["cu"], x["cu"], BK, validate=False)
 
         first = None
-        for height in heights:
+        for height, teacher in ((r, t) for r in heights for t in teachers):
             v3.TILE_ROWS = height
-            row = dict(case=f"N={n}", tile_rows=height)
+            v3.TEACHER_WGMMA = knob[teacher]
+            row = dict(case=f"N={n}", tile_rows=height, teacher=teacher)
             try:
                 got = list(call())  # kl, loss, dq_idx, dk_idx: torch tensors
             except Exception as e:  # a height that does not compile or launch: say so
@@ -83,16 +90,16 @@ def main(argv=None):
             row["bitwise_vs_first"] = all(torch.equal(a, b) for a, b in zip(got, first))
             row["ms"] = cuda_time_ms(call, warmup=1, reps=args.reps)
             if args.table:
-                kernel_table(call, f"N={n} tile rows {height}", rows=6)
+                kernel_table(call, f"N={n} tile rows {height}, teacher {teacher}", rows=6)
             print(row, flush=True)
             rows.append(row)
             got = None
         first = None
         torch.cuda.empty_cache()
-    print_table(rows, ["case", "tile_rows", "ms", "bitwise_vs_first", "bitwise_vs_against",
-                       "error"])
-    write_json(args.out, rows, config=dict(rows=args.rows, reps=args.reps,
-                                           min_positions=v3.MIN_POSITIONS))
+    print_table(rows, ["case", "tile_rows", "teacher", "ms", "bitwise_vs_first",
+                       "bitwise_vs_against", "error"])
+    write_json(args.out, rows, config=dict(rows=args.rows, teacher=args.teacher,
+                                           reps=args.reps, min_positions=v3.MIN_POSITIONS))
 
 
 if __name__ == "__main__":

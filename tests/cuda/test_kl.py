@@ -221,6 +221,39 @@ def test_v3_head_sum_on_blocks_of_eight_n_tiles(hq):
     check(p, selection(p, "random"), 3, "bf16")
 
 
+@pytest.mark.parametrize("hq,bk,dtype", [
+    (16, 16, "bf16"), pytest.param(4, 32, "float16", marks=pytest.mark.sim_heavy)])
+def test_v3_teacher_on_wgmma_equals_mma(monkeypatch, hq, bk, dtype):
+    """The teacher's ``S = Q Kᵀ`` on ``wgmma`` (``v3.TEACHER_WGMMA``, tiles of whole
+    warpgroups: 64 rows, K in shared memory as core matrices) gives the ``mma.sync`` path's
+    kl, loss, dq_idx and dk_idx bitwise (the same fragments, the same fp32 sums), and both
+    match the reference. On a GPU this needs compute capability 9.0."""
+    from msa.cuda._core import wgmma
+    from msa.cuda.kl import v3_tensor_cores as v3
+
+    if wgmma.why_not_available():
+        pytest.skip(wgmma.why_not_available())
+    monkeypatch.setattr(v3, "TILE_ROWS", 64)
+    built = []
+    kernel_grad = v3.kl_kernel_grad
+
+    def spy(*args):
+        built.append(args[-1])  # teacher_wgmma
+        return kernel_grad(*args)
+
+    monkeypatch.setattr(v3, "kl_kernel_grad", spy)
+    p = case_problem([5, 4], [40, 20], hq, 1, 16, 16, bk, 2, seed=5)
+    I = selection(p, "random")
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(v3, "TEACHER_WGMMA", on)
+        built.clear()
+        results.append(check(p, I, 3, dtype))
+        assert built and set(built) == {on}
+    for a, b in zip(*results):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_v3_hot_block_split_over_work_items():
     """Block 0 chosen by every query: its CSR row is longer than a work item (2 K Bk = 64
     queries), so the schedule cuts it and several CTAs write the row's partials."""

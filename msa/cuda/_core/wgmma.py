@@ -354,3 +354,33 @@ def smem_desc(address, leading_bytes, stride_bytes):
     return (types.uint64((address & 0x3FFFF) >> 4)
             | (types.uint64(leading_bytes >> 4) << types.uint64(16))
             | (types.uint64(stride_bytes >> 4) << types.uint64(32)))
+
+
+@functools.lru_cache(maxsize=None)
+def make_scores_rs(n: int, ab_type: str, ksteps: int):
+    """``scores(smem, a_frag, acc, a_word, desc_b)``: ``acc[0:n/2] = A B`` of the warpgroup's
+    64 rows over ``16 ksteps`` k, A (a 64-row tile of the dynamic shared memory ``smem``) read
+    into ``a_frag`` (``4 ksteps`` uint32) by ``ldmatrix`` from this lane's word ``a_word``
+    (+8 words a k-step), B K-major in core matrices named by ``desc_b`` (+256 bytes a k-step):
+    K1 v4's ``S = Q Kᵀ`` and the KL teacher's. Issues, commits and waits."""
+    from .memops import ldmatrix_x4
+
+    wg = make_wgmma_rs(n, ab_type, 0)
+    wait = make_wgmma_wait(n // 2)
+
+    @cuda.jit(device=True, inline=True)
+    def scores(smem, a_frag, acc, a_word, desc_b):
+        for ks in range(ksteps):
+            a0, a1, a2, a3 = ldmatrix_x4(smem, a_word + 8 * ks)
+            a_frag[4 * ks] = a0
+            a_frag[4 * ks + 1] = a1
+            a_frag[4 * ks + 2] = a2
+            a_frag[4 * ks + 3] = a3
+        wgmma_fence()
+        for ks in range(ksteps):
+            wg(acc, a_frag[4 * ks], a_frag[4 * ks + 1], a_frag[4 * ks + 2], a_frag[4 * ks + 3],
+               desc_b + types.uint64(16 * ks), types.int32(ks > 0))
+        wgmma_commit()
+        wait(acc)
+
+    return scores

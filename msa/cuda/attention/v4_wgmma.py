@@ -26,7 +26,7 @@ import functools
 from numba import cuda, float32, int32, uint32, uint64
 
 from .._core import wgmma as _wgmma
-from .._core.memops import dynamic_smem_u32, ldmatrix_x4
+from .._core.memops import dynamic_smem_u32
 from .._core.packed import check_entry, item_reader, load_entry
 from ._tile import tile as tile_functions
 from .._core.diskcache import kernel_jit
@@ -54,9 +54,8 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
     first_nonfinite, fix_o = T.first_nonfinite, T.fix_o
     BF16_PARTIALS = bf16_partials
     ab = "bf16" if bf16_in else "f16"
-    wg_s = _wgmma.make_wgmma_rs(Bk, ab, 0)  # S: B = Kᵀ, K-major
+    scores = _wgmma.make_scores_rs(Bk, ab, KS)  # S: B = Kᵀ, K-major
     wg_o = _wgmma.make_wgmma_rs(8 * NO_PART, ab, 1)  # O: B = V, N-major
-    wait_s = _wgmma.make_wgmma_wait(S_REGS)
     wait_o = _wgmma.make_wgmma_wait(O_REGS)
     # core-matrix descriptors of K (k: next 8 dims +128 B, n: next 8 keys +16 D B) and V (k:
     # next 8 keys, n: next 8 dims); a k-step of S moves 256 B, of O 32 D B (/16: descriptor)
@@ -153,19 +152,7 @@ def k1_kernel_v4(block_size: int, head_dim: int, group: int, positions: int, bf1
             commit()
 
             # S = Q Kᵀ: the warpgroup's 64 x Bk scores in KS wgmma, K from shared memory.
-            qa = q_buf0 + buf * QBUF + a_lane
-            for ks in range(KS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
-                q_frag[4 * ks] = a0
-                q_frag[4 * ks + 1] = a1
-                q_frag[4 * ks + 2] = a2
-                q_frag[4 * ks + 3] = a3
-            _wgmma.wgmma_fence()
-            for ks in range(KS):
-                wg_s(s_acc, q_frag[4 * ks], q_frag[4 * ks + 1], q_frag[4 * ks + 2],
-                     q_frag[4 * ks + 3], k_desc + uint64(16 * ks), int32(ks > 0))
-            _wgmma.wgmma_commit()
-            wait_s(s_acc)
+            scores(smem, q_frag, s_acc, q_buf0 + buf * QBUF + a_lane, k_desc)
             mb_top, mb_bot, l_top, l_bot = softmax(s_acc, p_frag, pos_top, pos_bot, key_pos0,
                                                    nk, col, scale_log2)
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..._checks import GQA_GROUP_SIZES
 from .._core import mma as _mma
+from .._core import wgmma as _wgmma
 from .._core.arrays import SIMULATOR, ArrayContext, device_constant, device_offsets
 from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
@@ -290,11 +291,21 @@ class Plan:
             return
         words, aligned = self._words(t0, t1, k_lo, k_hi)
         kernel = v3.kl_kernel_grad(self.kind == "bfloat16", self.block_size, self.d,
-                                   self.d_idx, self.group, self.positions, aligned, grads)
+                                   self.d_idx, self.group, self.positions, aligned, grads,
+                                   self.teacher_wgmma())
         launch_smem(kernel, int(work.shape[0]), 2 * self.rows, self.smem, *words, lse[t0:t1],
                     lse_idx[t0:t1], work, q_indices, slots, *d_cu,
                     np.float32(self.scale * LOG2E), np.float32(self.index_scale), coef, part,
                     ds, dq_part)
+
+    def teacher_wgmma(self) -> bool:
+        """Whether v3's grad pass computes the teacher's ``S = Q Kᵀ`` on ``wgmma``: where the
+        tile is whole warpgroups and ``v3.TEACHER_WGMMA`` says so (None: where wgmma runs)."""
+        if self.rows % 64:
+            return False
+        if v3.TEACHER_WGMMA is not None:
+            return bool(v3.TEACHER_WGMMA)
+        return not SIMULATOR and _wgmma.why_not_available() is None
 
     # The slot sums below add the slots that are CSR entries of the chunk (``slot_mask``).
     def slot_mask(self, t0, t1, d_cu):

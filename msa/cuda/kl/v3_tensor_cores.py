@@ -6,14 +6,15 @@ item loads the key block once and walks the item's queries in tiles. Three passe
 
 * ``LSE^idx`` (``kl_kernel_student``, ``msa.cuda.kl.v3_student``): the index branch's row
   normalisers, the slot states ``(m, l, 0, 0)`` merged in slot order.
-* the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of
-  ``P`` positions x ``G`` heads, at least 64 rows and 8 positions, ``ldmatrix``; the paper's
-  G = 16: 128 rows, 8 warps), the heads' ``exp(S - LSE_h)`` summed by
-  a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the KL term
-  on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three exact
-  16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the paper's
-  sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms only), so
-  ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
+* the grad pass (``kl_kernel_grad``, here): ``S = Q Kᵀ`` in registers as K1 v3 (tiles of ``P``
+  positions x ``G`` heads, at least 64 rows and 8 positions, ``ldmatrix``; the paper's G = 16:
+  128 rows, 8 warps; on compute capability 9.0 by ``wgmma`` as K1 v4, each 4 warps a
+  warpgroup reading K once from shared memory, ``TEACHER_WGMMA``), the heads' ``exp(S - LSE_h)``
+  summed by a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the
+  KL term on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three
+  exact 16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the
+  paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
+  only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
   block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
   ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
@@ -54,6 +55,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from ..._checks import GQA_GROUP_SIZES
 from .._core import mma as _mma
+from .._core import wgmma as _wgmma
 from .._core.arrays import SIMULATOR
 from .._core.finite import (clean_bf16x2, clean_f16x2, is_nonfinite_bf16,
                             is_nonfinite_f16)
@@ -74,6 +76,13 @@ MAX_BLOCK_SIZE = 256
 # --rows 64,128 --min-positions 1)
 TILE_ROWS = 16 if SIMULATOR else 64
 MIN_POSITIONS = 1 if SIMULATOR else 8
+# The teacher's S = Q Kᵀ on wgmma (kl_kernel_grad's teacher_wgmma), where the tile's warps form
+# warpgroups (rows a multiple of 64): None (the default) runs it wherever wgmma runs (compute
+# capability 9.0), mma.sync elsewhere and in the simulator; True forces it (the simulator's
+# twins), False keeps mma.sync. Read per call (tests; benchmarks.dev.kl_tiles --teacher
+# mma,wgmma). Bitwise the mma.sync path's; on an H100, kl_loss_and_backward 18.72 ms against
+# 20.22 at 32K and 64.19 against 69.37 at 128K (196 registers, no spills; mma.sync: 174).
+TEACHER_WGMMA = None
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
@@ -107,7 +116,8 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
 
 @functools.lru_cache(maxsize=None)
 def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int,
-                   group: int, positions: int, use_async: bool = True, grads: bool = True):
+                   group: int, positions: int, use_async: bool = True, grads: bool = True,
+                   teacher_wgmma: bool = False):
     """The grad pass, the teacher in registers (``grads=False``: the KL terms only,
     ``kl_loss``'s pass; ``ds`` and ``dq_part`` are not touched).
 
@@ -181,6 +191,16 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     ds_up = float32(1.0) if bf16_in else float32(2.0 ** 14)
     ds_down = float32(1.0) if bf16_in else float32(2.0 ** -14)
     GRADS = grads
+    # The teacher's S = Q Kᵀ on Hopper's wgmma (teacher_wgmma): each 4 warps of the tile one
+    # warpgroup, Q's A fragments in registers, K read by the tensor cores from shared memory
+    # stored as 8 x 8 core matrices (sK has room: Bk D/2 words of its Bk LD); the accumulator
+    # layout is mma.sync's, so steps 2-5 do not change (as K1 v4 over v3).
+    WGMMA = teacher_wgmma
+    assert not WGMMA or NW % 4 == 0
+    scores = _wgmma.make_scores_rs(Bk, "bf16" if bf16_in else "f16", KSTEPS)  # B = Kᵀ
+    Q_REGS = 4 * KSTEPS
+    K_GROUP_BYTES = 16 * D  # core matrices: the next 8 dims +128 B, the next 8 keys +16 D B
+
     mma = mma_bf16_m16n8k16 if bf16_in else mma_f16_m16n8k16
     mma_pair = make_mma_pair(mma)
     half_to_f32 = bf16_to_f32 if bf16_in else f16_bits_to_f32
@@ -201,7 +221,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             c = e // PIECES
             w = (e % PIECES) * 4
             ok = c < nk
-            copy16(smem, c * LD + w, k, ((key0 + (c if ok else 0)) * hkv + h) * DW + w,
+            dst = _wgmma.core_word(c, w, D) if WGMMA else c * LD + w  # sK's layout
+            copy16(smem, dst, k, ((key0 + (c if ok else 0)) * hkv + h) * DW + w,
                    16 if ok else 0)
         for e in range(tid, Bk * PIECES_I, NT):
             c = e // PIECES_I
@@ -224,7 +245,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         first = Bk
         for e in range(tid, nk * DW, NT):
             c = e // DW
-            w = smem[c * LD + e % DW]
+            w = smem[_wgmma.core_word(c, e % DW, D) + e % 4 if WGMMA else c * LD + e % DW]
             if c < first and (nonfinite(w) or nonfinite(w >> uint32(16))):
                 first = c
         for e in range(tid, nk * DIW, NT):
@@ -331,20 +352,23 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                                 sf[at + uint32((8 * nn + e) * LDT)] = x
 
     @cuda.jit(device=True, inline=True)
-    def teacher_probs(smem, s_acc, a_lane, k_lane, t4, pos_top, pos_bot, key_pos0, nk,
-                      scale_log2, lse_top, lse_bot):
+    def teacher_probs(smem, s_acc, q_frag, a_lane, k_lane, k_desc, t4, pos_top, pos_bot,
+                      key_pos0, nk, scale_log2, lse_top, lse_bot):
         """Step 2: ``S = Q Kᵀ`` of the warp's 16 rows in ``s_acc`` (mma accumulators), then
         each head's ``P_h = exp(S scale - LSE_h)`` on visible keys, 0 elsewhere (at G = 16
         the bottom row half added into the top: the same position)."""
-        for i in range(4 * NS):
-            s_acc[i] = float32(0.0)
         qa = OFF_Q + a_lane
-        for ks in range(KSTEPS):
-            a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
-            for n2 in range(NS // 2):
-                b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
-                n = 8 * n2
-                mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
+        if WGMMA:  # the warpgroup's 64 x Bk scores in KSTEPS wgmma, K from shared memory
+            scores(smem, q_frag, s_acc, qa, k_desc)
+        else:
+            for i in range(4 * NS):
+                s_acc[i] = float32(0.0)
+            for ks in range(KSTEPS):
+                a0, a1, a2, a3 = ldmatrix_x4(smem, qa + 8 * ks)
+                for n2 in range(NS // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
+                    n = 8 * n2
+                    mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
         # key 8 i + 2 t4 + e is visible up to min(pos - key_pos0, nk - 1): 32-bit limits
         # relative to the lane's first key, against constants once unrolled; every exp2 runs
         # (a hidden key's value, inf or NaN included, is then dropped by the select)
@@ -566,6 +590,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         pos_q = cuda.shared.array((2, P), int32)
         s_bad = cuda.shared.array(1, int32)
         s_acc = cuda.local.array(S_REGS, float32)
+        q_frag = cuda.local.array(Q_REGS, uint32)  # Q's A fragments (teacher_wgmma)
         acc = cuda.local.array(8, float32)
         afr = cuda.local.array(12, uint32)  # A fragments of the three dS planes
         tid = cuda.threadIdx.x
@@ -606,6 +631,9 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         a_lane = (16 * warp + l_rows) * LD + (lane >> 4) * 4
         k_lane = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 4
+        k_desc = uint64(0)
+        if WGMMA:
+            k_desc = _wgmma.smem_desc(_wgmma.shared_address(smem, 0), 128, K_GROUP_BYTES)
         ai_lane = l_rows * LDI + (lane >> 4) * 4
         ki_lane = OFF_KI + ((lane >> 4) * 8 + (lane & 7)) * LDI + ((lane >> 3) & 1) * 4
         vi_lane = OFF_KI + l_rows * LDI + (lane >> 4) * 4  # K_idx as the B of dq_idx (.trans)
@@ -614,6 +642,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         # Masking by selection (docs/design.md §3): c_bad, the first key of the block with a
         # non-finite K or K_idx value (Bk: none, the common path), the same for the CTA
         wait_all()
+        if WGMMA:  # sK came through the generic proxy; wgmma reads it through the async one
+            _wgmma.fence_proxy_async()
         cuda.syncthreads()
         mine = first_bad_key(smem, nk, tid)
         c_bad = Bk
@@ -640,8 +670,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             # 1-3: S^idx into sX; P = mean_h exp(S scale - LSE_h), this lane's share of keys
             student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
                            index_scale)
-            teacher_probs(smem, s_acc, a_lane, k_lane, t4, pos_top, pos_bot, key_pos0, nk,
-                          scale_log2, lse_top, lse_bot)
+            teacher_probs(smem, s_acc, q_frag, a_lane, k_lane, k_desc, t4, pos_top, pos_bot,
+                          key_pos0, nk, scale_log2, lse_top, lse_bot)
             head_sum(s_acc, sf, u_own, t4, p_top, p_bot)
             cuda.syncthreads()  # sX holds every position's student logits; sQ is free
             if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes

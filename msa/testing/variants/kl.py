@@ -101,6 +101,13 @@ def variants():
             name = (f"v3.{'grad' if grads else 'kl'}.{'bf16' if bf16 else 'f16'}.g{g}.p{p}"
                     f".bk{bk}.d{d}.di{di}{'' if aligned else '.plain'}")
             yield name, v3.kl_kernel_grad(bf16, bk, d, di, g, p, aligned, grads), grad_sig
+    # the teacher's S on wgmma (TEACHER_WGMMA; tiles of whole warpgroups)
+    for bf16, bk, g, p, modes in ((True, 128, 16, 8, (True, False)), (False, 128, 16, 8, (True,)),
+                                  (True, 128, 4, 16, (True,)), (True, 64, 16, 4, (True,))):
+        for grads in modes:
+            name = (f"v3.{'grad' if grads else 'kl'}.{'bf16' if bf16 else 'f16'}.g{g}.p{p}"
+                    f".bk{bk}.d128.di128.wgmma")
+            yield name, v3.kl_kernel_grad(bf16, bk, 128, 128, g, p, True, grads, True), grad_sig
     keys_tc_sig = (w3, f4, i2, i2, i2, cu, cu, f32, f2)
     for bk, di, aligned in ((128, 128, True), (128, 128, False), (32, 32, True), (16, 16, True)):
         yield (f"v3.keys.bf16.bk{bk}.di{di}{'' if aligned else '.plain'}",
