@@ -56,6 +56,17 @@ def is_bf16(x) -> bool:
 
 
 FLOAT_KINDS = ("bfloat16", "float16", "float32", "float64")
+
+
+def is_c_contiguous(x) -> bool:
+    """Whether ``x`` (NumPy, torch, CuPy or a Numba device array) is C-contiguous."""
+    if isinstance(x, np.ndarray):
+        return x.flags.c_contiguous
+    if hasattr(x, "is_contiguous"):  # torch
+        return x.is_contiguous()
+    if hasattr(x, "is_c_contiguous"):  # Numba
+        return x.is_c_contiguous()
+    return x.flags.c_contiguous  # CuPy
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -190,18 +201,18 @@ class ArrayContext:
                 return cuda.to_device(x, stream=stream())
             return x if x.flags.writeable else x.copy()
         if self.lib == "torch":
-            if not x.is_contiguous():
+            if not is_c_contiguous(x):
                 raise ValueError(f"{name} must be contiguous")
             t = x.detach()
             if is_bf16(t):
                 t = t.view(__import__("torch").int16)
             return cuda.as_cuda_array(t, sync=False)
         if self.lib == "cupy":
-            if not x.flags.c_contiguous:
+            if not is_c_contiguous(x):
                 raise ValueError(f"{name} must be C-contiguous")
             return cuda.as_cuda_array(x, sync=False)
         arr = cuda.as_cuda_array(x, sync=False) if not hasattr(x, "copy_to_host") else x
-        if not arr.is_c_contiguous():
+        if not is_c_contiguous(arr):
             raise ValueError(f"{name} must be C-contiguous")
         return arr
 

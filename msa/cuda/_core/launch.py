@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .arrays import SIMULATOR, device_constant
+from .arrays import SIMULATOR, device_constant, is_c_contiguous
 from .mma import DEVICE_SMEM_LIMIT, STATIC_RESERVE, STATIC_SMEM_LIMIT
 from .streams import core_stream, launch_handle, stream
 
@@ -144,8 +144,7 @@ def kinput(ctx, name, x):
     """``ctx.input`` as a kernel argument, without the Numba array a tensor would become."""
     if SIMULATOR or ctx.lib not in ("torch", "cupy"):
         return dev(ctx.input(name, x))
-    contiguous = x.is_contiguous() if ctx.lib == "torch" else x.flags.c_contiguous
-    if not contiguous:
+    if not is_c_contiguous(x):
         raise ValueError(f"{name} must be contiguous")
     return Dev(x.detach() if ctx.lib == "torch" else x)
 

@@ -84,7 +84,7 @@ from ..._checks import (GQA_GROUP_SIZES, check_array, check_flag, check_gqa, che
                         check_positive_int, check_scale, check_version, dtype_name, dtype_of)
 from ...reference import decode as _ref
 from ...reference.select import check_block_indices
-from .._core.arrays import SIMULATOR, ArrayContext, float_kind
+from .._core.arrays import SIMULATOR, ArrayContext, float_kind, is_c_contiguous
 from .._core.memops import is_aligned16
 from .._core.streams import stream_handle
 from ..attention import sparse_attention
@@ -121,16 +121,6 @@ class _Step:
         return self.hq // self.layout.num_kv_heads if self.hq else 0
 
 
-def _c_contiguous(x) -> bool:
-    if isinstance(x, np.ndarray):
-        return x.flags.c_contiguous
-    if hasattr(x, "is_contiguous"):  # torch
-        return x.is_contiguous()
-    if hasattr(x, "is_c_contiguous"):  # Numba
-        return x.is_c_contiguous()
-    return x.flags.c_contiguous  # CuPy
-
-
 def _check_kernel_arrays(**named) -> None:
     """What the kernels add to ``check_cache``'s checks: int32 ``block_table`` and
     ``cache_seqlens`` (as the kernels read them) and C-contiguous arrays, each error naming its
@@ -140,7 +130,7 @@ def _check_kernel_arrays(**named) -> None:
         if x is not None and dtype_of(x) != np.int32:
             raise TypeError(f"{name} must have dtype int32 in msa.cuda, got {dtype_name(x)}")
     for name, x in named.items():
-        if x is not None and not _c_contiguous(x):
+        if x is not None and not is_c_contiguous(x):
             raise ValueError(f"{name} must be C-contiguous (a strided view: pass a contiguous "
                              f"copy), got shape {tuple(x.shape)}")
 
