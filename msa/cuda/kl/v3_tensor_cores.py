@@ -369,22 +369,38 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                     b0, b1, b2, b3 = ldmatrix_x4(smem, k_lane + 16 * n2 * LD + 8 * ks)
                     n = 8 * n2
                     mma_pair(s_acc, n, a0, a1, a2, a3, b0, b1, b2, b3)
-        # key 8 i + 2 t4 + e is visible up to min(pos - key_pos0, nk - 1): 32-bit limits
-        # relative to the lane's first key, against constants once unrolled; every exp2 runs
-        # (a hidden key's value, inf or NaN included, is then dropped by the select)
-        rel_top = int32(min(pos_top - key_pos0, nk - 1) - 2 * t4)
-        rel_bot = int32(min(pos_bot - key_pos0, nk - 1) - 2 * t4)
-        for i in range(NS):
-            for e in range(2):
-                c = int32(8 * i + e)
-                x_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
-                x_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
-                v_top = x_top if c <= rel_top else float32(0.0)
-                v_bot = x_bot if c <= rel_bot else float32(0.0)
-                if BOTH:  # G = 16: both row halves are heads of the same position
-                    v_top += v_bot
-                s_acc[4 * i + e] = v_top
-                s_acc[4 * i + 2 + e] = v_bot
+        # key 8 i + 2 t4 + e is visible up to lim = min(pos - key_pos0, nk - 1). Only a block
+        # that reaches past a row's position (its local block, or a sequence's last, partial
+        # one) needs the compares, as in K1's softmax: skipped when both rows see every key
+        # (at G = 16 a warp's rows are one position, so the branch is the warp's).
+        lim_top = int32(min(pos_top - key_pos0, nk - 1))
+        lim_bot = int32(min(pos_bot - key_pos0, nk - 1))
+        if lim_top >= Bk - 1 and lim_bot >= Bk - 1:
+            for i in range(NS):
+                for e in range(2):
+                    x_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
+                    x_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                    if BOTH:  # G = 16: both row halves are heads of the same position
+                        x_top += x_bot
+                    s_acc[4 * i + e] = x_top
+                    s_acc[4 * i + 2 + e] = x_bot
+        else:
+            # 32-bit limits relative to the lane's first key, against constants once
+            # unrolled; every exp2 runs (a hidden key's value, inf or NaN included, is then
+            # dropped by the select)
+            rel_top = lim_top - int32(2 * t4)
+            rel_bot = lim_bot - int32(2 * t4)
+            for i in range(NS):
+                for e in range(2):
+                    c = int32(8 * i + e)
+                    x_top = exp2(s_acc[4 * i + e] * scale_log2 - lse_top)
+                    x_bot = exp2(s_acc[4 * i + 2 + e] * scale_log2 - lse_bot)
+                    v_top = x_top if c <= rel_top else float32(0.0)
+                    v_bot = x_bot if c <= rel_bot else float32(0.0)
+                    if BOTH:
+                        v_top += v_bot
+                    s_acc[4 * i + e] = v_top
+                    s_acc[4 * i + 2 + e] = v_bot
 
     @cuda.jit(device=True, inline=True)
     def scatter_step(s_acc, half_len, off):
