@@ -116,6 +116,37 @@ def test_bit_helpers_match_numpy():
     assert ok.all(), (x[~ok], e2[~ok], want_e2[~ok])
 
 
+@cuda.jit
+def _log2_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = _mma.log2(x[i])
+
+
+def test_log2_shim():
+    """``lg2.approx.f32``: special values exactly (0 -> -inf, +inf -> +inf, negative or NaN ->
+    NaN), subnormal inputs not flushed, finite results within 2**-21 (the PTX ISA's 2**-22.6
+    on the mantissa's log) plus one float32 ulp of the result (the exponent's add rounds)."""
+    tiny = np.finfo(np.float32).tiny
+    x = np.array([0.0, -0.0, np.inf, -1.0, -np.inf, np.nan, 1.0, 2.0, 0.5, 1.5, 3.0e-5, 0.999,
+                  1.0001, 1e30, tiny, tiny / 8, 1e-44, 0.0625, 7.0, 1 - 2**-24], np.float32)
+    out = np.zeros_like(x)
+    if SIMULATOR:
+        _log2_kernel[1, 32](x, out)
+    else:
+        d_out = cuda.to_device(out)
+        _log2_kernel[1, 32](cuda.to_device(x), d_out)
+        out = d_out.copy_to_host()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.log2(x.astype(np.float64))
+    special = ~np.isfinite(want)
+    np.testing.assert_array_equal(out[special], want[special].astype(np.float32),
+                                  err_msg=f"log2 special values at x = {x[special]}")
+    err = np.abs(out[~special] - want[~special])
+    bound = 2.0 ** -21 + np.abs(want[~special]) * np.finfo(np.float32).eps
+    assert (err <= bound).all(), (x[~special], out[~special], want[~special])
+
+
 @functools.lru_cache(maxsize=None)
 def _ldmatrix_kernel(trans):
     load = ldmatrix_x4_trans if trans else ldmatrix_x4

@@ -5,7 +5,7 @@ instructions they need, chosen **here and only here** between two backends with 
 
 * ``"ptx"`` (default on a GPU): inline PTX through ``numba.cuda.extending.intrinsic`` and
   ``llvmlite.ir.InlineAsm`` (``mma.sync.aligned.m16n8k16``, ``cvt.rn.bf16x2.f32``,
-  ``ex2.approx``) and plain LLVM bit casts.
+  ``ex2.approx``, ``lg2.approx``) and plain LLVM bit casts.
 * ``"twin"`` (always under ``NUMBA_ENABLE_CUDASIM=1``): Python/Numba code with the same inputs,
   outputs and fragment layout. In the simulator the bit casts go through NumPy; on a GPU
   (``MSA_MMA=twin``) the twin ``mma`` runs as ordinary Numba code, which is slow but lets a
@@ -174,6 +174,21 @@ if not SIMULATOR:
         return float32(x), codegen
 
     @intrinsic
+    def _log2_ir(typingctx, x):
+        """``log2(x)`` by ``lg2.approx.f32`` (absolute error ~2**-22 on the mantissa's log;
+        subnormal ``x`` kept, not flushed; ``+0`` gives ``-inf``, a negative ``x`` or NaN
+        gives NaN, ``+inf`` gives ``+inf``)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_F32, [_F32])
+            asm = ir.InlineAsm(fnty, "lg2.approx.f32 $0, $1;", "=f,f", side_effect=False)
+            return builder.call(asm, args)
+
+        return float32(x), codegen
+
+    @intrinsic
     def _fmax_ir(typingctx, m, x):
         """``max.f32``: one instruction (FMNMX) where ``x if x > m else m`` takes two; a NaN
         operand gives the other one, as that does for a NaN ``x``. (Zeros of either sign count
@@ -243,6 +258,7 @@ if not SIMULATOR:
     pack_bf16x2 = _pack_bf16x2_ir
     pack_f16x2 = _pack_f16x2_ir
     exp2 = _exp2_ir
+    log2 = _log2_ir
     fmax_f32 = _fmax_ir
 
 # Simulator twins of the bit-level helpers (NumPy does the bit casts).
@@ -293,6 +309,15 @@ else:
         if x != x:  # NaN stays NaN (ex2.approx)
             return np.float32(math.nan)
         return np.float32(2.0 ** x) if x < 128.0 else np.float32(math.inf)
+
+    @cuda.jit(device=True)
+    def log2(x):
+        x = float(x)
+        if x == 0.0:
+            return np.float32(-math.inf)
+        if not x >= 0.0:  # negative or NaN (lg2.approx)
+            return np.float32(math.nan)
+        return np.float32(math.log2(x))
 
 
 # The twin mma: same registers in, same registers out, computed from every lane's operands.
