@@ -87,6 +87,11 @@ def main(argv=None):
                 other = torch.load(os.path.join(args.against, f"{n}.pt"))
                 row["bitwise_vs_against"] = all(torch.equal(a.cpu(), b)
                                                 for a, b in zip(got, other))
+                # largest difference relative to each output's largest magnitude
+                row["rel_vs_against"] = max(
+                    float((a.cpu().float() - b.float()).abs().max()
+                          / b.float().abs().max().clamp_min(1e-30))
+                    for a, b in zip(got, other))
             row["bitwise_vs_first"] = all(torch.equal(a, b) for a, b in zip(got, first))
             row["ms"] = cuda_time_ms(call, warmup=1, reps=args.reps)
             if args.table:
@@ -97,7 +102,7 @@ def main(argv=None):
         first = None
         torch.cuda.empty_cache()
     print_table(rows, ["case", "tile_rows", "teacher", "ms", "bitwise_vs_first",
-                       "bitwise_vs_against", "error"])
+                       "bitwise_vs_against", "rel_vs_against", "error"])
     write_json(args.out, rows, config=dict(rows=args.rows, teacher=args.teacher,
                                            reps=args.reps, min_positions=v3.MIN_POSITIONS))
 
