@@ -21,8 +21,8 @@ VARIANTS = variants.of("kl")
 def test_kernel_compiles_for_sm90_without_f64_or_local_memory(name, kernel, sig):
     ptx = sm90_ptx(kernel, sig)
     assert_no_f64_or_local(ptx)
-    if not name.startswith("v3.") or "combine" in name:
-        return
+    if not name.startswith(("v3.student.", "v3.grad.", "v3.kl.", "v3.keys.")):
+        return  # v1, v2 and v3's helpers (combines, the warmup's full selection): no matrix product
     dtype = "bf16" if ".bf16." in name else "f16"
     assert re.search(rf"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{dtype}\.{dtype}\.f32\b",
                      ptx), "no tensor-core mma of the inputs' dtype"
