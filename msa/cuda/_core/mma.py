@@ -117,19 +117,6 @@ if not SIMULATOR:
         return float32(bits), codegen
 
     @intrinsic
-    def _f32_to_bf16_ir(typingctx, x):
-        """bf16 bits of ``x``, round to nearest even (``cvt.rn.bf16.f32``)."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(_I16, [_F32])
-            asm = ir.InlineAsm(fnty, "cvt.rn.bf16.f32 $0, $1;", "=h,f", side_effect=False)
-            return builder.call(asm, args)
-
-        return uint16(x), codegen
-
-    @intrinsic
     def _f32_to_f16_ir(typingctx, x):
         """IEEE half bits of ``x``, round to nearest even."""
         if x != types.float32:
@@ -160,33 +147,37 @@ if not SIMULATOR:
     _pack_bf16x2_ir = _make_pack("bf16x2")
     _pack_f16x2_ir = _make_pack("f16x2")
 
-    @intrinsic
-    def _exp2_ir(typingctx, x):
-        """``2**x`` by ``ex2.approx.ftz.f32`` (2 ulp; ``-inf`` gives +0)."""
-        if x != types.float32:
-            return None
+    def _make_f32_asm(text, result, constraints, doc):
+        """An intrinsic of one float32 operand by the one PTX instruction ``text`` (``$0`` its
+        result, of LLVM type ``result``, ``$1`` the operand; inline-asm ``constraints``)."""
+        nb_result = uint16 if result is _I16 else float32
 
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(_F32, [_F32])
-            asm = ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
-            return builder.call(asm, args)
+        def op(typingctx, x):
+            if x != types.float32:
+                return None
 
-        return float32(x), codegen
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(result, [_F32])
+                asm = ir.InlineAsm(fnty, text, constraints, side_effect=False)
+                return builder.call(asm, args)
 
-    @intrinsic
-    def _log2_ir(typingctx, x):
-        """``log2(x)`` by ``lg2.approx.f32`` (absolute error ~2**-22 on the mantissa's log;
-        subnormal ``x`` kept, not flushed; ``+0`` gives ``-inf``, a negative ``x`` or NaN
-        gives NaN, ``+inf`` gives ``+inf``)."""
-        if x != types.float32:
-            return None
+            return nb_result(x), codegen
 
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(_F32, [_F32])
-            asm = ir.InlineAsm(fnty, "lg2.approx.f32 $0, $1;", "=f,f", side_effect=False)
-            return builder.call(asm, args)
+        op.__name__ = "_" + text.split()[0].replace(".", "_")  # e.g. _ex2_approx_ftz_f32
+        op.__doc__ = doc
+        return intrinsic(op)
 
-        return float32(x), codegen
+    _f32_to_bf16_ir = _make_f32_asm(
+        "cvt.rn.bf16.f32 $0, $1;", _I16, "=h,f",
+        "bf16 bits of ``x``, round to nearest even (``cvt.rn.bf16.f32``).")
+    _exp2_ir = _make_f32_asm(
+        "ex2.approx.ftz.f32 $0, $1;", _F32, "=f,f",
+        "``2**x`` by ``ex2.approx.ftz.f32`` (2 ulp; ``-inf`` gives +0).")
+    _log2_ir = _make_f32_asm(
+        "lg2.approx.f32 $0, $1;", _F32, "=f,f",
+        "``log2(x)`` by ``lg2.approx.f32`` (absolute error ~2**-22 on the mantissa's log; "
+        "subnormal ``x`` kept, not flushed; ``+0`` gives ``-inf``, a negative ``x`` or NaN "
+        "gives NaN, ``+inf`` gives ``+inf``).")
 
     @intrinsic
     def _fmax_ir(typingctx, m, x):
