@@ -49,7 +49,6 @@ teacher in shared memory took 92.9 and 324.4 ms (f4aaa47).
 from __future__ import annotations
 
 import functools
-import math
 
 from numba import cuda, float32, int32, uint32, uint64
 
@@ -64,7 +63,7 @@ from .._core.memops import (copy16_plain2, copy16_plain3, cp_async16, cp_async_c
                             ldmatrix_x4_trans, no_op, store_f32x2)
 from .._core.mma import (_deal, bf16_to_f32, exp2, f16_bits_to_f32, log2, make_mma_pair,
                          mma_bf16_m16n8k16, mma_f16_m16n8k16, pack_bf16x2, pack_f16x2)
-from .._core.packed import LOG2E, check_entry, item_fields, load_entry
+from .._core.packed import LN2, LOG2E, check_entry, item_fields, load_entry
 from ._state import FULL_MASK, NEG_INF, finite_or_zero
 from .._core.diskcache import kernel_jit
 
@@ -212,7 +211,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     wait_all = cp_async_wait_all if use_async else no_op
     inv_g = float32(1.0 / G)
     log2e = float32(LOG2E)
-    ln2 = float32(math.log(2.0))
+    ln2 = float32(LN2)
 
     @cuda.jit(device=True, inline=True)
     def load_key_block(smem, k, k_idx, h, key0, nk, tid):
