@@ -155,8 +155,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     DIW = DI // 2
     PIECES = DW // 4
     PIECES_I = DIW // 4
-    HALF = PIECES // 2 if PIECES >= 2 else 1
-    HALVES = PIECES // HALF
+    GATHER_ITERS = R * PIECES // NT  # NT = 2R: PIECES / 2 pieces a thread
+    ROW_STEP = NT // PIECES  # rows between a thread's pieces, where NT is a multiple of PIECES
+    SAME_HEAD = NT % PIECES == 0 and ROW_STEP % G == 0  # a thread's piece and head stay put
+    GATHER_ITERS_I = -(-(P * PIECES_I) // NT)
     QIBUF = PP * LDI
     NS = Bk // 8
     S_REGS = 4 * NS  # (a local array's size must be a plain constant)
@@ -277,25 +279,53 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 dq_part[pos_s[buf, p], t, h, d] = acc * index_scale
 
     @cuda.jit(device=True, inline=True)
-    def gather(smem, q, q_idx, h, row, half, t, buf, pos_t, pos_s, pos_q, s, pos):
-        """This thread's half of query row ``row`` of a tile into sQ (zeros if ``t = -1``);
-        the thread with half 0 of a position's first row also copies the position's index
-        query into sQi buffer ``buf`` and records ``(t, slot, pos)`` in tables ``buf``."""
+    def record(tid, t, s, pos, buf, pos_t, pos_s, pos_q):
+        """Thread ``tid < P``: position ``tid``'s ``(t, slot, pos)`` into tables ``buf``."""
+        if tid < P:
+            pos_t[buf, tid] = t
+            pos_s[buf, tid] = s
+            pos_q[buf, tid] = pos
+
+    @cuda.jit(device=True, inline=True)
+    def gather(smem, q, q_idx, h, tid, buf, pos_t):
+        """Start copying the query rows of the positions in tables ``buf`` (``record``, a
+        barrier before) into sQ and their index queries into sQi buffer ``buf``, zeros for
+        ``t = -1``. Consecutive threads copy consecutive 16-byte pieces, so a warp's copy is
+        whole rows (a position's G rows are one run of ``q``): ncu (H100, 32K) had 12% of the
+        stall samples behind the copies when each thread took half a row, a warp's copy
+        touching 32 rows."""
+        hq = q.shape[1]
         hkv = q_idx.shape[1]
-        if half < HALVES:
-            src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
-            dst = OFF_Q + row * LD + half * HALF * 4
-            for u in range(HALF):
-                copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
-        if half == 0 and row % G == 0:
-            p = row // G
-            pos_t[buf, p] = t
-            pos_s[buf, p] = s
-            pos_q[buf, p] = pos
-            src = ((t if t >= 0 else 0) * hkv + h) * DIW
-            dst = OFF_QI + buf * QIBUF + p * LDI
-            for u in range(PIECES_I):
-                copy16(smem, dst + 4 * u, q_idx, src + 4 * u, 16 if t >= 0 else 0)
+        if SAME_HEAD:  # the same piece of the same head in every row a thread copies
+            row0 = tid // PIECES
+            p0 = row0 // G
+            at = OFF_Q + row0 * LD + 4 * (tid % PIECES)
+            # unsigned 64-bit word offsets: one wide multiply-add a copy
+            base = uint64((h * G + row0 % G) * DW + 4 * (tid % PIECES))
+            stride = uint32(hq * DW)  # words of a query (t, every head): below 2**32
+            for u in range(GATHER_ITERS):
+                t = pos_t[buf, p0 + u * (ROW_STEP // G)]
+                ok = t >= 0
+                copy16(smem, at + u * ROW_STEP * LD, q,
+                       uint64(uint32(t if ok else 0)) * uint64(stride) + base,
+                       16 if ok else 0)
+        else:
+            for u in range(GATHER_ITERS):
+                c = uint32(tid) + uint32(NT * u)
+                row = int32(c // uint32(PIECES))
+                piece = int32(c % uint32(PIECES))
+                t = pos_t[buf, row // G]
+                src = ((t if t >= 0 else 0) * hq + h * G + row % G) * DW + 4 * piece
+                copy16(smem, OFF_Q + row * LD + 4 * piece, q, src, 16 if t >= 0 else 0)
+        for u in range(GATHER_ITERS_I):
+            c = uint32(tid) + uint32(NT * u)
+            if c < uint32(P * PIECES_I):
+                p = int32(c // uint32(PIECES_I))
+                piece = int32(c % uint32(PIECES_I))
+                t = pos_t[buf, p]
+                src = ((t if t >= 0 else 0) * hkv + h) * DIW + 4 * piece
+                copy16(smem, OFF_QI + buf * QIBUF + p * LDI + 4 * piece, q_idx, src,
+                       16 if t >= 0 else 0)
 
     @cuda.jit(device=True, inline=True)
     def row_lses(lse, lse_idx, h, r_top, r_bot, t_top, t_bot):
@@ -644,13 +674,14 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             s_bad[0] = Bk
 
         load_key_block(smem, k, k_idx, h, key0, nk, tid)
-        g_row = tid // 2
-        g_half = tid % 2
-        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, G, g_row, R)
-        t_g, s_g, p_g = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-        gather(smem, q, q_idx, h, g_row, g_half, t_g, 0, pos_t, pos_s, pos_q, s_g, p_g)
+        # the tables of tile 0 (thread p: position p), then its rows; tile 1's entries
+        e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, 1, tid, P)
+        t_g, s_g, p_g = check_entry(e_t, e_s, q_lo, q_hi, pos0, topk)
+        record(tid, t_g, s_g, p_g, 0, pos_t, pos_s, pos_q)
+        e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, 1, P, 1, tid, P)
+        cuda.syncthreads()
+        gather(smem, q, q_idx, h, tid, 0, pos_t)
         commit()
-        t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, 1, P, G, g_row, R)
 
         r_top = 16 * warp + g4
         r_bot = r_top + 8
@@ -690,6 +721,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             buf = tile % 2
             wait_all()
             cuda.syncthreads()  # tile's rows landed; every warp is past tile - 1
+            if tile + 1 < num_tiles:  # the next tile's tables (tables 1 - buf are free)
+                t_g, s_g, p_g = check_entry(e_t, e_s, q_lo, q_hi, pos0, topk)
+                record(tid, t_g, s_g, p_g, 1 - buf, pos_t, pos_s, pos_q)
+            e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, 1, tid, P)
             t_top, s_top, pos_top = check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
             t_bot, s_bot, pos_bot = check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
             tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
@@ -705,12 +740,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             head_sum(s_acc, sf, u_own, t4, p_top, p_bot)
             cuda.syncthreads()  # sX holds every position's student logits; sQ is free
             if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes
-                t_g, s_g, p_g = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-                gather(smem, q, q_idx, h, g_row, g_half, t_g, 1 - buf, pos_t, pos_s, pos_q,
-                       s_g, p_g)
+                gather(smem, q, q_idx, h, tid, 1 - buf, pos_t)
             commit()
-            t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, G,
-                                       g_row, R)
 
             # 4-5: dS and the KL terms; dq_idx = dS K_idx
             ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
