@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .._core import mma as _mma
 from .._core.arrays import SIMULATOR
@@ -122,7 +122,8 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
     LD, OFF_V, OFF_Q, _ = layout(Bk, D, R, NG)
     DW = D // 2  # words per row of Q/K/V
     PIECES = DW // 4  # 16-byte pieces per row
-    HALF = PIECES // 2  # pieces a thread gathers: two threads per query row (NT = 2R)
+    HALF = PIECES // 2  # pieces a thread gathers (NT = 2R threads, R rows)
+    RPU = 32 // PIECES if 32 % PIECES == 0 else 0  # rows one copy of a warp covers, or 0
     NS = Bk // 8  # n-tiles of S (8 keys each): 4 fp32 registers per lane each
     NO = D // 8  # n-tiles of O (8 dims each)
     NO_PART = NO // parts  # n-tiles of O per part (even: ldmatrix.x4.trans loads two)
@@ -171,13 +172,32 @@ def tile(block_size, head_dim, group, positions, bf16_in, bf16_partials, use_asy
         return bad
 
     @cuda.jit(device=True, inline=True)
-    def gather(smem, q, h, row, half, t, dst_buf):
-        """Start copying this thread's half of query row ``row`` (token ``t``, zeros if -1)
-        into the Q buffer at word ``dst_buf``."""
-        src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
-        dst = dst_buf + row * LD + half * HALF * 4
-        for u in range(HALF):
-            copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
+    def gather(smem, q, h, tid, t, dst_buf):
+        """Start copying the 16 query rows of thread ``tid``'s warp (rows ``16 w .. 16 w + 15``
+        of the tile; ``t``: the token of row ``tid // 2``, as ``load_entry`` gives it, -1:
+        zeros) into the Q buffer at word ``dst_buf``.
+
+        At G = 16 the warp's rows are one position's heads, one run of ``q``: consecutive
+        lanes copy consecutive 16-byte pieces, so that one copy of the warp is whole rows.
+        Otherwise each thread copies half of row ``tid // 2`` (a copy of the warp touches 16
+        rows; the same-row copies would need each row's token by a shuffle, which cost ~12
+        registers at G = 8)."""
+        if G == 16 and RPU:
+            ok = t >= 0
+            lane = int32(tid % 32)
+            w_row = int32((tid // 32) * 16) + lane // PIECES  # then RPU rows further each copy
+            w_src = (int64(t if ok else 0) * q.shape[1] + h * G + w_row % G) * DW \
+                + 4 * (lane % PIECES)
+            w_dst = dst_buf + w_row * LD + 4 * (lane % PIECES)
+            for u in range(HALF):
+                copy16(smem, w_dst + u * RPU * LD, q, w_src + u * RPU * DW, 16 if ok else 0)
+        else:
+            row = tid // 2
+            half = tid % 2
+            src = ((t if t >= 0 else 0) * q.shape[1] + h * G + row % G) * DW + half * HALF * 4
+            dst = dst_buf + row * LD + half * HALF * 4
+            for u in range(HALF):
+                copy16(smem, dst + 4 * u, q, src + 4 * u, 16 if t >= 0 else 0)
 
     @cuda.jit(device=True, inline=True)
     def softmax(s_acc, p_frag, pos_top, pos_bot, key_pos0, nk, col, scale_log2):

@@ -118,12 +118,12 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         num_steps = (num_tiles + NG - 1 - (0 if UNIFORM else grp)) // NG
 
         load_kv(smem, k, v, cta_tid, key0, nk, kv_h, hkv)
-        # The group's first tile; thread tid gathers half of row tid // 2 of every tile.
+        # The group's first tile; thread tid holds the entry of row tid // 2 of every tile
+        # (its warp's rows: gather).
         g_row = tid // 2
-        g_half = tid % 2
         t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, grp, P, G, g_row, R)
         t_g, _, _ = check_entry(t_raw, s_raw, q_lo, q_hi, pos0, topk)
-        gather(smem, q, h, g_row, g_half, t_g, q_buf0)
+        gather(smem, q, h, tid, t_g, q_buf0)
         commit()
         t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, grp + NG, P, G, g_row,
                                   R)
@@ -170,7 +170,7 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
             tb_raw, sb_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + NG, P, G,
                                         r_bot, R)
             if tile + NG < num_tiles:  # the buffer of the last tile is free: gather the next
-                gather(smem, q, h, g_row, g_half, t_g, q_buf0 + (1 - buf) * QBUF)
+                gather(smem, q, h, tid, t_g, q_buf0 + (1 - buf) * QBUF)
             commit()
 
             # S = Q Kᵀ (raw scores, fp32 registers).
