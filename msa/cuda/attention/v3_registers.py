@@ -128,8 +128,8 @@ def k1_kernel_v3(block_size: int, head_dim: int, group: int, positions: int, bf1
         t_raw, s_raw = load_entry(q_indices, slots, h, q_begin, q_count, grp + NG, P, G, g_row,
                                   R)
         # K/V came from every thread of the CTA: one CTA barrier before the tiles. After it a
-        # warp reads only Q rows it gathered itself (thread tid copies half of row tid // 2,
-        # and warp w's A fragments are rows 16 w .. 16 w + 15), so a tile needs no barrier
+        # warp reads only Q rows it gathered itself (gather copies warp w's rows 16 w .. 16 w +
+        # 15, and warp w's A fragments are those rows), so a tile needs no barrier
         # across warps: each warp waits for its own copies and syncs its lanes.
         # Before the barrier each thread cleans the V words it copied (non-finite -> +0) and
         # the barrier ORs whether any thread met one: masking by selection (_tile.clean_v).
