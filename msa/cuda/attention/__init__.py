@@ -34,7 +34,10 @@ v    idea                                        default where           verdict
                                                                          16-byte stores
 4    v3 on ``wgmma``: K and V read by the        compute capability 9.0  K1 3.9-4.2 ms; the sparse
      tensor cores from shared memory as 8 x 8    (H100, H200)            attention at 128K 41.4 ms,
-     core matrices (``v4_wgmma``)                                        204 TFLOP/s
+     core matrices (``v4_wgmma``)                                        204 TFLOP/s; H100, the
+                                                                         coalesced Q gather (O23):
+                                                                         K1 3.14 ms at 32K, 39.4 ms
+                                                                         at 128K, 2.40x fla-core
 ===  ==========================================  ======================  ==========================
 
 v3 and v4 share their tile (``_tile``: the Q gather, the mask and the softmax in registers, the

@@ -71,9 +71,9 @@ v    idea (file)                 default where                         verdict
                                  selection passes 4 GiB; its
                                  dk_idx for v3 on fp16 or
                                  ``Bk > 128``
-3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H100 (78daa91): 18.65 ms
-     the work in registers; was  too (as every visible block           at 32K, 65.48 at 128K,
-     v4 (``v3_student``,         selected) (sm_80 and later:           1.50x / 1.45x the
+3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H100 (2963e9c): 15.07 ms
+     the work in registers; was  too (as every visible block           at 32K, 51.38 at 128K,
+     v4 (``v3_student``,         selected) (sm_80 and later:           1.44x / 1.28x the
      ``v3_tensor_cores``,        ``mma.sync``, ``cp.async``; the       attention forward; the
      ``v3_dk_idx``)              teacher on ``wgmma`` on sm_90)        warmup 6.87 s at 128K (H100)
 ===  ==========================  ====================================  ==========================
