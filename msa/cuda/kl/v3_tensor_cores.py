@@ -349,7 +349,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     @cuda.jit(device=True, inline=True)
     def lse_log2(x):
         """A head's LSE in log2 units, an empty support's (``-inf``) as 0."""
-        return finite_or_zero(x) * float32(LOG2E)
+        return finite_or_zero(x) * log2e
 
     @cuda.jit(device=True, inline=True)
     def student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
