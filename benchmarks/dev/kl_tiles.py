@@ -5,9 +5,10 @@
         --min-positions 1
 
 ``bench_kl``'s problem (paper configuration, bf16, the local block and 15 earlier blocks drawn
-uniformly). For each height ``msa.cuda.kl.v3_tensor_cores.TILE_ROWS`` is set before the plan is
-made (a dev knob, not an API: ``tensor_core_tiles`` reads it per call), and for each
-``--teacher`` ``v3.TEACHER_WGMMA`` (``mma``: False, ``wgmma``: True, ``auto``: None); the tile
+uniformly; ``--pattern`` takes ``bench_attention``'s others). For each height
+``msa.cuda.kl.v3_tensor_cores.TILE_ROWS`` is set before the plan is made (a dev knob, not an
+API: ``tensor_core_tiles`` reads it per call), and for each ``--teacher``
+``v3.TEACHER_WGMMA`` (``mma``: False, ``wgmma``: True, ``auto``: None); the tile
 also keeps at least ``MIN_POSITIONS`` positions (8 by default: 128 rows at G = 16 whatever
 ``--rows`` says), which ``--min-positions`` sets, 1 to compare 4 positions with 8. A tile's rows
 are independent in every ``mma`` and every sum runs in the same order whatever the height, so
@@ -29,6 +30,7 @@ os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 def main(argv=None):
     import torch
 
+    from benchmarks.bench_attention import make_selection
     from benchmarks.bench_kl import BK, make_inputs, uniform_selection
     from benchmarks.common import cuda_time_ms, kernel_table, print_table, write_json
     from msa.cuda.attention import sparse_attention
@@ -41,6 +43,9 @@ def main(argv=None):
     ap.add_argument("--teacher", default="auto",
                     help="comma-separated teacher products per height: mma, wgmma, auto")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pattern", default="uniform",
+                    help="the selection: uniform (bench_kl's), sink+local+random or skewed "
+                         "(bench_attention's)")
     ap.add_argument("--min-positions", type=int, default=None,
                     help="positions a tile at least (default: the module's)")
     ap.add_argument("--table", action="store_true", help="print the kernel table per config")
@@ -57,7 +62,7 @@ def main(argv=None):
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         x = make_inputs(n)
-        I = uniform_selection(n)
+        I = uniform_selection(n) if args.pattern == "uniform" else make_selection(args.pattern, n)
         _, lse = sparse_attention(x["q"], x["k"], x["v"], I, x["cu"], x["cu"], BK,
                                   validate=False)
         lse = lse.float().contiguous()
@@ -70,7 +75,7 @@ def main(argv=None):
         for height, teacher in ((r, t) for r in heights for t in teachers):
             v3.TILE_ROWS = height
             v3.TEACHER_WGMMA = knob[teacher]
-            row = dict(case=f"N={n}", tile_rows=height, teacher=teacher)
+            row = dict(case=f"N={n}", pattern=args.pattern, tile_rows=height, teacher=teacher)
             try:
                 got = list(call())  # kl, loss, dq_idx, dk_idx: torch tensors
             except Exception as e:  # a height that does not compile or launch: say so
@@ -82,9 +87,10 @@ def main(argv=None):
                 first = got
                 if args.save:
                     os.makedirs(args.save, exist_ok=True)
-                    torch.save([t.cpu() for t in got], os.path.join(args.save, f"{n}.pt"))
+                    torch.save([t.cpu() for t in got],
+                               os.path.join(args.save, f"{n}-{args.pattern}.pt"))
             if args.against:
-                other = torch.load(os.path.join(args.against, f"{n}.pt"))
+                other = torch.load(os.path.join(args.against, f"{n}-{args.pattern}.pt"))
                 row["bitwise_vs_against"] = all(torch.equal(a.cpu(), b)
                                                 for a, b in zip(got, other))
                 # largest difference relative to each output's largest magnitude

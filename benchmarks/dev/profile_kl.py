@@ -4,7 +4,8 @@ forward on the same selection (torch.profiler, CUDA).
     source .gpu/env.sh && python3 -m benchmarks.dev.profile_kl [N ...]
 
 ``bench_kl``'s problem (paper configuration, bf16, one causal sequence of N tokens, the local
-block and 15 earlier blocks drawn uniformly; default 32K and 128K), the default kernels. Prints
+block and 15 earlier blocks drawn uniformly, or ``--pattern`` one of ``bench_attention``'s; default
+32K and 128K), the default kernels. Prints
 the wall time of each call and the per-kernel CUDA time tables, which split the KL into its
 passes (the student's LSE, the grad pass, ``dk_idx``, the CSR and schedule). With ``--ncu`` it
 runs each call once and nothing else, for ``ncu --profile-from-start off``
@@ -20,10 +21,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sizes", nargs="*", type=int, default=[32768, 131072])
     p.add_argument("--ncu", action="store_true", help="one profiled call each, no tables")
+    p.add_argument("--pattern", default="uniform",
+                   help="the selection: uniform (bench_kl's), sink+local+random or skewed "
+                        "(bench_attention's)")
     args = p.parse_args(argv)
 
     import torch
 
+    from benchmarks.bench_attention import make_selection
     from benchmarks.bench_kl import BK, make_inputs, uniform_selection
     from benchmarks.common import kernel_table
     from msa.cuda.attention import sparse_attention
@@ -31,7 +36,7 @@ def main(argv=None):
 
     for n in args.sizes:
         x = make_inputs(n)
-        I = uniform_selection(n)
+        I = uniform_selection(n) if args.pattern == "uniform" else make_selection(args.pattern, n)
 
         def attention():
             return sparse_attention(x["q"], x["k"], x["v"], I, x["cu"], x["cu"], BK,
@@ -53,7 +58,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStop()
                 continue
-            kernel_table(call, f"n={n} {name}")
+            kernel_table(call, f"n={n} {args.pattern} {name}")
 
 
 if __name__ == "__main__":
