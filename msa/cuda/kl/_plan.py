@@ -394,8 +394,8 @@ class Plan:
                 continue
             qi_words = self.q_idx[t0:t1].view(np.uint32)
             kernel = v3dk.kl_kernel_keys(self.block_size, self.d_idx, is_aligned16(qi_words))
-            _, _, _, smem, dims = v3dk.keys_layout(self.block_size, self.d_idx)
-            launch_smem(kernel, sub.rows * (self.d_idx // dims), 2 * self.block_size, smem,
+            _, _, _, smem, dims, threads = v3dk.keys_layout(self.block_size, self.d_idx)
+            launch_smem(kernel, sub.rows * (self.d_idx // dims), threads, smem,
                         qi_words, ds, row_ptr, q_indices, slots, d_cu[1], d_rows,
                         np.float32(self.index_scale), dk[k_lo:k_hi])
 

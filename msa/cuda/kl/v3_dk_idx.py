@@ -26,23 +26,34 @@ from ._state import kahan_add, sequence_of
 from .._core.diskcache import kernel_jit
 
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
-KEYS_DIMS = 64  # dims of dk_idx per CTA (a grid axis): 3 x 32 accumulators per lane
+KEYS_DIMS = 64  # dims of dk_idx per warp: 3 x 32 accumulators per lane
+KEYS_WARPS = 16  # warps a CTA at most (128 registers a thread)
 
 
 def keys_layout(block_size, index_dim):
-    """The dk_idx kernel's shared memory: ``(LDE, LDQ, OFF_Q, bytes, dims)``. Words: three bf16
-    planes (hi, mid, lo) x two buffers of E entries x ``Bk/2 + 4``, then two buffers of E index
-    query rows of the CTA's ``dims`` dims (``dims/2 + 4`` words each)."""
-    dims = min(KEYS_DIMS, index_dim)
+    """The dk_idx kernel's geometry: ``(LDE, LDQ, OFF_Q, bytes, dims, threads)``.
+
+    A warp owns 16 keys and ``KEYS_DIMS`` dims; a CTA the whole key block and as many warps of
+    dims as ``KEYS_WARPS`` allow (``dims`` dims: all of them at the paper's Bk = Didx = 128, 16
+    warps), so that each ``dS`` row is read and split once; more dims are a grid axis. Shared
+    memory (words): three bf16 planes (hi, mid, lo) x two buffers of E entries x ``Bk/2 + 4``,
+    then two buffers of E index query rows of the CTA's ``dims`` dims (``dims/2 + 4`` words
+    each)."""
+    warp_dims = min(KEYS_DIMS, index_dim)
+    key_warps = block_size // 16
+    parts = max(1, index_dim // warp_dims)
+    per_cta = max(c for c in range(1, parts + 1)
+                  if parts % c == 0 and (c == 1 or c * key_warps <= KEYS_WARPS))
+    dims = per_cta * warp_dims
     lde = block_size // 2 + 4
     ldq = dims // 2 + 4
     off_q = 6 * KEYS_ENTRIES * lde
-    return lde, ldq, off_q, 4 * (off_q + 2 * KEYS_ENTRIES * ldq), dims
+    return lde, ldq, off_q, 4 * (off_q + 2 * KEYS_ENTRIES * ldq), dims, 32 * key_warps * per_cta
 
 
 def keys_supported(kind, block_size, index_dim):
     """The kernel needs bf16 (fp16 planes would underflow: ``dS`` is ``coef`` times
-    a probability difference), at most 8 warps of 16 keys and whole CTAs of dims."""
+    a probability difference), at most 8 warps of 16 keys and whole warps of dims."""
     dims = min(KEYS_DIMS, index_dim)
     return (kind == "bfloat16" and block_size % 16 == 0 and block_size <= 128
             and index_dim % 16 == 0 and index_dim % dims == 0)
@@ -51,23 +62,24 @@ def keys_supported(kind, block_size, index_dim):
 @functools.lru_cache(maxsize=None)
 def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
     """Backward pass 2: ``dk_idx[key, d] += s_idx sum_{r, (t, s)} dS[t, r, s, key]
-    q_idx[t, r, d]`` for one key block and ``dims`` dims per CTA, on tensor cores.
+    q_idx[t, r, d]`` for one key block and ``dims`` dims per CTA (``keys_layout``), on tensor
+    cores.
 
     The row's CSR entries of every group, in order, 32 at a time: their ``dS`` rows (fp32,
     from the buffer) are split into ``hi + mid + lo`` bf16 planes (exact: 3 x 8 significand
     bits) stored entry-major, their index queries copied by ``cp.async``; warp ``w`` owns keys
-    ``16w .. 16w + 15``: ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma
-    per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
+    ``16 (w % NW) ..`` + 15 and ``KEYS_DIMS`` dims from ``KEYS_DIMS (w // NW)`` of the CTA's:
+    ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
     folds its runs. The next step's ``dS`` rows are loaded into registers and its queries
     copied while this step computes."""
     mma_pair_bf16 = make_mma_pair(mma_bf16_m16n8k16)
     Bk, DI = block_size, index_dim
-    NW = Bk // 16
-    NT = 32 * NW
+    NW = Bk // 16  # warps along the keys
     E = KEYS_ENTRIES
-    LDE, LDQ, OFF_Q, _, DPC = keys_layout(Bk, DI)
-    assert Bk % 16 == 0 and NW <= _mma.MAX_WARPS and DPC % 16 == 0
-    NN = DPC // 8
+    LDE, LDQ, OFF_Q, _, DPC, NT = keys_layout(Bk, DI)
+    WD = min(KEYS_DIMS, DI)  # dims a warp
+    assert Bk % 16 == 0 and NW <= _mma.MAX_WARPS and WD % 16 == 0 and DPC % WD == 0
+    NN = WD // 8
     ACC = 4 * NN
     PLANE = E * LDE  # words per plane buffer
     QB = E * LDQ
@@ -79,10 +91,8 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
     copy16 = cp_async16 if use_async else copy16_plain3
     commit = cp_async_commit if use_async else no_op
     wait_all = cp_async_wait_all if use_async else no_op
-    # two CTAs an SM where registers would allow fewer (the paper's Bk = 128: 8 warps, 129
-    # registers uncapped, 128 capped; shared memory holds three)
-    regs = 65536 // (2 * NT) // 8 * 8
-    options = {} if SIMULATOR or regs >= 255 else {"max_registers": regs}
+    # 16 warps an SM (the paper's Bk = Didx = 128: one CTA; 129 registers uncapped)
+    options = {} if SIMULATOR else {"max_registers": 65536 // (32 * KEYS_WARPS)}
 
     @cuda.jit(device=True, inline=True)
     def entry(q_indices, slots, r, first, count, e, tq, topk):
@@ -108,7 +118,8 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
         dsr = cuda.local.array(DSR, float32)
         afr = cuda.local.array(12, uint32)  # A fragments of the three planes
         tid = cuda.threadIdx.x
-        warp = tid // 32
+        kw = (tid // 32) % NW  # the warp's 16 keys
+        dw = (tid // 32) // NW * WD  # and its dims, from the CTA's d0
         lane = tid % 32
         g4 = lane // 4
         t4 = lane % 4
@@ -127,9 +138,9 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
             comp[i] = float32(0.0)
         # ldmatrix row addresses: A = dSᵀ from the entry-major planes (matrices: entries 0-7 /
         # 8-15 x keys 0-7 / 8-15 of the warp's 16), B = Q_idx as K1's V (.trans)
-        a_lane = ((lane & 7) + 8 * (lane >> 4)) * LDE + 4 * ((lane >> 3) & 1) + 8 * warp
+        a_lane = ((lane & 7) + 8 * (lane >> 4)) * LDE + 4 * ((lane >> 3) & 1) + 8 * kw
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
-        b_lane = OFF_Q + l_rows * LDQ + (lane >> 4) * 4
+        b_lane = OFF_Q + l_rows * LDQ + (lane >> 4) * 4 + dw // 2
         for r in range(hkv):
             first = int(row_ptr[r, row])
             count = int(row_ptr[r, row + 1]) - first
@@ -212,11 +223,11 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
                                     xb = xb - bf16_to_f32(word >> uint32(16))
                 wait_all()
                 cuda.syncthreads()
-        # C layout: keys 16w + g4 (+8), dims 8n + 2t4 (+1)
+        # C layout: keys 16 kw + g4 (+8), dims dw + 8n + 2t4 (+1)
         for n in range(NN):
             for e in range(4):
-                key = 16 * warp + g4 + 8 * (e // 2)
-                d = d0 + 8 * n + 2 * t4 + e % 2
+                key = 16 * kw + g4 + 8 * (e // 2)
+                d = d0 + dw + 8 * n + 2 * t4 + e % 2
                 if key < nk:
                     dk[key0 + kk0 + key, d] += (tot[4 * n + e] - comp[4 * n + e]) * index_scale
 
