@@ -15,7 +15,7 @@ from .._core.launch import kernel_array, launch_smem
 from .._core.memops import is_aligned16
 from .._core.packed import LOG2E
 from .._core.streams import stream
-from ..csr import launch_build_csr, launch_slot_mask, mask_words
+from ..csr import exclusive_prefix_sum, launch_build_csr, launch_slot_mask, mask_words
 from ..schedule import launch_rows, launch_schedule
 from . import v1_thread_rows as v1
 from . import v2_cta_rows as v2
@@ -392,12 +392,32 @@ class Plan:
                                  sub.rows, coef, self.q_idx[t0:t1], self.k_idx[k_lo:k_hi],
                                  dk[k_lo:k_hi])
                 continue
-            qi_words = self.q_idx[t0:t1].view(np.uint32)
-            kernel = v3dk.kl_kernel_keys(self.block_size, self.d_idx, is_aligned16(qi_words))
-            _, _, _, smem, dims, threads = v3dk.keys_layout(self.block_size, self.d_idx)
-            launch_smem(kernel, sub.rows * (self.d_idx // dims), threads, smem,
-                        qi_words, ds, row_ptr, q_indices, slots, d_cu[1], d_rows,
-                        np.float32(self.index_scale), dk[k_lo:k_hi])
+            self.launch_keys_tensor_cores(row_ptr, q_indices, slots, ds, d_cu[1], d_rows,
+                                          sub.rows, tc, t0, t1, dk[k_lo:k_hi])
+
+    def launch_keys_tensor_cores(self, row_ptr, q_indices, slots, ds, cu_k, d_rows, rows, tc,
+                                 t0, t1, dk):
+        """dk_idx of a query chunk from its dS buffer (``v3_dk_idx``): the CSR rows cut into
+        parts of at most ``KEYS_PART_ENTRIES`` entries (a scan of their counts, no host read;
+        the grid sized by a bound: ``rows + entries / part`` parts), a CTA a part, then the
+        rows of several parts summed from their scratch slots in part order."""
+        ctx = self.ctx
+        ps = v3dk.KEYS_PART_ENTRIES
+        entries = tc * self.hkv * self.topk  # every (query, group) holds at most K entries
+        parts = ctx.empty((2, rows), np.int32)
+        v3dk.keys_parts_kernel[-(-rows // v3dk.SUM_THREADS), v3dk.SUM_THREADS, stream()](
+            row_ptr, np.int64(ps), ctx.arg(parts))
+        part_ptr = kernel_array(exclusive_prefix_sum(parts, validate=False))
+        dk_part = ctx.arg(ctx.empty((max(1, 2 * (entries // ps)),
+                                     self.block_size * self.d_idx), np.float32))
+        qi_words = self.q_idx[t0:t1].view(np.uint32)
+        kernel = v3dk.kl_kernel_keys(self.block_size, self.d_idx, is_aligned16(qi_words))
+        _, _, _, smem, dims, threads = v3dk.keys_layout(self.block_size, self.d_idx)
+        launch_smem(kernel, (rows + entries // ps) * (self.d_idx // dims), threads, smem,
+                    qi_words, ds, row_ptr, q_indices, slots, cu_k, d_rows, part_ptr,
+                    np.int64(ps), np.float32(self.index_scale), dk, dk_part)
+        v3dk.keys_sum_kernel(self.block_size, self.d_idx)[rows, v3dk.SUM_THREADS, stream()](
+            part_ptr, d_rows, cu_k, dk_part, dk)
 
 
 def _row_offsets(batch):

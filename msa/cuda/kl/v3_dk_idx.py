@@ -28,6 +28,12 @@ from .._core.diskcache import kernel_jit
 KEYS_ENTRIES = 32  # CSR entries staged per step (two k-steps of 16)
 KEYS_DIMS = 64  # dims of dk_idx per warp: 3 x 32 accumulators per lane
 KEYS_WARPS = 16  # warps a CTA at most (128 registers a thread)
+# CSR entries a CTA at most (a part of a row; the rows' entries over every group): a hot row
+# (a sink block every query picks: Tq Hkv entries) is cut into parts that run side by side and
+# write scratch slots, which keys_sum_kernel adds in part order. A multiple of KEYS_ENTRIES;
+# small in the simulator, so that its tests cut rows too.
+KEYS_PART_ENTRIES = 64 if SIMULATOR else 4096
+SUM_THREADS = 32 if SIMULATOR else 128  # keys_sum_kernel's CTA
 
 
 def keys_layout(block_size, index_dim):
@@ -110,7 +116,7 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
 
     @kernel_jit(**options)
     def _kl_kernel_keys_v3(q_idx, ds, row_ptr, q_indices, slots, cu_k, row_offsets,
-                           index_scale, dk):
+                           part_ptr, part_size, index_scale, dk, dk_part):
         smem = dynamic_smem_u32()
         acc = cuda.local.array(ACC, float32)
         tot = cuda.local.array(ACC, float32)
@@ -127,8 +133,16 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
         tq = q_idx.shape[0]
         topk = ds.shape[2]
         nd = DI // DPC
-        row = cuda.blockIdx.x // nd
+        pid = cuda.blockIdx.x // nd  # the part of a row (keys_parts_kernel) this CTA takes
         d0 = (cuda.blockIdx.x % nd) * DPC
+        rows = part_ptr.shape[1] - 1
+        if pid >= part_ptr[0, rows]:
+            return  # past the last part (the grid is sized by a bound)
+        row = sequence_of(part_ptr[0], pid)
+        part = pid - part_ptr[0, row]
+        nparts = part_ptr[0, row + 1] - part_ptr[0, row]
+        lo = part * part_size  # the part: entries lo .. lo + part_size - 1 of the row, its
+        # groups' entries one after the other
         b = sequence_of(row_offsets, row)
         kk0 = (row - int(row_offsets[b])) * Bk
         key0 = int(cu_k[b])
@@ -141,13 +155,21 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
         a_lane = ((lane & 7) + 8 * (lane >> 4)) * LDE + 4 * ((lane >> 3) & 1) + 8 * kw
         l_rows = ((lane >> 3) & 1) * 8 + (lane & 7)
         b_lane = OFF_Q + l_rows * LDQ + (lane >> 4) * 4 + dw // 2
+        before = 0  # entries of the row's groups before r
         for r in range(hkv):
             first = int(row_ptr[r, row])
-            count = int(row_ptr[r, row + 1]) - first
+            count = max(int(row_ptr[r, row + 1]) - first, 0)
+            e0 = min(max(lo - before, 0), count)  # the part's entries in group r
+            e1 = min(max(lo + part_size - before, 0), count)
+            before += count
+            first += e0
+            count = e1 - e0
+            if count <= 0:
+                continue  # (uniform over the CTA: no barrier skipped by some threads only)
             steps = (count + E - 1) // E
             ru = uint64(r)
             fu = uint64(first)
-            cu = uint64(max(count, 0))  # (a malformed row's negative count reads nothing)
+            cu = uint64(count)
             for st in range(steps + 1):
                 # step st - 1 computes from buffer (st - 1) % 2 while step st is staged into
                 # st % 2: its index queries by cp.async, its dS rows into registers
@@ -223,12 +245,63 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
                                     xb = xb - bf16_to_f32(word >> uint32(16))
                 wait_all()
                 cuda.syncthreads()
-        # C layout: keys 16 kw + g4 (+8), dims dw + 8n + 2t4 (+1)
+        # C layout: keys 16 kw + g4 (+8), dims dw + 8n + 2t4 (+1); a row of several parts
+        # writes its scratch slot (keys_sum_kernel adds them in part order)
+        slot = part_ptr[1, row] + part
         for n in range(NN):
             for e in range(4):
                 key = 16 * kw + g4 + 8 * (e // 2)
                 d = d0 + dw + 8 * n + 2 * t4 + e % 2
                 if key < nk:
-                    dk[key0 + kk0 + key, d] += (tot[4 * n + e] - comp[4 * n + e]) * index_scale
+                    x = (tot[4 * n + e] - comp[4 * n + e]) * index_scale
+                    if nparts == 1:
+                        dk[key0 + kk0 + key, d] += x
+                    else:
+                        dk_part[slot, key * DI + d] = x
 
     return _kl_kernel_keys_v3
+
+
+@kernel_jit
+def keys_parts_kernel(row_ptr, part_size, parts):
+    """``parts [2, rows]``: ``parts[0, row] = ceil(n / part_size)`` for the row's ``n`` CSR
+    entries over every group, and ``parts[1, row]`` the same where it is above 1 (the row's
+    scratch slots), else 0; a thread a row."""
+    row = cuda.grid(1)
+    rows = row_ptr.shape[1] - 1
+    if row >= rows:
+        return
+    n = 0
+    for r in range(row_ptr.shape[0]):
+        n += max(0, row_ptr[r, row + 1] - row_ptr[r, row])
+    count = (n + part_size - 1) // part_size
+    parts[0, row] = count
+    parts[1, row] = count if count > 1 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def keys_sum_kernel(block_size: int, index_dim: int):
+    """``dk_idx`` of the rows cut into several parts: a CTA a row adds the parts' scratch
+    slots ``dk_part [slots, Bk * Didx]`` in part order (a compensated sum, as the parts'
+    own), a thread an element (coalesced)."""
+    Bk, DI = block_size, index_dim
+
+    @kernel_jit
+    def _kl_kernel_keys_sum(part_ptr, row_offsets, cu_k, dk_part, dk):
+        row = cuda.blockIdx.x
+        nparts = part_ptr[0, row + 1] - part_ptr[0, row]
+        if nparts <= 1:
+            return
+        b = sequence_of(row_offsets, row)
+        kk0 = (row - int(row_offsets[b])) * Bk
+        key0 = int(cu_k[b]) + kk0
+        nk = min(Bk, int(cu_k[b + 1]) - int(cu_k[b]) - kk0)
+        slot0 = part_ptr[1, row]
+        for i in range(cuda.threadIdx.x, nk * DI, cuda.blockDim.x):
+            tot = float32(0.0)
+            comp = float32(0.0)
+            for part in range(nparts):
+                tot, comp = kahan_add(tot, comp, dk_part[slot0 + part, i])
+            dk[key0 + i // DI, i % DI] += tot - comp
+
+    return _kl_kernel_keys_sum

@@ -108,10 +108,12 @@ def variants():
             name = (f"v3.{'grad' if grads else 'kl'}.{'bf16' if bf16 else 'f16'}.g{g}.p{p}"
                     f".bk{bk}.d128.di128.wgmma")
             yield name, v3.kl_kernel_grad(bf16, bk, 128, 128, g, p, True, grads, True), grad_sig
-    keys_tc_sig = (w3, f4, i2, i2, i2, cu, cu, f32, f2)
+    keys_tc_sig = (w3, f4, i2, i2, i2, cu, cu, i2, i64, f32, f2, f2)
     for bk, di, aligned in ((128, 128, True), (128, 128, False), (32, 32, True), (16, 16, True)):
         yield (f"v3.keys.bf16.bk{bk}.di{di}{'' if aligned else '.plain'}",
                v3dk.kl_kernel_keys(bk, di, aligned), keys_tc_sig)
+    yield "v3.keys_parts", v3dk.keys_parts_kernel, (i2, i64, i2)
+    yield "v3.keys_sum.bk128.di128", v3dk.keys_sum_kernel(128, 128), (i2, cu, cu, f2, f2)
     yield "v3.combine_states", _common.kl_kernel_combine_states, (f4, I3, i64, b1, f2)
     yield "v3.combine_kl", _common.kl_kernel_combine_kl, (f4, I3, i64, f2)
     yield "v3.combine_dq", _common.kl_kernel_combine_dq, (f4, I3, i64, f3)
