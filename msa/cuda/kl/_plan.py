@@ -416,8 +416,8 @@ class Plan:
         launch_smem(kernel, (rows + entries // ps) * (self.d_idx // dims), threads, smem,
                     qi_words, ds, row_ptr, q_indices, slots, cu_k, d_rows, part_ptr,
                     np.int64(ps), np.float32(self.index_scale), dk, dk_part)
-        v3dk.keys_sum_kernel(self.block_size, self.d_idx)[rows, v3dk.SUM_THREADS, stream()](
-            part_ptr, d_rows, cu_k, dk_part, dk)
+        summed, slices = v3dk.keys_sum_kernel(self.block_size, self.d_idx)
+        summed[rows * slices, v3dk.SUM_THREADS, stream()](part_ptr, d_rows, cu_k, dk_part, dk)
 
 
 def _row_offsets(batch):

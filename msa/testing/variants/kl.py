@@ -113,7 +113,7 @@ def variants():
         yield (f"v3.keys.bf16.bk{bk}.di{di}{'' if aligned else '.plain'}",
                v3dk.kl_kernel_keys(bk, di, aligned), keys_tc_sig)
     yield "v3.keys_parts", v3dk.keys_parts_kernel, (i2, i64, i2)
-    yield "v3.keys_sum.bk128.di128", v3dk.keys_sum_kernel(128, 128), (i2, cu, cu, f2, f2)
+    yield "v3.keys_sum.bk128.di128", v3dk.keys_sum_kernel(128, 128)[0], (i2, cu, cu, f2, f2)
     yield "v3.combine_states", _common.kl_kernel_combine_states, (f4, I3, i64, b1, f2)
     yield "v3.combine_kl", _common.kl_kernel_combine_kl, (f4, I3, i64, f2)
     yield "v3.combine_dq", _common.kl_kernel_combine_dq, (f4, I3, i64, f3)
