@@ -43,7 +43,8 @@ Backward (eq 10-11): ``dS_j = g (P^idx_j - P_j) / (Tq Hkv)`` on the support,
 then computes the teacher and ``dS`` once, writing ``dS`` of every selected block to a buffer
 ``[Tq, Hkv, K, Bk]`` (0 on hidden keys) and summing ``dq_idx``; ``dk_idx`` is then summed
 KV-outer from the buffer over the queries of the key block's k2q CSR row
-(``msa.cuda.csr.build_csr``), in CSR order. In the warmup (the support is the whole causal
+(``msa.cuda.csr.build_csr``), in CSR order (v3: a hot row in parts, their sums added in part
+order, ``msa.cuda.kl.v3_dk_idx``). In the warmup (the support is the whole causal
 past) v3 writes that support as a selection, every block up to the query's own in ``K = NB``
 slots (int32 ``[Tq, Hkv, NB]``, 2 GiB at 128K tokens in the paper configuration), and runs the
 path above on it; v1 and v2 keep no buffer there: a key visits every later query of its
@@ -71,9 +72,9 @@ v    idea (file)                 default where                         verdict
                                  selection passes 4 GiB; its
                                  dk_idx for v3 on fp16 or
                                  ``Bk > 128``
-3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H100 (2963e9c): 15.07 ms
-     the work in registers; was  too (as every visible block           at 32K, 51.38 at 128K,
-     v4 (``v3_student``,         selected) (sm_80 and later:           1.44x / 1.28x the
+3    KV-outer on tensor cores,   fp16/bf16 otherwise, the warmup       H200 (4cbaf1f): 14.98 ms
+     the work in registers; was  too (as every visible block           at 32K, 51.62 at 128K,
+     v4 (``v3_student``,         selected) (sm_80 and later:           1.35x / 1.45x the
      ``v3_tensor_cores``,        ``mma.sync``, ``cp.async``; the       attention forward; the
      ``v3_dk_idx``)              teacher on ``wgmma`` on sm_90)        warmup 6.87 s at 128K (H100)
 ===  ==========================  ====================================  ==========================

@@ -5,10 +5,18 @@ the ``dS`` buffer of the grad pass (``msa.cuda.kl.v3_tensor_cores``), in CSR ord
 the mma's products are those of fp32; each step's 32 entries (6 mma deep) are folded into a
 Kahan-compensated total, as v2 folds its runs. fp16 planes would underflow (``dS`` is ``coef``
 times a probability difference): fp16 inputs, and blocks over 128 keys, take v2's kernel.
-Measured on the H200 (95f9895, the paper configuration, 32K): 2.8 ms against v2's 22 ms. With
-the step's staging in unsigned arithmetic (65d251d, 128 registers, two CTAs an SM), on an H100:
-3.08 ms at 32K and 7.71 at 128K, against 2.82 and 11.5 before (torch.profiler,
-``benchmarks.dev.kl_tiles``).
+
+A CTA takes a part of a key block's CSR row (the row's groups' entries one after another, at
+most ``KEYS_PART_ENTRIES``) and every dim (``keys_layout``: 16 warps at the paper's Bk = Didx =
+128, 8 along the keys x 2 of 64 dims), so each ``dS`` row is read and split once. A row of one
+part adds into ``dk_idx``; the parts of a longer row (a sink block that every query picks holds
+``Tq Hkv`` entries) run side by side and write scratch slots that ``keys_sum_kernel`` adds in
+part order (``keys_parts_kernel`` and a scan find the parts on the device). Against a CTA a
+whole row and 64 dims (two CTAs of 8 warps an SM), ``kl_loss_and_backward`` on an H200
+(``benchmarks.dev.kl_tiles``, one call; the parts then summed a CTA a row): 52.34 -> 51.90 ms at
+128K and 16.08 -> 14.56 at 32K on ``bench_kl``'s uniform selection; on ``bench_attention``'s
+sink+local+random (in a tree that also held a student-pass change with bitwise the same
+outputs) 95.08 -> 53.64 and 25.19 -> 14.66: the sink row on one CTA outlasted the whole pass.
 """
 
 from __future__ import annotations

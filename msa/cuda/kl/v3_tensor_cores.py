@@ -15,10 +15,10 @@ item loads the key block once and walks the item's queries in tiles. Three passe
   exact 16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the
   paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
   only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
-* ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per key
-  block and 64 dims, the CSR row's ``dS`` rows split into three bf16 planes (exact),
-  ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``), 32 entries a step folded into a Kahan sum, the
-  next step staged while one computes.
+* ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per part
+  of a key block's CSR row (a hot row cut into parts summed in order after), every dim, the
+  ``dS`` rows split into three bf16 planes (exact), ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``),
+  32 entries a step folded into a Kahan sum, the next step staged while one computes.
 
 Non-finite keys (docs/design.md §3: a query's ``kl`` and ``dq_idx`` never depend on a key it
 cannot see). The scores ``S = Q Kᵀ`` and ``S^idx = Q_idx K_idxᵀ`` give each key its own column,
