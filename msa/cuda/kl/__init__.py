@@ -81,9 +81,10 @@ v    idea (file)                 default where                         verdict
 
 The old v3 (KV-outer, the teacher's scores staged through 185 KB of shared memory; 92.9 ms at
 32K) is gone: no input ran it by default (where its smaller tiles fitted and v3's did not, the
-default raised; such inputs, ``D + Didx`` from about 272 up, now run v2). All accumulate in fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits),
-any ``G`` (v3: 1, 2, 4, 8, 16). ``lse=None`` (the teacher's LSE computed here, a convenience)
-adds one pass, one thread per (query, head).
+default raised; such inputs, ``D + Didx`` from about 272 up, now run v2). All accumulate in
+fp32; inputs fp32/fp16/bf16 (bf16 as uint16 bits), any ``G`` (v3: 1, 2, 4, 8, 16).
+``lse=None`` (the teacher's LSE computed here, a convenience) adds one pass, one thread per
+(query, head).
 
 Memory: the ``dS`` buffer is ``Tq*Hkv*K*Bk`` float32 (4 GiB at 128K tokens in the paper
 configuration; v3 adds the ``dq_idx`` partials, ``Tq*Hkv*K*Didx``). ``kl_backward`` processes

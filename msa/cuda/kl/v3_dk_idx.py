@@ -82,10 +82,13 @@ def kl_kernel_keys(block_size: int, index_dim: int, use_async: bool = True):
     The row's CSR entries of every group, in order, 32 at a time: their ``dS`` rows (fp32,
     from the buffer) are split into ``hi + mid + lo`` bf16 planes (exact: 3 x 8 significand
     bits) stored entry-major, their index queries copied by ``cp.async``; warp ``w`` owns keys
-    ``16 (w % NW) ..`` + 15 and ``KEYS_DIMS`` dims from ``KEYS_DIMS (w // NW)`` of the CTA's:
-    ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma per product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2
-    folds its runs. The next step's ``dS`` rows are loaded into registers and its queries
-    copied while this step computes."""
+    ``16 (w % NW) .. 16 (w % NW) + 15`` and the ``KEYS_DIMS`` dims from ``KEYS_DIMS (w // NW)``
+    of the CTA's: ``A = dSᵀ`` and ``B = Q_idx`` both by ``ldmatrix.trans``, three mma per
+    product. Each step's sum (6 mma deep) is folded into a Kahan-compensated total, as v2 folds
+    its runs. The next step's ``dS`` rows are loaded into registers and its queries copied while
+    this step computes. The CTA takes part ``pid`` of ``part_ptr[0]`` (``keys_parts_kernel``):
+    the row's entries ``pid_in_row * part_size ..`` over its groups in order; a row of one part
+    adds its sums into ``dk``, a row of several writes its scratch slot of ``dk_part``."""
     mma_pair_bf16 = make_mma_pair(mma_bf16_m16n8k16)
     Bk, DI = block_size, index_dim
     NW = Bk // 16  # warps along the keys
@@ -292,7 +295,8 @@ def keys_sum_kernel(block_size: int, index_dim: int):
     """``dk_idx`` of the rows cut into several parts: the parts' scratch slots ``dk_part
     [slots, Bk * Didx]`` added in part order (a compensated sum, as the parts' own), a thread
     an element, ``Bk * Didx / SUM_THREADS`` CTAs a row (a hot row's thread walks its tens of
-    parts; a CTA a row, each thread a hundred elements of a sink row, took 0.8 ms a chunk)."""
+    parts; a CTA a row, each thread a hundred elements of a sink row, took 0.8 ms a chunk).
+    Returns ``(kernel, CTAs a row)``."""
     Bk, DI = block_size, index_dim
     SLICES = -(-(Bk * DI) // SUM_THREADS)
 
