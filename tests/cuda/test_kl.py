@@ -263,18 +263,17 @@ def test_v3_hot_block_split_over_work_items():
     check(p, I[:, None, :].astype(np.int32), 3, "float16")
 
 
-@pytest.mark.parametrize("part", [32, 96])
-def test_v3_dk_idx_rows_cut_into_parts(monkeypatch, part):
+def test_v3_dk_idx_rows_cut_into_parts(monkeypatch):
     """dk_idx on tensor cores (bf16, ``v3_dk_idx``) of CSR rows longer than
-    ``KEYS_PART_ENTRIES``: block 0 chosen by every query of both groups (180 entries), cut into
-    parts whose scratch slots ``keys_sum_kernel`` adds in part order; parts of one step (32
-    entries) and of three (96: a part spanning both groups)."""
+    ``KEYS_PART_ENTRIES``: block 0 chosen by every query of both groups (120 entries), cut into
+    parts of one step (32 entries; the second spans the two groups) whose scratch slots
+    ``keys_sum_kernel`` adds in part order."""
     from msa.cuda.kl import v3_dk_idx as v3dk
 
-    monkeypatch.setattr(v3dk, "KEYS_PART_ENTRIES", part)
-    p = case_problem([90], [90], 4, 2, 16, 16, 16, 2, seed=3)
-    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, 90, 90, 16)
-    I = np.stack([np.zeros(90, np.int64), np.where(local > 0, local, -1)], axis=1)
+    monkeypatch.setattr(v3dk, "KEYS_PART_ENTRIES", 32)
+    p = case_problem([60], [60], 2, 2, 16, 16, 16, 2, seed=3)
+    local = local_blocks(p.cu_seqlens_q, p.cu_seqlens_k, 60, 60, 16)
+    I = np.stack([np.zeros(60, np.int64), np.where(local > 0, local, -1)], axis=1)
     check(p, np.repeat(I[:, None, :], 2, axis=1).astype(np.int32), 3, "bf16")
 
 

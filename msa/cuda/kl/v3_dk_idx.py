@@ -298,12 +298,14 @@ def keys_sum_kernel(block_size: int, index_dim: int):
     parts; a CTA a row, each thread a hundred elements of a sink row, took 0.8 ms a chunk).
     Returns ``(kernel, CTAs a row)``."""
     Bk, DI = block_size, index_dim
-    SLICES = -(-(Bk * DI) // SUM_THREADS)
+    # a thread an element on a GPU; in the simulator, where a CTA costs a Python thread a
+    # thread, a CTA a row walks the elements (the same additions)
+    SLICES = 1 if SIMULATOR else -(-(Bk * DI) // SUM_THREADS)
+    STRIDE = SLICES * SUM_THREADS
 
     @kernel_jit
     def _kl_kernel_keys_sum(part_ptr, row_offsets, cu_k, dk_part, dk):
         row = cuda.blockIdx.x // SLICES
-        i = (cuda.blockIdx.x % SLICES) * SUM_THREADS + cuda.threadIdx.x
         nparts = part_ptr[0, row + 1] - part_ptr[0, row]
         if nparts <= 1:
             return
@@ -311,13 +313,13 @@ def keys_sum_kernel(block_size: int, index_dim: int):
         kk0 = (row - int(row_offsets[b])) * Bk
         key0 = int(cu_k[b]) + kk0
         nk = min(Bk, int(cu_k[b + 1]) - int(cu_k[b]) - kk0)
-        if i >= nk * DI:
-            return
         slot0 = part_ptr[1, row]
-        tot = float32(0.0)
-        comp = float32(0.0)
-        for part in range(nparts):
-            tot, comp = kahan_add(tot, comp, dk_part[slot0 + part, i])
-        dk[key0 + i // DI, i % DI] += tot - comp
+        first = (cuda.blockIdx.x % SLICES) * SUM_THREADS + cuda.threadIdx.x
+        for i in range(first, nk * DI, STRIDE):
+            tot = float32(0.0)
+            comp = float32(0.0)
+            for part in range(nparts):
+                tot, comp = kahan_add(tot, comp, dk_part[slot0 + part, i])
+            dk[key0 + i // DI, i % DI] += tot - comp
 
     return _kl_kernel_keys_sum, SLICES
