@@ -367,9 +367,13 @@ class Plan:
         keys_tc = v3dk.keys_supported(self.kind, self.block_size, self.d_idx)
         for t0, t1, k_lo, k_hi, sub in self.chunks(per_query, max_ds_bytes):
             tc = t1 - t0
-            if bufs is None:
+            if bufs is None:  # sized by the first chunk, the longest
                 bufs = [ctx.arg(ctx.empty((n * tc * self.hkv * self.topk,), np.float32))
                         for n in (4, self.block_size, self.d_idx)]
+                if keys_tc:  # dk_idx's scratch slots of the rows cut into parts
+                    splits = 2 * (tc * self.hkv * self.topk // v3dk.KEYS_PART_ENTRIES)
+                    bufs.append(ctx.arg(ctx.empty((max(1, splits),
+                                                   self.block_size * self.d_idx), np.float32)))
             part = bufs[0][:4 * self.topk * tc * self.hkv].reshape(4, self.topk, tc, self.hkv)
             ds = bufs[1][:tc * self.hkv * self.topk * self.block_size].reshape(
                 tc, self.hkv, self.topk, self.block_size)
@@ -393,14 +397,15 @@ class Plan:
                                  dk[k_lo:k_hi])
                 continue
             self.launch_keys_tensor_cores(row_ptr, q_indices, slots, ds, d_cu[1], d_rows,
-                                          sub.rows, tc, t0, t1, dk[k_lo:k_hi])
+                                          sub.rows, tc, t0, t1, dk[k_lo:k_hi], bufs[3])
 
     def launch_keys_tensor_cores(self, row_ptr, q_indices, slots, ds, cu_k, d_rows, rows, tc,
-                                 t0, t1, dk):
+                                 t0, t1, dk, dk_part):
         """dk_idx of a query chunk from its dS buffer (``v3_dk_idx``): the CSR rows cut into
         parts of at most ``KEYS_PART_ENTRIES`` entries (a scan of their counts, no host read;
         the grid sized by a bound: ``rows + entries / part`` parts), a CTA a part, then the
-        rows of several parts summed from their scratch slots in part order."""
+        rows of several parts summed from their scratch slots ``dk_part`` (at least ``2
+        entries / part`` of them) in part order; no sum where no row can hold two parts."""
         ctx = self.ctx
         ps = v3dk.KEYS_PART_ENTRIES
         entries = tc * self.hkv * self.topk  # every (query, group) holds at most K entries
@@ -408,16 +413,16 @@ class Plan:
         v3dk.keys_parts_kernel[-(-rows // v3dk.SUM_THREADS), v3dk.SUM_THREADS, stream()](
             row_ptr, np.int64(ps), ctx.arg(parts))
         part_ptr = kernel_array(exclusive_prefix_sum(parts, validate=False))
-        dk_part = ctx.arg(ctx.empty((max(1, 2 * (entries // ps)),
-                                     self.block_size * self.d_idx), np.float32))
         qi_words = self.q_idx[t0:t1].view(np.uint32)
         kernel = v3dk.kl_kernel_keys(self.block_size, self.d_idx, is_aligned16(qi_words))
         _, _, _, smem, dims, threads = v3dk.keys_layout(self.block_size, self.d_idx)
         launch_smem(kernel, (rows + entries // ps) * (self.d_idx // dims), threads, smem,
                     qi_words, ds, row_ptr, q_indices, slots, cu_k, d_rows, part_ptr,
                     np.int64(ps), np.float32(self.index_scale), dk, dk_part)
-        summed, slices = v3dk.keys_sum_kernel(self.block_size, self.d_idx)
-        summed[rows * slices, v3dk.SUM_THREADS, stream()](part_ptr, d_rows, cu_k, dk_part, dk)
+        if entries > ps:
+            summed, slices = v3dk.keys_sum_kernel(self.block_size, self.d_idx)
+            summed[rows * slices, v3dk.SUM_THREADS, stream()](part_ptr, d_rows, cu_k, dk_part,
+                                                              dk)
 
 
 def _row_offsets(batch):
