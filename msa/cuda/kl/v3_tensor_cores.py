@@ -84,6 +84,22 @@ MIN_POSITIONS = 1 if SIMULATOR else 8
 TEACHER_WGMMA = None
 
 
+def planes_regions(positions):
+    """Regions of 16 rows that sE's three ``dS`` planes take: with at most 8 positions two (hi
+    in rows 0-7 and mid in rows 8-15 of the first, lo in rows 0-7 of the second), so that
+    ``dq_idx`` runs two mma a product, each an independent chain, where one plane a region ran
+    three in one chain, half their rows padding; else three (one plane a region of PP rows)."""
+    return 2 if positions <= 8 else 3
+
+
+def plane_offset(plane, positions, lde):
+    """Words from sE's start to row 0 of ``dS`` plane ``plane`` (0 hi, 1 mid, 2 lo)."""
+    pp = -(-positions // 16) * 16
+    if planes_regions(positions) == 2:
+        return (plane // 2) * pp * lde + (plane % 2) * 8 * lde
+    return plane * pp * lde
+
+
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
     """The grad kernel's shared memory: ``(LD, LDI, LDT, LDE), (OFF_KI, OFF_Q, OFF_QI, OFF_X,
     OFF_T, OFF_E), bytes``.
@@ -92,8 +108,9 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
     rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
     while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows
-    past P are zeros), sE three planes [PP rows of Bk/2 + 4] of 16-bit values (``hi + mid +
-    lo`` of each position's ``dS``, exact; rows past P zeros), the A operand of dq_idx.
+    past P are zeros), sE the three 16-bit planes ``hi + mid + lo`` of each position's ``dS``
+    (exact), the A operand of dq_idx, in ``planes_regions(P)`` regions [PP rows of Bk/2 + 4]
+    (zeros where no plane row is: ``plane_offset``).
     Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's
     positions; sT [Bk x LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row
     half) pairs of it (the dS loop would index its registers at run time), each element written
@@ -109,7 +126,7 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     off_x = off_qi + 2 * pp * ldi
     off_t = off_x + block_size * ldt
     off_e = off_t + block_size * ldt
-    total = off_e + 3 * pp * lde
+    total = off_e + planes_regions(positions) * pp * lde
     return (ld, ldi, ldt, lde), (off_ki, off_q, off_qi, off_x, off_t, off_e), 4 * total
 
 
@@ -183,7 +200,12 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     MT = PP // 16
     NPAIRS = Bk // 16
     STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
-    PLANE = PP * LDE  # words per dS plane
+    PLANE = PP * LDE  # words per region of sE
+    PACKED = planes_regions(P) == 2  # hi and mid share a region (rows 0-7, 8-15); lo the next
+    NE = planes_regions(P)
+    PLANE_OFF = (plane_offset(0, P, LDE), plane_offset(1, P, LDE), plane_offset(2, P, LDE))
+    ACC = 8 * NE if PACKED else 8  # dq_idx's accumulators: a set a region, or one set
+    AFR = 4 * NE  # A fragments, one m-tile a region
     NPD = DI // 16  # n-tile pairs of dq_idx (16 dims), dealt to the warps
     DQ_ITERS = -(-(MT * NPD) // NW)
     KP = Bk // 16  # k-steps of dq_idx = dS K_idx
@@ -218,7 +240,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     @cuda.jit(device=True, inline=True)
     def load_key_block(smem, k, k_idx, h, key0, nk, tid):
         """The key block into sK and sKi (K and K_idx; keys past the sequence are 0), and
-        zeros into the pad rows of both sQi buffers and of the dS planes (never rewritten)."""
+        zeros into the pad rows of both sQi buffers and into sE (where no plane row is, never
+        rewritten)."""
         hkv = k.shape[1]
         for e in range(tid, Bk * PIECES, NT):
             c = e // PIECES
@@ -237,9 +260,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             bb = e // ((PP - P) * PIECES_I)
             rr = P + (e // PIECES_I) % (PP - P)
             copy16_2d(smem, OFF_QI + bb * QIBUF + rr * LDI + (e % PIECES_I) * 4, k_idx, 0, 0)
-        for e in range(tid, 3 * (PP - P) * LDE, NT):
-            smem[OFF_E + (e // ((PP - P) * LDE)) * PLANE + P * LDE + e % ((PP - P) * LDE)] = \
-                uint32(0)
+        for e in range(tid, NE * PLANE, NT):  # rows no plane holds stay zero
+            smem[OFF_E + e] = uint32(0)
 
     @cuda.jit(device=True, inline=True)
     def first_bad_key(smem, nk, tid):
@@ -557,7 +579,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                     xb = ds1 * ds_up
                     for plane in range(3):
                         word = pack(xa, xb)
-                        smem[at_e + uint32(plane * PLANE + 4 * j)] = word
+                        smem[at_e + uint32(PLANE_OFF[plane] + 4 * j)] = word
                         xa = xa - half_to_f32(word & uint32(0xFFFF))
                         xb = xb - half_to_f32(word >> uint32(16))
             if half == 0:
@@ -580,7 +602,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     def dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s, h,
                     cqs, dq_part, pos_q, key_pos0, nk, c_bad):
         """Step 5: the slots' ``dq_idx`` partials ``coef s_idx dS K_idx`` on tensor cores, A =
-        the three planes of sE (exact products), B = K_idx by ``ldmatrix.trans`` (K1's V);
+        sE's regions (exact products; PACKED: hi and mid in one m-tile, lo in the next, two
+        independent chains of mma summed at the end), B = K_idx by ``ldmatrix.trans`` (K1's V);
         (m-tile, n-tile pair) units dealt to the warps, every warp running the same mma
         count. ``acc``, ``afr``: the caller's register arrays.
 
@@ -590,41 +613,43 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         (``dq_rows_seeing_bad_keys`` writes them)."""
         for it in range(DQ_ITERS):
             real, mt, n2 = _deal(warp, it, NW, MT * NPD, NPD)
-            for i in range(8):
+            for i in range(ACC):
                 acc[i] = float32(0.0)
             for kp in range(KP):
-                for plane in range(3):
+                for r in range(NE):
                     a0, a1, a2, a3 = ldmatrix_x4(
-                        smem, OFF_E + plane * PLANE + (16 * mt + l_rows) * LDE
+                        smem, OFF_E + r * PLANE + (16 * mt + l_rows) * LDE
                         + (lane >> 4) * 4 + 8 * kp)
-                    afr[4 * plane] = a0
-                    afr[4 * plane + 1] = a1
-                    afr[4 * plane + 2] = a2
-                    afr[4 * plane + 3] = a3
+                    afr[4 * r] = a0
+                    afr[4 * r + 1] = a1
+                    afr[4 * r + 2] = a2
+                    afr[4 * r + 3] = a3
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, vi_lane + 16 * kp * LDI + 8 * n2)
                 if c_bad < Bk:
                     b0, _ = clean(b0)
                     b1, _ = clean(b1)
                     b2, _ = clean(b2)
                     b3, _ = clean(b3)
-                for plane in range(3):
-                    c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
-                                         afr[4 * plane + 2], afr[4 * plane + 3], b0, b1,
-                                         acc[0], acc[1], acc[2], acc[3])
-                    acc[0] = c0
-                    acc[1] = c1
-                    acc[2] = c2
-                    acc[3] = c3
-                    c0, c1, c2, c3 = mma(afr[4 * plane], afr[4 * plane + 1],
-                                         afr[4 * plane + 2], afr[4 * plane + 3], b2, b3,
-                                         acc[4], acc[5], acc[6], acc[7])
-                    acc[4] = c0
-                    acc[5] = c1
-                    acc[6] = c2
-                    acc[7] = c3
+                for r in range(NE):
+                    o = 8 * r if PACKED else 0  # a chain a region, or one for the planes
+                    c0, c1, c2, c3 = mma(afr[4 * r], afr[4 * r + 1], afr[4 * r + 2],
+                                         afr[4 * r + 3], b0, b1,
+                                         acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                    acc[o] = c0
+                    acc[o + 1] = c1
+                    acc[o + 2] = c2
+                    acc[o + 3] = c3
+                    c0, c1, c2, c3 = mma(afr[4 * r], afr[4 * r + 1], afr[4 * r + 2],
+                                         afr[4 * r + 3], b2, b3,
+                                         acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
+                    acc[o + 4] = c0
+                    acc[o + 5] = c1
+                    acc[o + 6] = c2
+                    acc[o + 7] = c3
             if real:
-                # C layout: positions 16 mt + g4 (+8), dims 16 n2 + 8 nn + 2 t4 (+1)
-                for r8 in range(2):
+                # C layout: rows 16 mt + g4 (+8), dims 16 n2 + 8 nn + 2 t4 (+1); PACKED:
+                # position g4's hi in row g4, mid in row g4 + 8, lo in row g4 of region 1
+                for r8 in range(1 if PACKED else 2):
                     p = 16 * mt + g4 + 8 * r8
                     if p < P:
                         t = pos_t[buf, p]
@@ -636,9 +661,14 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                                    + uint64(t)) * uint64(dq_part.shape[2]) + uint64(h)) \
                                 * uint64(DI) + uint64(16 * n2 + 2 * t4)
                             for nn in range(2):
-                                store_f32x2(dq_part, at + uint64(8 * nn),
-                                            acc[4 * nn + 2 * r8] * cqs,
-                                            acc[4 * nn + 2 * r8 + 1] * cqs)
+                                if PACKED:
+                                    v0 = acc[4 * nn] + acc[4 * nn + 2] + acc[8 + 4 * nn]
+                                    v1 = acc[4 * nn + 1] + acc[4 * nn + 3] \
+                                        + acc[8 + 4 * nn + 1]
+                                else:
+                                    v0 = acc[4 * nn + 2 * r8]
+                                    v1 = acc[4 * nn + 2 * r8 + 1]
+                                store_f32x2(dq_part, at + uint64(8 * nn), v0 * cqs, v1 * cqs)
 
     @kernel_jit
     def _kl_kernel_grad_v3(q, k, q_idx, k_idx, lse, lse_idx, work, q_indices, slots, cu_q,
@@ -651,8 +681,8 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         s_bad = cuda.shared.array(1, int32)
         s_acc = cuda.local.array(S_REGS, float32)
         q_frag = cuda.local.array(Q_REGS, uint32)  # Q's A fragments (teacher_wgmma)
-        acc = cuda.local.array(8, float32)
-        afr = cuda.local.array(12, uint32)  # A fragments of the three dS planes
+        acc = cuda.local.array(ACC, float32)
+        afr = cuda.local.array(AFR, uint32)  # A fragments of sE's regions
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
