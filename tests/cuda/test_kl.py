@@ -374,8 +374,8 @@ def test_default_is_v2_where_the_tensor_core_tiles_do_not_fit():
 def test_v3_grad_tile_keeps_eight_positions(group, want):
     """The GPU's grad tile (64 rows and 8 positions at least: the student's scores and dq_idx
     pad positions to 16-row m-tiles) at the paper's sizes: 128 rows at G = 16, one CTA of 8
-    warps in 130048 bytes (the dS planes in two regions of 16 rows); 64 rows at G = 8, 4, 2;
-    at G = 1 the 64 positions' buffers do not fit, so 32."""
+    warps in 164864 bytes (two Q buffers; the dS planes in two regions of 16 rows); 64 rows at
+    G = 8, 4, 2; at G = 1 the 64 positions' buffers do not fit, so 32."""
     from msa.cuda._core.mma import DYNAMIC_SMEM_LIMIT
     from msa.cuda.kl._plan import tensor_core_tiles
 
@@ -383,10 +383,10 @@ def test_v3_grad_tile_keeps_eight_positions(group, want):
                                                  min_positions=8)
     assert (positions, rows) == want and smem <= DYNAMIC_SMEM_LIMIT
     if group == 16:
-        assert smem == 130048
-        # Bk = 256: 8 positions fit the limit exactly (with three regions of planes, 4)
+        assert smem == 164864
+        # Bk = 256: 8 positions would not fit, so 4 (64 rows)
         assert tensor_core_tiles(256, 128, 128, 16, tile_rows=64,
-                                 min_positions=8)[:3] == (8, 128, DYNAMIC_SMEM_LIMIT)
+                                 min_positions=8)[:2] == (4, 64)
 
 
 @pytest.mark.parametrize("version", [1, 2])

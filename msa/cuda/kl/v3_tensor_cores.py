@@ -12,8 +12,8 @@ item loads the key block once and walks the item's queries in tiles. Three passe
   warpgroup reading K once from shared memory, ``TEACHER_WGMMA``), the heads' ``exp(S - LSE_h)``
   summed by a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the
   KL term on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three
-  exact 16-bit planes); one Q buffer refilled while ``dS`` and ``dq_idx`` run (131 KB at the
-  paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
+  exact 16-bit planes); two Q buffers, the next tile's rows in flight for the whole of a tile
+  (161 KB at the paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
   only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per part
   of a key block's CSR row (a hot row cut into parts summed in order after), every dim, the
@@ -106,9 +106,8 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
 
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
     (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
-    rows of a tile (one buffer: tile i + 1 is gathered once the scores of tile i are done,
-    while its dS and dq_idx run), sQi two buffers of PP = ceil16(P) index query rows (rows
-    past P are zeros), sE the three 16-bit planes ``hi + mid + lo`` of each position's ``dS``
+    rows of a tile in two buffers (tile i + 1 is gathered while tile i runs), sQi two buffers of
+    PP = ceil16(P) index query rows (rows past P are zeros), sE the three 16-bit planes ``hi + mid + lo`` of each position's ``dS``
     (exact), the A operand of dq_idx, in ``planes_regions(P)`` regions [PP rows of Bk/2 + 4]
     (zeros where no plane row is: ``plane_offset``).
     Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's
@@ -122,7 +121,7 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     ldt = 4 * -(-positions // 4)
     off_ki = block_size * ld
     off_q = off_ki + block_size * ldi
-    off_qi = off_q + rows * ld
+    off_qi = off_q + 2 * rows * ld
     off_x = off_qi + 2 * pp * ldi
     off_t = off_x + block_size * ldt
     off_e = off_t + block_size * ldt
@@ -177,6 +176,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     SAME_HEAD = NT % PIECES == 0 and ROW_STEP % G == 0  # a thread's piece and head stay put
     GATHER_ITERS_I = -(-(P * PIECES_I) // NT)
     QIBUF = PP * LDI
+    QBUF = R * LD
     NS = Bk // 8
     S_REGS = 4 * NS  # (a local array's size must be a plain constant)
     KSTEPS = D // 16
@@ -309,9 +309,9 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             pos_q[buf, tid] = pos
 
     @cuda.jit(device=True, inline=True)
-    def gather(smem, q, q_idx, h, tid, buf, pos_t):
-        """Start copying the query rows of the positions in tables ``buf`` (``record``, a
-        barrier before) into sQ and their index queries into sQi buffer ``buf``, zeros for
+    def gather(smem, q, q_idx, h, tid, buf, tb, pos_t):
+        """Start copying the query rows of the positions in tables ``tb`` (``record``, a
+        barrier before) into sQ and their index queries into sQi buffers ``buf``, zeros for
         ``t = -1``. Consecutive threads copy consecutive 16-byte pieces, so a warp's copy is
         whole rows (a position's G rows are one run of ``q``): ncu (H100, 32K) had 12% of the
         stall samples behind the copies when each thread took half a row, a warp's copy
@@ -321,12 +321,12 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         if SAME_HEAD:  # the same piece of the same head in every row a thread copies
             row0 = tid // PIECES
             p0 = row0 // G
-            at = OFF_Q + row0 * LD + 4 * (tid % PIECES)
+            at = OFF_Q + buf * QBUF + row0 * LD + 4 * (tid % PIECES)
             # unsigned 64-bit word offsets: one wide multiply-add a copy
             base = uint64((h * G + row0 % G) * DW + 4 * (tid % PIECES))
             stride = uint32(hq * DW)  # words of a query (t, every head): below 2**32
             for u in range(GATHER_ITERS):
-                t = pos_t[buf, p0 + u * (ROW_STEP // G)]
+                t = pos_t[tb, p0 + u * (ROW_STEP // G)]
                 ok = t >= 0
                 copy16(smem, at + u * ROW_STEP * LD, q,
                        uint64(uint32(t if ok else 0)) * uint64(stride) + base,
@@ -336,15 +336,16 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 c = uint32(tid) + uint32(NT * u)
                 row = int32(c // uint32(PIECES))
                 piece = int32(c % uint32(PIECES))
-                t = pos_t[buf, row // G]
+                t = pos_t[tb, row // G]
                 src = ((t if t >= 0 else 0) * hq + h * G + row % G) * DW + 4 * piece
-                copy16(smem, OFF_Q + row * LD + 4 * piece, q, src, 16 if t >= 0 else 0)
+                copy16(smem, OFF_Q + buf * QBUF + row * LD + 4 * piece, q, src,
+                       16 if t >= 0 else 0)
         for u in range(GATHER_ITERS_I):
             c = uint32(tid) + uint32(NT * u)
             if c < uint32(P * PIECES_I):
                 p = int32(c // uint32(PIECES_I))
                 piece = int32(c % uint32(PIECES_I))
-                t = pos_t[buf, p]
+                t = pos_t[tb, p]
                 src = ((t if t >= 0 else 0) * hkv + h) * DIW + 4 * piece
                 copy16(smem, OFF_QI + buf * QIBUF + p * LDI + 4 * piece, q_idx, src,
                        16 if t >= 0 else 0)
@@ -374,7 +375,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         return finite_or_zero(x) * log2e
 
     @cuda.jit(device=True, inline=True)
-    def student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
+    def student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, tb, pos_q, nk, key_pos0,
                        index_scale):
         """Step 1: ``S^idx`` of the tile's positions into sX[key, position], ``-inf`` on
         hidden keys; the (m-tile, n-tile pair) units dealt to the warps, every warp running
@@ -397,7 +398,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 for r8 in range(2):
                     p = pt + 8 * r8
                     if p < P:
-                        rel = int32(min(pos_q[buf, p] - key_pos0, nk - 1) - c_lane)
+                        rel = int32(min(pos_q[tb, p] - key_pos0, nk - 1) - c_lane)
                         at = uint32(OFF_X + c_lane * LDT + p)
                         for nn in range(2):
                             for e in range(2):
@@ -414,11 +415,11 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
 
     @cuda.jit(device=True, inline=True)
     def teacher_probs(smem, s_acc, q_frag, a_lane, k_lane, k_desc, t4, pos_top, pos_bot,
-                      key_pos0, nk, scale_log2, lse_top, lse_bot):
+                      key_pos0, nk, scale_log2, lse_top, lse_bot, buf):
         """Step 2: ``S = Q Kᵀ`` of the warp's 16 rows in ``s_acc`` (mma accumulators), then
         each head's ``P_h = exp(S scale - LSE_h)`` on visible keys, 0 elsewhere (at G = 16
         the bottom row half added into the top: the same position)."""
-        qa = OFF_Q + a_lane
+        qa = OFF_Q + buf * QBUF + a_lane
         if WGMMA:  # the warpgroup's 64 x Bk scores in KSTEPS wgmma, K from shared memory
             scores(smem, q_frag, s_acc, qa, k_desc)
         else:
@@ -675,9 +676,9 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                            cu_k, scale_log2, index_scale, coef, part, ds, dq_part):
         smem = dynamic_smem_u32()
         sf = dynamic_smem_f32()
-        pos_t = cuda.shared.array((2, P), int32)
-        pos_s = cuda.shared.array((2, P), int32)
-        pos_q = cuda.shared.array((2, P), int32)
+        pos_t = cuda.shared.array((3, P), int32)  # tables of tiles i, i + 1, i + 2
+        pos_s = cuda.shared.array((3, P), int32)
+        pos_q = cuda.shared.array((3, P), int32)
         s_bad = cuda.shared.array(1, int32)
         s_acc = cuda.local.array(S_REGS, float32)
         q_frag = cuda.local.array(Q_REGS, uint32)  # Q's A fragments (teacher_wgmma)
@@ -704,13 +705,15 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             s_bad[0] = Bk
 
         load_key_block(smem, k, k_idx, h, key0, nk, tid)
-        # the tables of tile 0 (thread p: position p), then its rows; tile 1's entries
-        e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, 0, P, 1, tid, P)
-        t_g, s_g, p_g = check_entry(e_t, e_s, q_lo, q_hi, pos0, topk)
-        record(tid, t_g, s_g, p_g, 0, pos_t, pos_s, pos_q)
-        e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, 1, P, 1, tid, P)
+        # the tables of tiles 0 and 1 (thread p: position p), then tile 0's rows; tile 2's
+        # entries
+        for u in range(2):
+            e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, u, P, 1, tid, P)
+            t_g, s_g, p_g = check_entry(e_t, e_s, q_lo, q_hi, pos0, topk)
+            record(tid, t_g, s_g, p_g, u, pos_t, pos_s, pos_q)
+        e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, 2, P, 1, tid, P)
         cuda.syncthreads()
-        gather(smem, q, q_idx, h, tid, 0, pos_t)
+        gather(smem, q, q_idx, h, tid, 0, 0, pos_t)
         commit()
 
         r_top = 16 * warp + g4
@@ -748,13 +751,19 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             c_bad = int(s_bad[0])
 
         for tile in range(num_tiles):
-            buf = tile % 2
+            buf = tile % 2  # the tile's sQ and sQi buffers
+            tb = tile % 3  # its tables
             wait_all()
             cuda.syncthreads()  # tile's rows landed; every warp is past tile - 1
-            if tile + 1 < num_tiles:  # the next tile's tables (tables 1 - buf are free)
+            # the next tile's rows (their tables recorded a tile ago; tile - 1 read those
+            # buffers before its first barrier), in flight for a whole tile
+            if tile + 1 < num_tiles:
+                gather(smem, q, q_idx, h, tid, 1 - buf, (tile + 1) % 3, pos_t)
+            commit()
+            if tile + 2 < num_tiles:  # tile + 2's tables (tile - 1's, free)
                 t_g, s_g, p_g = check_entry(e_t, e_s, q_lo, q_hi, pos0, topk)
-                record(tid, t_g, s_g, p_g, 1 - buf, pos_t, pos_s, pos_q)
-            e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, tile + 2, P, 1, tid, P)
+                record(tid, t_g, s_g, p_g, (tile + 2) % 3, pos_t, pos_s, pos_q)
+            e_t, e_s = load_entry(q_indices, slots, h, q_begin, q_count, tile + 3, P, 1, tid, P)
             t_top, s_top, pos_top = check_entry(tt_raw, st_raw, q_lo, q_hi, pos0, topk)
             t_bot, s_bot, pos_bot = check_entry(tb_raw, sb_raw, q_lo, q_hi, pos0, topk)
             tt_raw, st_raw = load_entry(q_indices, slots, h, q_begin, q_count, tile + 1, P, G,
@@ -763,15 +772,12 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                                          r_bot, R)
 
             # 1-3: S^idx into sX; P = mean_h exp(S scale - LSE_h), this lane's share of keys
-            student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, pos_q, nk, key_pos0,
-                           index_scale)
+            student_logits(smem, sf, warp, g4, t4, ai_lane, ki_lane, buf, tb, pos_q, nk,
+                           key_pos0, index_scale)
             teacher_probs(smem, s_acc, q_frag, a_lane, k_lane, k_desc, t4, pos_top, pos_bot,
-                          key_pos0, nk, scale_log2, lse_log2(lse_top), lse_log2(lse_bot))
+                          key_pos0, nk, scale_log2, lse_log2(lse_top), lse_log2(lse_bot), buf)
             head_sum(s_acc, sf, u_own, t4, p_top, p_bot)
-            cuda.syncthreads()  # sX holds every position's student logits; sQ is free
-            if tile + 1 < num_tiles:  # gather tile + 1 while this one finishes
-                gather(smem, q, q_idx, h, tid, 1 - buf, pos_t)
-            commit()
+            cuda.syncthreads()  # sX holds every position's student logits
 
             # 4-5: dS and the KL terms; dq_idx = dS K_idx
             ds_and_kl_terms(smem, sf, s_acc, ds, part, h, coef, u_own, t4, p_top, p_bot, li_top,
@@ -786,10 +792,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
             if not GRADS:
                 continue
             cuda.syncthreads()  # the planes hold dS of every position
-            dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s,
+            dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, tb, pos_t, pos_s,
                         h, cqs, dq_part, pos_q, key_pos0, nk, c_bad)
             if c_bad < Bk:  # the same for the CTA
-                dq_rows_seeing_bad_keys(smem, sf, tid, buf, pos_t, pos_s, pos_q, h, key_pos0, nk,
+                dq_rows_seeing_bad_keys(smem, sf, tid, tb, pos_t, pos_s, pos_q, h, key_pos0, nk,
                                         c_bad, index_scale, dq_part)
 
     return _kl_kernel_grad_v3
