@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from ..csr import is_entry
 from ._state import NEG_INF, block_range, loader, merge, query_row, student_lse
@@ -128,9 +128,15 @@ def kl_kernel_combine_states(part, mask, t0, want_kl, out):
         out[t0 + tl, r] = student_lse(m, l)
 
 
+# Slots a combine thread loads before it adds them: a thread waited for each slot's load in
+# turn, so combine_dq read its 4.3 GB of partials at 1.3 TB/s (H200, 128K: 3.2 ms).
+SLOTS_IN_FLIGHT = 8  # divides 32: a batch of slots is one word of the mask
+
+
 @kernel_jit
 def kl_kernel_combine_dq(dq_part, mask, t0, dq):
-    """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per element."""
+    """v3: ``dq_idx[t, r, d] = sum_s dq_part[s, t, r, d]`` in slot order, one thread per
+    element, ``SLOTS_IN_FLIGHT`` slots loaded before they are added (the same additions)."""
     hkv = dq.shape[1]
     di = dq.shape[2]
     i = cuda.grid(1)
@@ -139,10 +145,18 @@ def kl_kernel_combine_dq(dq_part, mask, t0, dq):
     tl = i // (hkv * di)
     r = (i // di) % hkv
     d = i % di
+    nslots = dq_part.shape[0]
+    vals = cuda.local.array(SLOTS_IN_FLIGHT, float32)
     acc = float32(0.0)
-    for s in range(dq_part.shape[0]):
-        if is_entry(mask, tl, r, s):
-            acc += dq_part[s, tl, r, d]
+    for s0 in range(0, nslots, SLOTS_IN_FLIGHT):
+        word = uint32(mask[tl, r, s0 >> 5])
+        for j in range(SLOTS_IN_FLIGHT):
+            vals[j] = float32(0.0)
+            if s0 + j < nslots and (word >> uint32((s0 + j) & 31)) & uint32(1):
+                vals[j] = dq_part[s0 + j, tl, r, d]
+        for j in range(SLOTS_IN_FLIGHT):
+            if s0 + j < nslots and (word >> uint32((s0 + j) & 31)) & uint32(1):
+                acc += vals[j]
     dq[t0 + tl, r, d] = acc
 
 
