@@ -13,8 +13,8 @@ item loads the key block once and walks the item's queries in tiles. Three passe
   summed by a reduce-scatter of shuffles over the lanes of a position, each lane ``dS`` and the
   KL term on the keys it keeps, the slot's ``dq_idx`` partial on tensor cores (``dS`` as three
   exact 16-bit planes); two Q buffers, the next tile's rows in flight for the whole of a tile
-  (161 KB at the paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the KL terms
-  only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
+  (161 KB at the paper's sizes: one CTA per SM). Without gradients it is ``kl_loss``'s pass (the
+  KL terms only), so ``kl_loss`` and ``kl_loss_and_backward`` give the same ``kl`` bitwise.
 * ``dk_idx`` (``msa.cuda.kl.v3_dk_idx``, bf16 and ``Bk <= 128``; else v2's kernel): per part
   of a key block's CSR row (a hot row cut into parts summed in order after), every dim, the
   ``dS`` rows split into three bf16 planes (exact), ``dSᵀ Q_idx`` by mma (``ldmatrix.trans``),
@@ -107,9 +107,10 @@ def grad_layout(block_size, head_dim, index_dim, rows, positions):
     Words: sK [Bk rows of D/2 + 4] (K, the B operand of S = Q Kᵀ), sKi [Bk rows of Didx/2 + 4]
     (K_idx, the B operand of S^idx = Q_idx K_idxᵀ and of dq_idx = dS K_idx), sQ the R query
     rows of a tile in two buffers (tile i + 1 is gathered while tile i runs), sQi two buffers of
-    PP = ceil16(P) index query rows (rows past P are zeros), sE the three 16-bit planes ``hi + mid + lo`` of each position's ``dS``
-    (exact), the A operand of dq_idx, in ``planes_regions(P)`` regions [PP rows of Bk/2 + 4]
-    (zeros where no plane row is: ``plane_offset``).
+    PP = ceil16(P) index query rows (rows past P are zeros), sE the three 16-bit planes ``hi +
+    mid + lo`` of each position's ``dS`` (exact), the A operand of dq_idx, in
+    ``planes_regions(P)`` regions [PP rows of Bk/2 + 4] (zeros where no plane row is:
+    ``plane_offset``).
     Floats: sX [Bk keys x LDT] key-major, LDT = 4 ceil(P/4), the student logits of the tile's
     positions; sT [Bk x LDT] the teacher ``P`` where a lane keeps more than two (n-tile, row
     half) pairs of it (the dS loop would index its registers at run time), each element written
@@ -281,7 +282,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         return first
 
     @cuda.jit(device=True, inline=True)
-    def dq_rows_seeing_bad_keys(smem, sf, tid, buf, pos_t, pos_s, pos_q, h, key_pos0, nk,
+    def dq_rows_seeing_bad_keys(smem, sf, tid, tb, pos_t, pos_s, pos_q, h, key_pos0, nk,
                                 c_bad, index_scale, dq_part):
         """Only for a key block with a non-finite key (``c_bad < Bk``): the ``dq_idx``
         partials of the positions that see key ``c_bad`` (hence a non-finite K or K_idx), on
@@ -291,22 +292,22 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
         for e in range(tid, P * DI, NT):
             p = e // DI
             d = e % DI
-            t = pos_t[buf, p]
-            lim = min(pos_q[buf, p] - key_pos0, nk - 1)
+            t = pos_t[tb, p]
+            lim = min(pos_q[tb, p] - key_pos0, nk - 1)
             if t >= 0 and c_bad <= lim:
                 acc = float32(0.0)
                 for c in range(lim + 1):
                     w = smem[OFF_KI + c * LDI + d // 2] >> uint32(16 * (d % 2))
                     acc += sf[OFF_X + c * LDT + p] * half_to_f32(w & uint32(0xFFFF))
-                dq_part[pos_s[buf, p], t, h, d] = acc * index_scale
+                dq_part[pos_s[tb, p], t, h, d] = acc * index_scale
 
     @cuda.jit(device=True, inline=True)
-    def record(tid, t, s, pos, buf, pos_t, pos_s, pos_q):
-        """Thread ``tid < P``: position ``tid``'s ``(t, slot, pos)`` into tables ``buf``."""
+    def record(tid, t, s, pos, tb, pos_t, pos_s, pos_q):
+        """Thread ``tid < P``: position ``tid``'s ``(t, slot, pos)`` into tables ``tb``."""
         if tid < P:
-            pos_t[buf, tid] = t
-            pos_s[buf, tid] = s
-            pos_q[buf, tid] = pos
+            pos_t[tb, tid] = t
+            pos_s[tb, tid] = s
+            pos_q[tb, tid] = pos
 
     @cuda.jit(device=True, inline=True)
     def gather(smem, q, q_idx, h, tid, buf, tb, pos_t):
@@ -600,7 +601,7 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 part[0, s_bot, t_bot, h] = kl_bot
 
     @cuda.jit(device=True, inline=True)
-    def dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, buf, pos_t, pos_s, h,
+    def dq_partials(smem, acc, afr, warp, lane, g4, t4, l_rows, vi_lane, tb, pos_t, pos_s, h,
                     cqs, dq_part, pos_q, key_pos0, nk, c_bad):
         """Step 5: the slots' ``dq_idx`` partials ``coef s_idx dS K_idx`` on tensor cores, A =
         sE's regions (exact products; PACKED: hi and mid in one m-tile, lo in the next, two
@@ -653,12 +654,12 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
                 for r8 in range(1 if PACKED else 2):
                     p = 16 * mt + g4 + 8 * r8
                     if p < P:
-                        t = pos_t[buf, p]
-                        if c_bad < Bk and c_bad <= min(pos_q[buf, p] - key_pos0, nk - 1):
+                        t = pos_t[tb, p]
+                        if c_bad < Bk and c_bad <= min(pos_q[tb, p] - key_pos0, nk - 1):
                             t = -1  # written by dq_rows_seeing_bad_keys
                         if t >= 0:
                             # one unsigned row offset, two 64-bit stores (dims d, d + 1)
-                            at = ((uint64(pos_s[buf, p]) * uint64(dq_part.shape[1])
+                            at = ((uint64(pos_s[tb, p]) * uint64(dq_part.shape[1])
                                    + uint64(t)) * uint64(dq_part.shape[2]) + uint64(h)) \
                                 * uint64(DI) + uint64(16 * n2 + 2 * t4)
                             for nn in range(2):
