@@ -149,7 +149,7 @@ def kl_kernel_combine_dq(dq_part, mask, t0, dq):
     vals = cuda.local.array(SLOTS_IN_FLIGHT, float32)
     acc = float32(0.0)
     for s0 in range(0, nslots, SLOTS_IN_FLIGHT):
-        word = uint32(mask[tl, r, s0 >> 5])
+        word = uint32(mask[tl, r, s0 >> 5])  # is_entry's word, loaded once for the batch
         for j in range(SLOTS_IN_FLIGHT):
             vals[j] = float32(0.0)
             if s0 + j < nslots and (word >> uint32((s0 + j) & 31)) & uint32(1):

@@ -39,11 +39,8 @@ thousands of instructions in each of the item's tiles) and a few predicated inst
 
 Over v2: tensor cores, and every key block read once per work item instead of once per query.
 The default for fp16/bf16 with a selection, ``D``, ``Didx``, ``Bk`` multiples of 16,
-``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Measured on the H200
-(1d9bdca, the paper configuration in bf16): ``kl_loss_and_backward`` 20.31 ms at 32K and 72.09
-ms at 128K, 1.83x and 1.77x the sparse attention forward of that run (on an H100 this pass is
-13.3 and 54.0 ms of the call, torch.profiler); the deleted KV-outer rung that staged the
-teacher in shared memory took 92.9 and 324.4 ms (f4aaa47).
+``Bk <= 256`` and ``G`` in 1, 2, 4, 8, 16 whose tiles fit shared memory. Its times, and what
+each of its steps gained: docs/performance.md (Sparse KL).
 """
 
 from __future__ import annotations
@@ -85,19 +82,18 @@ TEACHER_WGMMA = None
 
 
 def planes_regions(positions):
-    """Regions of 16 rows that sE's three ``dS`` planes take: with at most 8 positions two (hi
-    in rows 0-7 and mid in rows 8-15 of the first, lo in rows 0-7 of the second), so that
-    ``dq_idx`` runs two mma a product, each an independent chain, where one plane a region ran
-    three in one chain, half their rows padding; else three (one plane a region of PP rows)."""
+    """Regions of PP rows that sE's three ``dS`` planes take: with at most 8 positions two (hi
+    in rows 0-7 and mid in rows 8-15 of the first, lo in rows 0-7 of the second: ``dq_idx``
+    runs two mma a product in independent chains, where three ran in one chain, half their
+    rows padding); else three, a plane a region."""
     return 2 if positions <= 8 else 3
 
 
 def plane_offset(plane, positions, lde):
     """Words from sE's start to row 0 of ``dS`` plane ``plane`` (0 hi, 1 mid, 2 lo)."""
-    pp = -(-positions // 16) * 16
-    if planes_regions(positions) == 2:
-        return (plane // 2) * pp * lde + (plane % 2) * 8 * lde
-    return plane * pp * lde
+    if planes_regions(positions) == 2:  # PP = 16
+        return (plane // 2) * 16 * lde + (plane % 2) * 8 * lde
+    return plane * -(-positions // 16) * 16 * lde
 
 
 def grad_layout(block_size, head_dim, index_dim, rows, positions):
@@ -202,11 +198,10 @@ def kl_kernel_grad(bf16_in: bool, block_size: int, head_dim: int, index_dim: int
     NPAIRS = Bk // 16
     STUDENT_ITERS = -(-(MT * NPAIRS) // NW)
     PLANE = PP * LDE  # words per region of sE
-    PACKED = planes_regions(P) == 2  # hi and mid share a region (rows 0-7, 8-15); lo the next
     NE = planes_regions(P)
+    PACKED = NE == 2  # hi and mid share a region (rows 0-7, 8-15); lo the next
     PLANE_OFF = (plane_offset(0, P, LDE), plane_offset(1, P, LDE), plane_offset(2, P, LDE))
-    ACC = 8 * NE if PACKED else 8  # dq_idx's accumulators: a set a region, or one set
-    AFR = 4 * NE  # A fragments, one m-tile a region
+    ACC, AFR = 16 if PACKED else 8, 4 * NE  # dq_idx: accumulators (a set a region), A frags
     NPD = DI // 16  # n-tile pairs of dq_idx (16 dims), dealt to the warps
     DQ_ITERS = -(-(MT * NPD) // NW)
     KP = Bk // 16  # k-steps of dq_idx = dS K_idx
