@@ -7,7 +7,9 @@
 A config is ``module.NAME=value`` settings (modules of ``msa.cuda.decode``) and optionally
 ``version=N`` (the rung ``plan`` takes) joined by ``,``; ``base`` is the code as it is. For
 each case and config: ``plan`` + one ``run`` (the outputs must equal the first config's bit for
-bit: these constants change the schedule, never the arithmetic of a row), then the step in a
+bit where the constants change only the schedule; another attention split count or key range
+a warp combines a row's parts in another order, so there only the selection must, and
+``o_rel_diff`` is O's largest difference over max |O|), then the step in a
 CUDA graph and each of its kernels alone (as ``bench_decode``), median of ``--reps``. The
 settings are restored after each config. The latest run is ``benchmarks/results/
 decode_knobs.json``.
@@ -38,6 +40,18 @@ def parse_config(text):
     return out, version
 
 
+def forget_kernels():
+    """Drop the kernels the decode modules' factories memoised (``functools.lru_cache``): they
+    read module constants when they build, which a config changes."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("msa.cuda.decode"):
+            for obj in vars(mod).values():
+                if callable(getattr(obj, "cache_clear", None)):
+                    obj.cache_clear()
+
+
 def main(argv=None):
     import torch
 
@@ -64,6 +78,7 @@ def main(argv=None):
             try:
                 for m, k, v in settings:
                     setattr(m, k, v)
+                forget_kernels()
                 plan = gpu.plan(*step, BK, TOPK, version=version)
                 gpu.run(plan, *step)
                 torch.cuda.synchronize()
@@ -73,16 +88,23 @@ def main(argv=None):
                 same = all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
                                        y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
                            for x, y in zip(out, base_out))
+                same_selection = torch.equal(out[2], base_out[2])
+                err = ((out[0].float() - base_out[0].float()).abs().max()
+                       / base_out[0].float().abs().max()).item()
                 graph = graph_of(lambda plan=plan: gpu.run(plan, *step))
                 row = dict(case=case, config=config, version=plan.version,
                            index_splits=plan.index_splits,
                            attention_splits=plan.attention_splits, equal_to_first=same,
+                           selection_equal=same_selection, o_rel_diff=err,
                            step_ms=timed(graph.replay, args.reps),
                            kernels_ms=kernel_times(plan, step, args.reps))
                 del graph, plan
+            except Exception as e:  # a config that cannot build or run is reported, not fatal
+                row = dict(case=case, config=config, error=f"{type(e).__name__}: {e}"[:400])
             finally:
                 for m, k, v in saved:
                     setattr(m, k, v)
+                forget_kernels()
             print(json.dumps(row), flush=True)
             rows.append(row)
     write_json(args.out, rows, cases=args.cases, configs=args.configs.split(";"))

@@ -208,12 +208,16 @@ def multiprocessors() -> int:
 # splits that still fit the GPU at once. The index kernel (71.8 KB of shared memory: 3 CTAs an
 # SM) at B = 32 x 64K: 12 splits 0.271 ms a step against 0.277 for 33 (8 CTAs an SM, rounded
 # up), 8 x 128K 48 against 132: 0.154 against 0.161 (the merge 0.028 against 0.035); at
-# 128 x 8K 3 splits cost 0.005 ms over 9. The attention kernel (74 KB, 168 registers: 3 CTAs
-# an SM fit, 2 measured best): 2 splits 0.0527 + 0.0085 (combine) ms against 5 splits' 0.0723
-# + 0.0107 at 32 x 64K, 3 splits 0.0566 + 0.0095; at Lq = 8 3 splits 1.00 ms a step against
-# 1.09 for 5.
+# 128 x 8K 3 splits cost 0.005 ms over 9. The attention kernel (109 KB, 168 registers: 2 CTAs
+# an SM fit) plans one CTA an SM: fewer, longer splits, and at B Hkv near the SM count one
+# split, which writes the outputs with no combine kernel. H100 (benchmarks.dev.decode_knobs,
+# one call, against 2 CTAs an SM): 32 x 64K 1 split 0.0614 ms against 2 splits' 0.0655 +
+# 0.0084 (combine), the step 0.2749 against 0.2846; 8 x 128K 4 splits against 8, the step
+# 0.1556 against 0.1777 (kernels 0.0217 + 0.0052 against 0.0234 + 0.0055); 128 x 8K and Lq = 8
+# plan one split either way. Before (H200, run R): 2 splits 0.0527 + 0.0085 ms against 5
+# splits' 0.0723 + 0.0107 at 32 x 64K, 3 splits 0.0566 + 0.0095.
 INDEX_CTAS_PER_SM = 3
-CTAS_PER_SM = 2
+CTAS_PER_SM = 1
 MIN_PAGES_PER_SPLIT = 4  # below this a split's fixed costs (its queries, its heap) dominate
 # The merge's cost grows with the splits (B = 1 x 1M: 528 splits 0.082 ms, 256 splits 0.055 ms,
 # while the index kernel stays at 0.105 ms down to 256 splits and takes 0.160 ms at 128).
