@@ -211,9 +211,9 @@ def multiprocessors() -> int:
 # 128 x 8K 3 splits cost 0.005 ms over 9. The attention kernel (109 KB, 168 registers: 2 CTAs
 # an SM fit) plans one CTA an SM: fewer, longer splits, and at B Hkv near the SM count one
 # split, which writes the outputs with no combine kernel. H100 (benchmarks.dev.decode_knobs,
-# one call, against 2 CTAs an SM): 32 x 64K 1 split 0.0614 ms against 2 splits' 0.0655 +
-# 0.0084 (combine), the step 0.2749 against 0.2846; 8 x 128K 4 splits against 8, the step
-# 0.1556 against 0.1777 (kernels 0.0217 + 0.0052 against 0.0234 + 0.0055); 128 x 8K and Lq = 8
+# one call, against 2 CTAs an SM): 32 x 64K 1 split 0.0617 ms against 2 splits' 0.0658 +
+# 0.0083 (combine), the step 0.2752 against 0.2844; 8 x 128K 4 splits against 8, the step
+# 0.1565 against 0.1788 (kernels 0.0225 + 0.0067 against 0.0237 + 0.0069); 128 x 8K and Lq = 8
 # plan one split either way. Before (H200, run R): 2 splits 0.0527 + 0.0085 ms against 5
 # splits' 0.0723 + 0.0107 at 32 x 64K, 3 splits 0.0566 + 0.0095.
 INDEX_CTAS_PER_SM = 3
