@@ -755,3 +755,16 @@ def test_decode_knobs_parses_its_configs():
     assert settings == [(v2a, "STAGES", 2), (_plan, "CTAS_PER_SM", 3)]
     with pytest.raises(ModuleNotFoundError):
         parse_config("no_such_module.X=1")
+
+
+def test_decode_knobs_rebuilds_kernels_after_a_config():
+    """decode_knobs drops the kernels the decode factories memoised, which read module
+    constants when they build: a kernel built under one config is not reused under the next."""
+    from benchmarks.dev.decode_knobs import forget_kernels
+    from msa.cuda.decode import v2_split_attention as v2a
+
+    first = v2a.split_kernel(32, 16, 2, 3, False, False, 1)
+    assert v2a.split_kernel(32, 16, 2, 3, False, False, 1) is first  # memoised
+    forget_kernels()
+    assert v2a.split_kernel.cache_info().currsize == 0
+    assert v2a.split_kernel(32, 16, 2, 3, False, False, 1) is not first
