@@ -2,6 +2,7 @@
 # One GPU session (device tool, carry [".gpu"]), from the project root:
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh [tests|bench|all] [test paths...]
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh layer [bench_layer options...]
+#     source .gpu/env.sh && bash benchmarks/gpu_session.sh targets 1|2
 # Runs the same test suite as CI on the real GPU(s) (big shapes included; by default the files
 # that touch the GPU: tests/cuda, tests/torch and the notebooks, as tests/reference is NumPy only),
 # then every benchmark (benchmarks/bench_<stage>.py), writing logs and JSON under $OUT (default
@@ -66,6 +67,31 @@ if [[ $what == layer ]]; then
       --out "$OUT/bench_layer.json" 2>&1 | tee "$OUT/bench_layer.log" \
     | grep --line-buffered -v "Warning\|warn("
   status=${PIPESTATUS[0]}
+fi
+if [[ $what == targets ]]; then
+  # The open targets' measurements (docs/performance.md's Targets), each beside its baselines,
+  # in two parts that each fit one 10-minute device call: `targets 1` the main backward and the
+  # forward beside fla-core and SDPA at 32K and 128K; `targets 2` the KL against the forward,
+  # the headline decode steps and the layer step against the dense layer.
+  part=${1:-1}
+  bench() {  # name, time limit (s), arguments
+    local name=$1 limit=$2; shift 2
+    echo "=== bench_$name $*"
+    timeout -k 10 "$limit" python3 -m benchmarks.bench_$name "$@" --out "$OUT/bench_$name.json" \
+      > "$OUT/bench_$name.log" 2>&1 || status=1
+    grep -v "Warning\|warn(" "$OUT/bench_$name.log" | tail -16
+  }
+  if [[ $part == 1 ]]; then
+    bench attention_backward 270 --sizes 32768,131072 --v1-max-n 0 --reps 2 --budget-s 210
+    bench attention 270 --sizes 32768,131072 --patterns uniform --prefill-sizes 131072 \
+      --versions 4 --k1-versions 4 --k1-sizes "" --skip-flex --no-breakdown --reps 3 --budget-s 210
+  else
+    bench kl 150 --torch-max-n 0 --v2-max-n 0 --reps 3
+    bench decode 110 --quick --reps 5
+    bench layer 280 --sizes 32768,131072 --dense-max-n 131072 --warmup-sizes "" --profile 0 \
+      --no-cold-start --compile-check 0 --crossover-probes 0 --isolate-above 0 --reps 2 \
+      --budget-s 200
+  fi
 fi
 if [[ ${MSA_KEEP_FILES:-0} != 1 ]]; then
   # Packed outside $OUT first: tar reading the folder it writes into warns that the folder
