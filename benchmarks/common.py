@@ -89,15 +89,15 @@ def header() -> dict:
     """GPU, library versions and commit, for the top of every results JSON."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version()}
-    # The GPU machine gets a copy of the working tree without history: pass MSA_COMMIT there.
-    info["commit"] = os.environ.get("MSA_COMMIT", "")
-    if not info["commit"]:
-        try:
-            out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True,
-                                 text=True, check=False).stdout.strip()
-        except OSError:
-            out = ""
-        info["commit"] = out or "unknown"
+    # The working tree's commit, "-dirty" where tracked files differ from it; MSA_COMMIT where
+    # git cannot tell (a copy of the tree without its history)
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7",
+                              "--exclude=*"], capture_output=True, text=True,
+                             check=False).stdout.strip()
+    except OSError:
+        out = ""
+    info["commit"] = out or os.environ.get("MSA_COMMIT", "") or "unknown"
     for mod in ("numpy", "numba", "numba.cuda", "torch", "cupy"):
         try:
             m = __import__(mod, fromlist=["x"])

@@ -27,7 +27,8 @@
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/msa_out}
-# The machine gets a copy of the tree without history: the results' headers read MSA_COMMIT.
+# The results' headers name the tree's commit (benchmarks/common.py's header: git describe,
+# "-dirty" for uncommitted changes); where the copy has no history, MSA_COMMIT or .gpu/commit.
 if [[ -z ${MSA_COMMIT:-} && -f .gpu/commit ]]; then export MSA_COMMIT=$(cat .gpu/commit); fi
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
