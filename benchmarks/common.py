@@ -89,15 +89,18 @@ def header() -> dict:
     """GPU, library versions and commit, for the top of every results JSON."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version()}
-    # The working tree's commit, "-dirty" where tracked files differ from it; MSA_COMMIT where
-    # git cannot tell (a copy of the tree without its history)
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7",
-                              "--exclude=*"], capture_output=True, text=True,
-                             check=False).stdout.strip()
-    except OSError:
-        out = ""
-    info["commit"] = out or os.environ.get("MSA_COMMIT", "") or "unknown"
+    # MSA_COMMIT where set (a copy of another commit's tree run inside this checkout, whose git
+    # would name this checkout's commit); else the tree's commit, "-dirty" where tracked files
+    # differ from it
+    info["commit"] = os.environ.get("MSA_COMMIT", "")
+    if not info["commit"]:
+        try:
+            out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7",
+                                  "--exclude=*"], capture_output=True, text=True,
+                                 check=False).stdout.strip()
+        except OSError:
+            out = ""
+        info["commit"] = out or "unknown"
     for mod in ("numpy", "numba", "numba.cuda", "torch", "cupy"):
         try:
             m = __import__(mod, fromlist=["x"])

@@ -28,8 +28,10 @@ set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/msa_out}
 # The results' headers name the tree's commit (benchmarks/common.py's header: git describe,
-# "-dirty" for uncommitted changes); where the copy has no history, MSA_COMMIT or .gpu/commit.
-if [[ -z ${MSA_COMMIT:-} && -f .gpu/commit ]]; then export MSA_COMMIT=$(cat .gpu/commit); fi
+# "-dirty" for uncommitted changes); only a copy without its history reads .gpu/commit (a file
+# written before an earlier call is stale once HEAD moves).
+if [[ -z ${MSA_COMMIT:-} && -f .gpu/commit ]] && ! git rev-parse --verify -q HEAD >/dev/null 2>&1
+then export MSA_COMMIT=$(cat .gpu/commit); fi
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
