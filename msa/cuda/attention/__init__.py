@@ -56,9 +56,9 @@ v    idea                                        default where           verdict
      dV, dK and the tile's dQ; dQ shares summed  multiples of 16 up to   ms, 132.5 TFLOP/s, 1.16x
      in slot order                               128, where v3 is not    fla-core, 8.42x dense
      (``v2_backward_tensor_cores``)                                      SDPA's backward
-3    version 2's tile on ``wgmma``: each         cc 9.0, 16-bit, D a     H100 (0866147): 128K
-     product's B read once a warpgroup; K, V,    multiple of 16 up to    129.6 ms, 163.2 TFLOP/s,
-     Q, dO as core matrices                      128, Bk 64 or 128       1.46x fla-core (v2 147.9
+3    version 2's tile on ``wgmma``: each         cc 9.0, 16-bit, D a     H100 (O27, 1ca7558): 128K
+     product's B read once a warpgroup; K, V,    multiple of 16 up to    123.2 ms, 171.7 TFLOP/s,
+     Q, dO as core matrices                      128, Bk 64 or 128       1.54x fla-core (v2 145.9
      (``v3_backward_wgmma``)                                             ms, bitwise the same)
 ===  ==========================================  ======================  ==========================
 
