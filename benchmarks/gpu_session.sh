@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (device tool, carry [".gpu"]), from the project root:
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh [tests|bench|all] [test paths...]
+#     source .gpu/env.sh && bash benchmarks/gpu_session.sh tests-part 1|2|3
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh layer [bench_layer options...]
 #     source .gpu/env.sh && bash benchmarks/gpu_session.sh targets 1|2
 # Runs the same test suite as CI on the real GPU(s) (big shapes included; by default the files
@@ -12,10 +13,13 @@
 # timestamped, in tests.log. MSA_TEST_TIMEOUT (seconds, default 540) interrupts pytest, which
 # still prints its summary and the slowest tests, so a cut run says what passed and failed.
 # The suite is mostly kernel compiles and NumPy oracles: 30 workers on 2 H200s (32 cores) ran 788
-# of its 813 tests in 533 s, so within the 10-minute limit of one device call give the test
-# paths in two calls, e.g.
-#     ... gpu_session.sh tests tests/cuda/test_select.py tests/cuda/test_kl.py
-#     ... gpu_session.sh tests tests/cuda/test_attention_*.py tests/cuda/test_csr.py ...
+# of its 813 tests in 533 s, so within the 10-minute limit of one device call it runs in three
+# parts, `tests-part 1|2|3` (on one H100, 14 workers, run O27: about 310, 230 and 215 s):
+# 1 decode, notebooks, examples and the top-level files that run a GPU; 2 the prefill and
+# backward stages (attention, CSR, schedule, select, index, combine, hostile selections); 3 the
+# KL, the core helpers and msa.torch. A test file in tests/cuda, tests/torch or tests/ that no
+# part lists is named before the run; the sm_90 PTX/SASS checks (test_ptx_*, test_sass) and
+# tests/distributed (CPU processes) are in no part.
 # `layer` runs only the training layer's benchmark (every target of benchmarks/bench_layer.py in
 # one process, its progress lines printed as they come) within MSA_LAYER_BUDGET_S seconds
 # (default 400; the process is killed 80 s after that, and its JSON is rewritten after every
@@ -35,6 +39,30 @@ then export MSA_COMMIT=$(cat .gpu/commit); fi
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
+if [[ $what == tests-part ]]; then
+  part1=(tests/cuda/test_decode.py tests/cuda/test_decode_cupy_graph.py tests/torch/test_cache.py
+         tests/test_notebooks.py tests/test_examples.py tests/test_readme.py
+         tests/test_bench_layer.py tests/test_partials_precision.py)
+  part2=(tests/cuda/test_attention_{backward,paged,partials,prefill,sparse}.py
+         tests/cuda/test_{combine,csr,schedule,select,index,hostile_indices}.py)
+  part3=(tests/cuda/test_{kl,mma,wgmma,streams,arrays,diskcache,finite,scan,simwarp}.py
+         tests/torch/test_{bad_input,compile,functional,layer}.py
+         tests/test_{masked_keys,batch,invalid_inputs,sanitize_smoke}.py)
+  for f in tests/cuda/test_*.py tests/torch/test_*.py tests/test_*.py; do
+    case $f in tests/cuda/test_ptx_*|tests/cuda/test_sass.py) continue ;; esac
+    case " ${part1[*]} ${part2[*]} ${part3[*]} " in
+      *" $f "*) ;;
+      *) echo "not in any tests-part: $f" >&2 ;;
+    esac
+  done
+  case ${1:-1} in
+    1) set -- "${part1[@]}" ;;
+    2) set -- "${part2[@]}" ;;
+    3) set -- "${part3[@]}" ;;
+    *) echo "tests-part takes 1, 2 or 3, not $1" >&2; exit 2 ;;
+  esac
+  what=tests
+fi
 if [[ $what == tests || $what == all ]]; then
   paths=("$@"); [[ ${#paths[@]} -gt 0 ]] || paths=(tests/cuda tests/torch tests/test_notebooks.py)
   workers=()
