@@ -207,6 +207,29 @@ def test_selection_up_to_near_ties_on_gaussian_scores(version):
     near_tie_equivalent(I, p, widened(p), 4)
 
 
+@pytest.mark.parametrize("warps,topk", [(2, 3), (3, 3), (2, 5)])
+def test_rung3_merges_its_warps_heaps(warps, topk, monkeypatch):
+    # On a GPU rung 3's CTA has 4 warps, each keeping the top K - 1 of its own pages of the
+    # split, merged into the split's list at the end; the simulator runs one warp a CTA, so
+    # this runs 2 and 3 there (splits of 4 pages: with K - 1 = 2 the warps' heaps hold more
+    # than the list keeps). The selection is the reference's.
+    from msa.cuda.decode import v3_register_index as v3i
+
+    monkeypatch.setattr(v3i, "WARPS", warps)
+    v3i.split_kernel.cache_clear()
+    try:
+        p = paged_problem([300, 200], 2, hq=4, hkv=2, bk=16, d_idx=32, topk=topk,
+                          dtype=np.float16, seed=warps + topk, integer_index=True)
+        w = widened(p)
+        want = ref.decode_block_indices(w["q_idx"], w["k_idx_cache"], p.block_table,
+                                        p.cache_seqlens, 16, topk)
+        got = gpu.decode_block_indices(p.q_idx, p.k_idx_cache, p.block_table,
+                                       p.cache_seqlens, 16, topk, version=3)
+        assert_exact(to_numpy(got), want, name="block_indices")
+    finally:
+        v3i.split_kernel.cache_clear()  # the next test builds it with the module's WARPS
+
+
 def test_attention_on_the_references_selection_with_gaussian_data():
     p = paged_problem([17, 50, 3], 3, hq=8, hkv=2, bk=16, topk=3, dtype=np.float16, seed=4)
     w = widened(p)
