@@ -17,7 +17,8 @@ Each kernel folds what it reads into one word a thread (XOR), so nothing is opti
 the three folds must agree (the same bytes). Verdict (H100, run O6 of docs/performance.md):
 2.9-3.0 TB/s under every pattern and geometry (0.1795-0.1835 ms at 32 x 64K), where rung 3
 takes 0.1995 ms: the read pattern is not what holds the index kernel back; another H100 (O26,
-``benchmarks/results/decode_read_patterns_h100.json``) 2.80-2.87 TB/s at 32 x 64K. Usage (GPU, CuPy):
+``benchmarks/results/decode_read_patterns_h100.json``) 2.80-2.87 TB/s at 32 x 64K.
+Usage (GPU, CuPy):
     python3 -m benchmarks.dev.decode_read_patterns [--pages 16384] [--reps 20] [--out F]
 """
 
